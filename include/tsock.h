@@ -1,0 +1,272 @@
+/*
+ * tsock.h - the C ABI of tsock: one producer publishes batches of tensors
+ * into a shared-memory ring in /dev/shm, any number of reader processes on
+ * the same node read every batch zero-copy.
+ *
+ * Two libraries implement this header:
+ *   libtsock.so         producer and reader (Go runtime inside, c-shared).
+ *   libtsock_reader.so  reader only, plain C, no Go runtime. Trainers should
+ *                       link this one: it is fork-safe and installs no signal
+ *                       handlers.
+ *
+ * Conventions
+ *   - Every function named tsock_<noun>_<verb> returns 0 (TSOCK_OK) or a
+ *     negative tsock_status. tsock_status_str() gives a static string for a
+ *     status; tsock_last_error() gives the calling thread's detailed message
+ *     for the last failed call.
+ *   - Out-parameters are written only on success.
+ *   - Handles are opaque. Using a closed handle returns TSOCK_EHANDLE; it
+ *     never crashes. Handles do not survive fork(): in a child process every
+ *     call on a handle of the parent returns TSOCK_EFORKED.
+ *   - Timeouts are in nanoseconds: 0 means "do not wait", a negative value
+ *     means "wait forever" (a dead peer still ends the wait).
+ *   - Options structs start with a size field; call the _init() function
+ *     first, then change what you need.
+ *
+ * Thread safety is stated per function. "One thread at a time" means the
+ * handle may move between threads but calls on it must not overlap.
+ */
+#ifndef TSOCK_H
+#define TSOCK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TSOCK_VERSION_MAJOR 0
+#define TSOCK_VERSION_MINOR 1
+
+/* ---- Limits --------------------------------------------------------- */
+
+#define TSOCK_NAME_MAX 64     /* channel names: 1..64 of [A-Za-z0-9._-] */
+#define TSOCK_MAX_DIMS 8      /* dimensions per tensor */
+#define TSOCK_MAX_TENSORS 16  /* tensors per batch */
+#define TSOCK_META_MAX 256    /* bytes of user metadata per batch */
+
+/* ---- Status codes ----------------------------------------------------- */
+
+typedef enum tsock_status {
+  TSOCK_OK = 0,
+  TSOCK_EAGAIN = -1,          /* nothing available within the timeout; not an error */
+  TSOCK_EINVAL = -2,          /* invalid argument (NULL pointer, bad size field, ...) */
+  TSOCK_EHANDLE = -3,         /* handle invalid, already closed, or from another process */
+  TSOCK_ENAME = -4,           /* channel name is not 1..64 of [A-Za-z0-9._-] */
+  TSOCK_ENOENT = -5,          /* no channel of that name */
+  TSOCK_EEXIST = -6,          /* a live producer already owns that name */
+  TSOCK_EVERSION = -7,        /* segment has another layout version */
+  TSOCK_ECORRUPT = -8,        /* segment is truncated, foreign or inconsistent */
+  TSOCK_EPRODUCER_GONE = -9,  /* the producer process died */
+  TSOCK_ECLOSED = -10,        /* the producer closed the channel; all batches were read */
+  TSOCK_EFULL = -11,          /* no free reader record in the channel */
+  TSOCK_EBACKPRESSURE = -12,  /* the ring is full and the caller asked not to wait */
+  TSOCK_ETIMEDOUT = -13,      /* the wait ran out (reserve, attach, wait for readers) */
+  TSOCK_ETOOBIG = -14,        /* batch, tensor count or metadata exceeds the channel */
+  TSOCK_EDTYPE = -15,         /* unsupported dtype, or shape/strides do not fit */
+  TSOCK_EEVICTED = -16,       /* this reader was evicted by the producer's policy */
+  TSOCK_ESTATE = -17,         /* call out of order (publish without reserve, ...) */
+  TSOCK_EPERM = -18,          /* permission denied on the segment */
+  TSOCK_ESYS = -19,           /* a system call failed; see tsock_last_error() */
+  TSOCK_EFORKED = -20,        /* handle used in a child after fork() */
+  TSOCK_ENOMEM = -21          /* out of memory */
+} tsock_status;
+
+/* Static, never-NULL description of a status ("unknown status" for others).
+ * Thread-safe. */
+const char *tsock_status_str(int status);
+
+/* Detailed message of the calling thread's last failed call ("" if none).
+ * Valid until the thread's next tsock call. Thread-safe (per thread). */
+const char *tsock_last_error(void);
+
+/* ---- Tensors ---------------------------------------------------------- */
+
+typedef enum tsock_dtype {
+  TSOCK_DTYPE_BOOL = 1,
+  TSOCK_DTYPE_INT8 = 2,
+  TSOCK_DTYPE_INT16 = 3,
+  TSOCK_DTYPE_INT32 = 4,
+  TSOCK_DTYPE_INT64 = 5,
+  TSOCK_DTYPE_UINT8 = 6,
+  TSOCK_DTYPE_UINT16 = 7,
+  TSOCK_DTYPE_UINT32 = 8,
+  TSOCK_DTYPE_UINT64 = 9,
+  TSOCK_DTYPE_FLOAT16 = 10,
+  TSOCK_DTYPE_BFLOAT16 = 11,
+  TSOCK_DTYPE_FLOAT32 = 12,
+  TSOCK_DTYPE_FLOAT64 = 13
+} tsock_dtype;
+
+/* Bytes per element of a dtype, 0 if the dtype is unknown. Thread-safe. */
+size_t tsock_dtype_size(int dtype);
+
+/*
+ * One tensor of a batch. Strides are in elements (as DLPack), never
+ * negative. The tensor occupies bytes [offset, offset + nbytes) of the
+ * batch payload; every element it addresses lies inside that range.
+ *
+ * Producer: fill dtype, ndim, shape, strides, offset, nbytes; data is
+ * ignored. tsock_tensor_init() fills a C-contiguous tensor.
+ * Reader: every field is filled, data points at the first element, in
+ * read-only shared memory.
+ */
+typedef struct tsock_tensor {
+  int32_t dtype;
+  int32_t ndim;
+  int64_t shape[TSOCK_MAX_DIMS];
+  int64_t strides[TSOCK_MAX_DIMS];
+  uint64_t offset;
+  uint64_t nbytes;
+  const void *data;
+} tsock_tensor_t;
+
+/* Fills a C-contiguous tensor of the given dtype and shape at a payload
+ * offset; computes strides and nbytes. Returns TSOCK_EDTYPE for an unknown
+ * dtype or ndim outside 0..TSOCK_MAX_DIMS or a negative extent. Thread-safe. */
+int tsock_tensor_init(tsock_tensor_t *t, int dtype, int ndim,
+                      const int64_t *shape, uint64_t offset);
+
+/* ---- Producer (libtsock.so only) --------------------------------------- */
+
+typedef struct tsock_producer tsock_producer_t;
+
+typedef struct tsock_producer_options {
+  uint32_t size;           /* sizeof(tsock_producer_options_t) */
+  uint32_t slot_count;     /* ring depth, a power of two in 2..65536; default 16 */
+  uint64_t slot_bytes;     /* payload bytes per batch; default 1 MiB */
+  uint32_t max_readers;    /* reader records, 1..1024; default 64 */
+  uint32_t mode;           /* file permission bits; default 0600 (user only).
+                              0660 shares with the group of `gid`. */
+  int64_t gid;             /* group for the segment, -1 keeps the default */
+  int64_t evict_after_ns;  /* evict a reader that holds the producer back this
+                              long; 0 (default) never evicts: slow readers
+                              apply back-pressure */
+} tsock_producer_options_t;
+
+/* Thread-safe. */
+void tsock_producer_options_init(tsock_producer_options_t *opts);
+
+/* Creates channel `name` and becomes its producer. A segment left by a dead
+ * producer is reclaimed; a live producer on the name gives TSOCK_EEXIST.
+ * opts may be NULL for defaults. Thread-safe. */
+int tsock_producer_create(const char *name, const tsock_producer_options_t *opts,
+                          tsock_producer_t **out);
+
+/* Reserves the next slot's payload buffer for `nbytes` bytes and returns its
+ * address: write the batch there directly, then tsock_producer_publish().
+ * Waits up to timeout_ns for the slowest live reader; with timeout_ns == 0
+ * it returns TSOCK_EBACKPRESSURE at once when the ring is full.
+ * One thread at a time per producer. */
+int tsock_producer_reserve(tsock_producer_t *p, uint64_t nbytes, int64_t timeout_ns,
+                           void **payload);
+
+/* Publishes the reserved batch: `n` tensors laid out in the payload, and
+ * `meta_len` bytes of metadata (may be 0). On error the reservation stays
+ * and may be published again. One thread at a time per producer. */
+int tsock_producer_publish(tsock_producer_t *p, const tsock_tensor_t *tensors, uint32_t n,
+                           const void *meta, uint32_t meta_len);
+
+/* Drops the reserved batch without publishing it. One thread at a time. */
+int tsock_producer_abort(tsock_producer_t *p);
+
+/* Publishes an epoch-end marker (a batch with no tensors, flag
+ * TSOCK_BATCH_EPOCH_END, index = number of batches in the epoch) and starts
+ * the next epoch. Waits like reserve. One thread at a time per producer. */
+int tsock_producer_end_epoch(tsock_producer_t *p, int64_t timeout_ns);
+
+/* Waits until at least `n` readers are attached. Thread-safe. */
+int tsock_producer_wait_readers(tsock_producer_t *p, uint32_t n, int64_t timeout_ns);
+
+typedef struct tsock_producer_stats {
+  uint32_t size;            /* sizeof(tsock_producer_stats_t) */
+  uint32_t readers;         /* live readers now */
+  uint64_t published;       /* batches published, epoch markers included */
+  uint64_t epoch;           /* current epoch */
+  uint64_t backpressure_ns; /* total time reserve waited for readers */
+  uint64_t readers_reclaimed; /* records freed after a reader died */
+  uint64_t readers_evicted; /* readers evicted by the policy */
+} tsock_producer_stats_t;
+
+/* Fills *stats (set stats->size first). Thread-safe. */
+int tsock_producer_stats(tsock_producer_t *p, tsock_producer_stats_t *stats);
+
+/* Marks the channel closed (readers drain what is published, then get
+ * TSOCK_ECLOSED), removes its name and frees the handle. Thread-safe;
+ * a second close returns TSOCK_EHANDLE. */
+int tsock_producer_close(tsock_producer_t *p);
+
+/* ---- Reader (libtsock.so and libtsock_reader.so) ------------------------ */
+
+typedef struct tsock_reader tsock_reader_t;
+
+/* Where a reader that attaches to a running channel starts. */
+typedef enum tsock_start {
+  TSOCK_START_NEXT_EPOCH = 0, /* first batch of the next epoch to start (default);
+                                 a reader attached before any batch gets epoch 0 */
+  TSOCK_START_NOW = 1         /* the next batch published after attaching */
+} tsock_start;
+
+typedef struct tsock_reader_options {
+  uint32_t size;              /* sizeof(tsock_reader_options_t) */
+  int32_t start;              /* tsock_start; default TSOCK_START_NEXT_EPOCH */
+  int64_t attach_timeout_ns;  /* wait this long for the channel to appear;
+                                 0 (default) fails at once with TSOCK_ENOENT */
+  uint32_t max_held;          /* batches held at once (acquired, not released),
+                                 1..64; default 4 */
+  uint32_t reserved;          /* must be 0 */
+  int64_t spin_ns;            /* busy-poll this long before sleeping on the
+                                 futex; default 20000 (20 us); 0 never spins */
+} tsock_reader_options_t;
+
+/* Thread-safe. */
+void tsock_reader_options_init(tsock_reader_options_t *opts);
+
+/* Attaches to channel `name`. opts may be NULL for defaults. Thread-safe. */
+int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
+                        tsock_reader_t **out);
+
+#define TSOCK_BATCH_EPOCH_END 0x1u /* epoch-end marker: no tensors */
+
+/* A batch as a reader sees it. Owned by the reader; valid until it is
+ * released or the reader is detached. Fields may be appended in later
+ * versions; never allocate or copy this struct by value. */
+typedef struct tsock_batch {
+  uint64_t seq;       /* position in the stream, from 0 */
+  uint64_t epoch;     /* epoch number, from 0 */
+  uint64_t index;     /* batch index within the epoch, from 0 */
+  uint32_t flags;     /* TSOCK_BATCH_* */
+  uint32_t n_tensors;
+  const tsock_tensor_t *tensors;
+  const void *meta;   /* copy of the metadata; meta_len bytes */
+  uint32_t meta_len;
+  uint32_t reserved;
+  uint64_t publish_ns; /* CLOCK_MONOTONIC time of publication */
+} tsock_batch_t;
+
+/* Takes the next batch. Returns 0 and sets *batch; TSOCK_EAGAIN when none
+ * arrived within timeout_ns (not an error); TSOCK_EPRODUCER_GONE when the
+ * producer died and everything it published has been read; TSOCK_ECLOSED
+ * after a clean close, likewise; TSOCK_ESTATE when max_held batches are
+ * already held. Spins briefly, then sleeps on a futex.
+ * One thread at a time per reader. */
+int tsock_reader_acquire(tsock_reader_t *r, const tsock_batch_t **batch, int64_t timeout_ns);
+
+/* Releases `batch` and every batch acquired before it, so the producer may
+ * reuse their slots. One thread at a time per reader. */
+int tsock_reader_release(tsock_reader_t *r, const tsock_batch_t *batch);
+
+/* Base address and length of the read-only payload mapping (every tensor
+ * pointer lies inside it). One thread at a time per reader. */
+int tsock_reader_payload_range(tsock_reader_t *r, const void **base, uint64_t *len);
+
+/* Releases everything, frees the reader record and the handle. Thread-safe
+ * against other readers; a second detach returns TSOCK_EHANDLE. */
+int tsock_reader_detach(tsock_reader_t *r);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TSOCK_H */

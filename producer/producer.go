@@ -1,0 +1,572 @@
+// Package producer is tsock's writer side: it creates a channel in
+// /dev/shm, publishes batches of tensors into its ring, gates on the
+// slowest live reader, and frees the records of readers that die.
+//
+// A Producer is used by one goroutine at a time (Stats, Readers and
+// WaitReaders may be called from any goroutine).
+package producer
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/tsock/tsock/ring"
+)
+
+// Options choose a channel's geometry, permissions and reader policy. The
+// zero value of each field means its default.
+type Options struct {
+	Slots      uint32        // ring depth, a power of two; default 16
+	SlotBytes  uint64        // payload bytes per batch; default 1 MiB
+	MaxReaders uint32        // reader records; default 64
+	Mode       os.FileMode   // permission bits; default 0600 (user only)
+	Gid        int           // group of the segment; -1 or 0 keeps the default
+	EvictAfter time.Duration // evict a reader that gates this long; 0 never
+}
+
+// Defaults of Options.
+const (
+	DefaultSlots      = 16
+	DefaultSlotBytes  = 1 << 20
+	DefaultMaxReaders = 64
+	DefaultMode       = 0o600
+)
+
+// Sentinel errors; errors.Is matches them against any producer error.
+var (
+	ErrBackpressure = ring.Status(ring.StatusBackpressure)
+	ErrTimedOut     = ring.Status(ring.StatusTimedOut)
+	ErrExist        = ring.Status(ring.StatusExist)
+	ErrName         = ring.Status(ring.StatusName)
+	ErrTooBig       = ring.Status(ring.StatusTooBig)
+	ErrDtype        = ring.Status(ring.StatusDtype)
+	ErrState        = ring.Status(ring.StatusState)
+	ErrInvalid      = ring.Status(ring.StatusInval)
+)
+
+// Tensor places one tensor in a batch's payload (see ring.Tensor).
+type Tensor = ring.Tensor
+
+// livenessPeriod bounds how long a dead reader can hold the producer back:
+// while blocked, the producer re-checks the readers' locks this often.
+const livenessPeriod = 10 * time.Millisecond
+
+// Producer owns one channel.
+type Producer struct {
+	mu      sync.Mutex
+	name    string
+	path    string
+	seg     *ring.Segment
+	opts    Options
+	slots   uint64
+	closing atomic.Bool
+
+	next      uint64 // next seq to publish; equals the published count
+	cachedMin uint64 // smallest live reader cursor at the last scan
+	reserved  bool
+	resBytes  uint64
+	epoch     uint64
+	index     uint64
+	descs     [ring.MaxTensors]ring.ShmTensor
+
+	// gating reader watch, for the eviction policy
+	gateCursor uint64
+	gateSince  time.Time
+
+	backpressureNs atomic.Uint64
+	reclaimed      atomic.Uint64
+	evicted        atomic.Uint64
+}
+
+func (o *Options) fill() error {
+	if o.Slots == 0 {
+		o.Slots = DefaultSlots
+	}
+	if o.SlotBytes == 0 {
+		o.SlotBytes = DefaultSlotBytes
+	}
+	if o.MaxReaders == 0 {
+		o.MaxReaders = DefaultMaxReaders
+	}
+	if o.Mode == 0 {
+		o.Mode = DefaultMode
+	}
+	if o.Mode&^0o777 != 0 {
+		return ring.Errorf(ring.StatusInval, "mode %o has bits outside 0777", o.Mode)
+	}
+	if o.EvictAfter < 0 {
+		return ring.Errorf(ring.StatusInval, "negative EvictAfter")
+	}
+	return nil
+}
+
+// Create makes channel name and becomes its producer. A segment left by a
+// dead producer is replaced; a live producer on the name gives ErrExist.
+func Create(name string, opts Options) (*Producer, error) {
+	if !ring.NameOK(name) {
+		return nil, ring.Errorf(ring.StatusName, "channel name %q is not 1..%d of [A-Za-z0-9._-]", name, ring.NameMax)
+	}
+	if err := opts.fill(); err != nil {
+		return nil, err
+	}
+	g, ok := ring.ComputeGeometry(opts.Slots, opts.MaxReaders, opts.SlotBytes)
+	if !ok {
+		return nil, ring.Errorf(ring.StatusInval,
+			"geometry out of range: slots %d (power of two, %d..%d), readers %d (1..%d), slot bytes %d (1..%d)",
+			opts.Slots, ring.MinSlots, ring.MaxSlots, opts.MaxReaders, ring.MaxReaders, opts.SlotBytes, ring.MaxSlotBytes)
+	}
+	seg, err := buildSegment(name, g, opts)
+	if err != nil {
+		return nil, err
+	}
+	p := &Producer{name: name, path: ring.ChannelPath(name), seg: seg, opts: opts, slots: uint64(opts.Slots)}
+	if err := p.install(); err != nil {
+		seg.Unmap()
+		seg.File.Close()
+		return nil, err
+	}
+	return p, nil
+}
+
+// buildSegment creates the segment under a hidden temporary name, fully
+// initialised and locked, so that no reader can ever open a half-built
+// channel.
+func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, error) {
+	var rnd [6]byte
+	_, _ = rand.Read(rnd[:])
+	tmp := fmt.Sprintf("%s/.tsock-tmp.%d.%s", ring.ShmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
+	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, opts.Mode)
+	if err != nil {
+		return nil, sysError(err, "create %s", tmp)
+	}
+	fail := func(err error) (*ring.Segment, error) {
+		f.Close()
+		os.Remove(tmp)
+		return nil, err
+	}
+	if err := f.Chmod(opts.Mode); err != nil { // the umask must not widen or narrow the choice
+		return fail(sysError(err, "chmod %s", tmp))
+	}
+	if opts.Gid > 0 {
+		if err := f.Chown(-1, opts.Gid); err != nil {
+			return fail(sysError(err, "chown %s to group %d", tmp, opts.Gid))
+		}
+	}
+	if err := f.Truncate(int64(g.TotalBytes)); err != nil {
+		return fail(sysError(err, "size %s to %d bytes", tmp, g.TotalBytes))
+	}
+	seg, err := ring.MapSegment(f, g, opts.Slots, opts.MaxReaders, true)
+	if err != nil {
+		return fail(sysError(err, "map %s", tmp))
+	}
+	seg.InitHeader(name, os.Getpid(), uint64(time.Now().UnixNano()))
+	if err := ring.LockByte(f, ring.LockProducer); err != nil {
+		seg.Unmap()
+		return fail(sysError(err, "lock %s", tmp))
+	}
+	return seg, nil
+}
+
+// install links the built segment at the channel's name. If a segment is
+// already there, its producer lock tells whether its owner lives: a live
+// owner is an error, a dead one's segment is removed (its readers then see
+// "producer gone").
+func (p *Producer) install() error {
+	tmp := p.seg.File.Name()
+	defer os.Remove(tmp)
+	for attempt := 0; attempt < 100; attempt++ {
+		err := os.Link(tmp, p.path)
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, os.ErrExist) {
+			return sysError(err, "link %s", p.path)
+		}
+		if err := reclaimStale(p.path); err != nil {
+			return err
+		}
+	}
+	return ring.Errorf(ring.StatusExist, "channel %q: kept losing the race to create it", p.name)
+}
+
+// reclaimStale removes the segment at path if its producer is dead. It
+// returns nil when the path is free to try again.
+func reclaimStale(path string) error {
+	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return sysError(err, "open existing %s", path)
+	}
+	defer f.Close()
+	if err := ring.LockByte(f, ring.LockProducer); err != nil {
+		if err == ring.ErrLocked {
+			return ring.Errorf(ring.StatusExist, "%s has a live producer", path)
+		}
+		return sysError(err, "lock %s", path)
+	}
+	// We hold the dead producer's lock. Make sure the path still names this
+	// file (another producer may have replaced it meanwhile), then remove it.
+	var a, b syscall.Stat_t
+	if syscall.Fstat(int(f.Fd()), &a) != nil || syscall.Stat(path, &b) != nil || a.Ino != b.Ino || a.Dev != b.Dev {
+		return nil
+	}
+	buf := make([]byte, ring.HeaderSize)
+	if n, _ := f.ReadAt(buf, 0); n == len(buf) {
+		if st, _ := ring.CheckHeader(buf, uint64(len(buf))); st == ring.StatusCorrupt && !looksLikeSegment(buf) {
+			return ring.Errorf(ring.StatusCorrupt, "%s is not a tsock segment; remove it by hand", path)
+		}
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return sysError(err, "remove stale %s", path)
+	}
+	return nil
+}
+
+func looksLikeSegment(hdr []byte) bool {
+	var m uint64
+	for i := 7; i >= 0; i-- {
+		m = m<<8 | uint64(hdr[i])
+	}
+	return m == ring.Magic
+}
+
+func sysError(err error, format string, args ...any) error {
+	st := ring.StatusSys
+	if errors.Is(err, os.ErrPermission) {
+		st = ring.StatusPerm
+	}
+	return ring.Errorf(st, "%s: %v", fmt.Sprintf(format, args...), err)
+}
+
+// Name is the channel name.
+func (p *Producer) Name() string { return p.name }
+
+// Fd is the segment's file descriptor (for the C ABI's fork guard).
+func (p *Producer) Fd() uintptr { return p.seg.File.Fd() }
+
+// SlotBytes is the payload capacity of one batch.
+func (p *Producer) SlotBytes() uint64 { return p.seg.Geometry.SlotPayloadBytes }
+
+// Slots is the ring depth.
+func (p *Producer) Slots() uint32 { return p.seg.SlotCount }
+
+func (p *Producer) usable() error {
+	if p.closing.Load() {
+		return ring.Errorf(ring.StatusHandle, "producer of %q is closed", p.name)
+	}
+	return nil
+}
+
+// Reserve waits for the next slot and returns its payload buffer, nbytes
+// long: write the batch there, then Publish. timeout 0 returns
+// ErrBackpressure at once when the ring is full; a negative timeout waits
+// without limit (dead readers are still freed).
+func (p *Producer) Reserve(nbytes uint64, timeout time.Duration) ([]byte, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return nil, err
+	}
+	if p.reserved {
+		return nil, ring.Errorf(ring.StatusState, "a batch is already reserved: publish or abort it first")
+	}
+	if nbytes > p.seg.Geometry.SlotPayloadBytes {
+		return nil, ring.Errorf(ring.StatusTooBig, "batch of %d bytes exceeds the channel's %d bytes per slot",
+			nbytes, p.seg.Geometry.SlotPayloadBytes)
+	}
+	if err := p.gate(p.next, timeout); err != nil {
+		return nil, err
+	}
+	p.seg.BeginSlot(p.next)
+	p.reserved, p.resBytes = true, nbytes
+	return p.seg.Payload(p.next)[:nbytes], nil
+}
+
+// Publish makes the reserved batch visible to readers: tensors laid out in
+// the payload, and up to 256 bytes of metadata. On error the reservation
+// stays and may be published again.
+func (p *Producer) Publish(tensors []Tensor, meta []byte) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return err
+	}
+	if !p.reserved {
+		return ring.Errorf(ring.StatusState, "publish without a reserved batch")
+	}
+	if len(tensors) > ring.MaxTensors {
+		return ring.Errorf(ring.StatusTooBig, "batch has %d tensors, at most %d", len(tensors), ring.MaxTensors)
+	}
+	if len(meta) > ring.MetaMax {
+		return ring.Errorf(ring.StatusTooBig, "metadata of %d bytes, at most %d", len(meta), ring.MetaMax)
+	}
+	for i := range tensors {
+		if st, err := tensors[i].Fill(&p.descs[i], p.resBytes); st != ring.StatusOK {
+			return ring.Errorf(st, "tensor %d: %v", i, err)
+		}
+	}
+	p.write(ring.SlotContents{Epoch: p.epoch, Index: p.index, Tensors: tensors, Meta: meta,
+		PayloadBytes: p.resBytes}, len(tensors))
+	p.index++
+	return nil
+}
+
+// Abort drops the reserved batch.
+func (p *Producer) Abort() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return err
+	}
+	if !p.reserved {
+		return ring.Errorf(ring.StatusState, "abort without a reserved batch")
+	}
+	p.reserved = false
+	return nil
+}
+
+// EndEpoch publishes the epoch-end marker (no tensors, index = batches in
+// the epoch) and starts the next epoch. It waits for a slot like Reserve.
+func (p *Producer) EndEpoch(timeout time.Duration) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return err
+	}
+	if p.reserved {
+		return ring.Errorf(ring.StatusState, "a batch is reserved: publish or abort it before ending the epoch")
+	}
+	if err := p.gate(p.next, timeout); err != nil {
+		return err
+	}
+	p.seg.BeginSlot(p.next)
+	p.write(ring.SlotContents{Epoch: p.epoch, Index: p.index, Flags: ring.FlagEpochEnd}, 0)
+	p.epoch++
+	p.index = 0
+	p.seg.SetEpoch(p.epoch)
+	return nil
+}
+
+// write fills the slot of p.next and publishes it.
+func (p *Producer) write(c ring.SlotContents, n int) {
+	seq := p.next
+	c.PublishNs = ring.MonotonicNs()
+	p.seg.WriteSlot(seq, &c, p.descs[:n])
+	p.next = seq + 1
+	p.reserved = false
+	p.seg.StorePublished(p.next)
+	// Sequentially consistent store above, load here: pairs with a reader
+	// that bumps waiters and then re-reads published before sleeping.
+	if p.seg.Waiters() != 0 {
+		ring.FutexWakeAll(p.seg.PublishedWord())
+	}
+}
+
+// gate returns once slot seq may be overwritten: every live reader has
+// released seq - slots. Dead readers are reclaimed while waiting.
+func (p *Producer) gate(seq uint64, timeout time.Duration) error {
+	if seq < p.cachedMin+p.slots {
+		return nil
+	}
+	p.cachedMin = p.scan(seq, false)
+	if seq < p.cachedMin+p.slots {
+		return nil
+	}
+	if timeout == 0 {
+		return ring.Errorf(ring.StatusBackpressure, "ring full: the slowest reader is at batch %d, publishing %d", p.cachedMin, seq)
+	}
+	start := time.Now()
+	defer func() { p.backpressureNs.Add(uint64(time.Since(start))) }()
+	defer p.seg.SetProducerWaiting(false)
+	word := p.seg.ReleaseWord()
+	for {
+		p.seg.SetProducerWaiting(true)
+		w := atomic.LoadUint32(word)
+		p.cachedMin = p.scan(seq, true)
+		if seq < p.cachedMin+p.slots {
+			return nil
+		}
+		if p.closing.Load() {
+			return ring.Errorf(ring.StatusHandle, "producer of %q closed while waiting", p.name)
+		}
+		p.maybeEvict(p.cachedMin)
+		slice := livenessPeriod
+		if timeout > 0 {
+			left := timeout - time.Since(start)
+			if left <= 0 {
+				return ring.Errorf(ring.StatusTimedOut, "timed out after %v waiting for the slowest reader (at batch %d)", timeout, p.cachedMin)
+			}
+			slice = min(slice, left)
+		}
+		ring.FutexWait(word, w, slice)
+	}
+}
+
+// scan returns the smallest cursor of the live readers, or seq if none
+// gates. With checkLive it also frees the records of dead readers. Cursors
+// come from other processes: a cursor outside [seq-slots, seq] is clamped.
+func (p *Producer) scan(seq uint64, checkLive bool) uint64 {
+	least := seq
+	for i := uint32(0); i < p.seg.Readers; i++ {
+		c := p.seg.Claim(i)
+		st := ring.ClaimState(c)
+		if st != ring.ReaderActive && st != ring.ReaderJoining {
+			continue
+		}
+		if checkLive && p.reclaimIfDead(i, c) {
+			continue
+		}
+		if st != ring.ReaderActive {
+			continue // a joining reader gates itself (see ARCHITECTURE.md, Joining)
+		}
+		cur := p.seg.Cursor(i)
+		if cur > seq {
+			cur = seq
+		}
+		if seq >= p.slots && cur < seq-p.slots {
+			cur = seq - p.slots
+		}
+		least = min(least, cur)
+	}
+	return least
+}
+
+// reclaimIfDead frees record i if no live process holds its lock. The claim
+// word was read before the lock check, so a reader that joined in between
+// changed it and the CAS fails.
+func (p *Producer) reclaimIfDead(i uint32, claim uint64) bool {
+	locked, err := p.seg.ReaderLocked(i)
+	if err != nil || locked {
+		return false
+	}
+	if p.seg.CASClaim(i, claim, ring.MakeClaim(ring.ClaimGen(claim)+1, ring.ReaderFree)) {
+		p.reclaimed.Add(1)
+	}
+	return true
+}
+
+// maybeEvict applies the opt-in eviction policy: readers whose cursor is
+// the gating minimum and has not moved for EvictAfter are evicted.
+func (p *Producer) maybeEvict(least uint64) {
+	if p.opts.EvictAfter <= 0 {
+		return
+	}
+	if least != p.gateCursor || p.gateSince.IsZero() {
+		p.gateCursor, p.gateSince = least, time.Now()
+		return
+	}
+	if time.Since(p.gateSince) < p.opts.EvictAfter {
+		return
+	}
+	seq := p.next
+	for i := uint32(0); i < p.seg.Readers; i++ {
+		c := p.seg.Claim(i)
+		if ring.ClaimState(c) != ring.ReaderActive {
+			continue
+		}
+		cur := min(p.seg.Cursor(i), seq)
+		if seq >= p.slots && cur < seq-p.slots {
+			cur = seq - p.slots
+		}
+		if cur == least && p.seg.CASClaim(i, c, ring.MakeClaim(ring.ClaimGen(c), ring.ReaderEvicted)) {
+			p.evicted.Add(1)
+		}
+	}
+	p.gateSince = time.Time{}
+}
+
+// ReaderInfo describes one attached reader.
+type ReaderInfo struct {
+	Index    uint32
+	Pid      int32
+	Cursor   uint64 // batches released
+	Acquired uint64 // batches acquired
+	Batches  uint64
+	WaitNs   uint64 // time spent waiting for data
+	Evicted  bool
+}
+
+// Readers lists the live readers. It may be called from any goroutine.
+func (p *Producer) Readers() []ReaderInfo {
+	var out []ReaderInfo
+	for i := uint32(0); i < p.seg.Readers; i++ {
+		s := p.seg.Snapshot(i)
+		st := ring.ClaimState(s.Claim)
+		if st != ring.ReaderActive && st != ring.ReaderEvicted {
+			continue
+		}
+		if locked, err := p.seg.ReaderLocked(i); err != nil || !locked {
+			continue
+		}
+		out = append(out, ReaderInfo{Index: i, Pid: s.Pid, Cursor: s.Cursor, Acquired: s.Acquired,
+			Batches: s.Batches, WaitNs: s.WaitNs, Evicted: st == ring.ReaderEvicted})
+	}
+	return out
+}
+
+// WaitReaders waits until at least n readers are attached (timeout < 0:
+// no limit). It may be called from any goroutine.
+func (p *Producer) WaitReaders(n int, timeout time.Duration) error {
+	start := time.Now()
+	for {
+		if err := p.usable(); err != nil {
+			return err
+		}
+		if len(p.Readers()) >= n {
+			return nil
+		}
+		if timeout >= 0 && time.Since(start) >= timeout {
+			return ring.Errorf(ring.StatusTimedOut, "%d of %d readers attached after %v", len(p.Readers()), n, timeout)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// Stats are the producer's counters.
+type Stats struct {
+	Readers          int
+	Published        uint64
+	Epoch            uint64
+	BackpressureNs   uint64
+	ReadersReclaimed uint64
+	ReadersEvicted   uint64
+}
+
+// Stats reads the counters. It may be called from any goroutine.
+func (p *Producer) Stats() Stats {
+	return Stats{Readers: len(p.Readers()), Published: p.seg.Published(), Epoch: p.seg.Epoch(),
+		BackpressureNs: p.backpressureNs.Load(), ReadersReclaimed: p.reclaimed.Load(),
+		ReadersEvicted: p.evicted.Load()}
+}
+
+// Close marks the channel closed (readers drain what was published, then
+// see "closed"), removes its name and releases the segment. A second Close
+// returns an error.
+func (p *Producer) Close() error {
+	if p.closing.Swap(true) {
+		return ring.Errorf(ring.StatusHandle, "producer of %q is already closed", p.name)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.seg.SetState(ring.StateClosed)
+	ring.FutexWakeAll(p.seg.PublishedWord())
+	// Remove the name only if it is still ours (an operator may have removed
+	// it and another producer taken it).
+	if p.seg.StillNamed(p.path) {
+		_ = os.Remove(p.path)
+	}
+	err := p.seg.Unmap()
+	if cerr := p.seg.File.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}

@@ -1,0 +1,562 @@
+/*
+ * reader.c - the reader side of the ring, in plain C so that a trainer
+ * process never carries a Go runtime.
+ *
+ * A reader maps the segment read-only, except the reader area, which it
+ * maps read-write to publish its cursor. It trusts nothing the producer
+ * wrote: the header is checked against the geometry rules of layout.h,
+ * every slot against its seqlock stamp and the tensor rules.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define LIVENESS_PERIOD_NS 50000000ll /* check the producer's lock this often while idle */
+#define SLEEP_SLICE_NS 50000000ll     /* longest single futex sleep */
+#define ATTACH_POLL_NS 5000000ll      /* retry period while waiting for a channel */
+#define MAX_HELD 64u
+
+typedef struct held_batch {
+  tsock_batch_t batch;
+  tsock_tensor_t tensors[TSOCK_MAX_TENSORS];
+  uint8_t meta[TSOCK_META_MAX];
+} held_batch;
+
+struct reader_impl {
+  int fd;
+  uint64_t fork_gen;
+  const uint8_t *map; /* whole segment, read-only */
+  size_t map_len;
+  tsock_reader_area *area; /* reader area, read-write */
+  size_t area_len;
+  const tsock_header *hdr;
+  const tsock_slot *slots;
+  const uint8_t *payload;
+  uint64_t mask;
+  uint64_t slot_payload_bytes;
+  uint32_t index;        /* our record */
+  tsock_reader_record *rec;
+  uint64_t claim;        /* our claim word while active */
+  uint64_t next;         /* next seq to acquire */
+  uint64_t released;     /* every seq below is released (mirror of rec->cursor) */
+  int skipping;          /* TSOCK_START_NEXT_EPOCH: drop batches until index 0 */
+  uint32_t max_held;
+  int64_t spin_ns;
+  uint64_t last_live_check;
+  held_batch *held;      /* max_held entries, by seq % max_held */
+};
+
+/* ---- handle table: handles are ids, so a stale handle is detected, not
+ * dereferenced. ---- */
+
+#define HANDLE_SLOTS 1024u
+static struct {
+  struct reader_impl *impl;
+  uint32_t gen;
+} handles[HANDLE_SLOTS];
+static uint32_t handle_lock; /* spinlock guarding allocation and free */
+
+static void handles_lock(void) {
+  while (__atomic_exchange_n(&handle_lock, 1, __ATOMIC_ACQUIRE)) {
+  }
+}
+static void handles_unlock(void) { __atomic_store_n(&handle_lock, 0, __ATOMIC_RELEASE); }
+
+static tsock_reader_t *handle_new(struct reader_impl *impl) {
+  tsock_reader_t *h = NULL;
+  handles_lock();
+  for (uint32_t i = 0; i < HANDLE_SLOTS; i++) {
+    if (handles[i].impl == NULL) {
+      handles[i].gen++;
+      __atomic_store_n(&handles[i].impl, impl, __ATOMIC_RELEASE);
+      h = (tsock_reader_t *)(uintptr_t)(((uint64_t)handles[i].gen << 16) | (i + 1));
+      break;
+    }
+  }
+  handles_unlock();
+  return h;
+}
+
+static struct reader_impl *handle_get(tsock_reader_t *h, int *status) {
+  uint64_t v = (uint64_t)(uintptr_t)h;
+  uint32_t i = (uint32_t)(v & 0xffff) - 1;
+  if (h == NULL || i >= HANDLE_SLOTS || handles[i].gen != (uint32_t)(v >> 16)) {
+    *status = tsock__fail(TSOCK_EHANDLE, "reader handle %p is not open", (void *)h);
+    return NULL;
+  }
+  struct reader_impl *impl = __atomic_load_n(&handles[i].impl, __ATOMIC_ACQUIRE);
+  if (impl == NULL) {
+    *status = tsock__fail(TSOCK_EHANDLE, "reader handle %p is not open", (void *)h);
+    return NULL;
+  }
+  if (impl->fork_gen != tsock__fork_generation()) {
+    *status = tsock__fail(TSOCK_EFORKED,
+                          "reader handle %p belongs to the parent process; attach again", (void *)h);
+    return NULL;
+  }
+  return impl;
+}
+
+static struct reader_impl *handle_take(tsock_reader_t *h, int *status) {
+  handles_lock();
+  struct reader_impl *impl = handle_get(h, status);
+  if (impl != NULL) {
+    uint32_t i = (uint32_t)((uint64_t)(uintptr_t)h & 0xffff) - 1;
+    handles[i].gen++;
+    __atomic_store_n(&handles[i].impl, NULL, __ATOMIC_RELEASE);
+  }
+  handles_unlock();
+  return impl;
+}
+
+/* ---- options ---- */
+
+void tsock_reader_options_init(tsock_reader_options_t *o) {
+  if (o == NULL) return;
+  memset(o, 0, sizeof *o);
+  o->size = sizeof *o;
+  o->start = TSOCK_START_NEXT_EPOCH;
+  o->attach_timeout_ns = 0;
+  o->max_held = 4;
+  o->spin_ns = 20000;
+}
+
+static int options_read(const tsock_reader_options_t *in, tsock_reader_options_t *o) {
+  tsock_reader_options_init(o);
+  if (in == NULL) return TSOCK_OK;
+  if (in->size != sizeof *in)
+    return tsock__fail(TSOCK_EINVAL,
+                       "reader options: size is %u, expected %zu (call tsock_reader_options_init)",
+                       in->size, sizeof *in);
+  *o = *in;
+  if (o->start != TSOCK_START_NEXT_EPOCH && o->start != TSOCK_START_NOW)
+    return tsock__fail(TSOCK_EINVAL, "reader options: unknown start mode %d", o->start);
+  if (o->max_held < 1 || o->max_held > MAX_HELD)
+    return tsock__fail(TSOCK_EINVAL, "reader options: max_held %u outside 1..%u", o->max_held,
+                       MAX_HELD);
+  if (o->reserved != 0) return tsock__fail(TSOCK_EINVAL, "reader options: reserved must be 0");
+  if (o->spin_ns < 0) return tsock__fail(TSOCK_EINVAL, "reader options: negative spin_ns");
+  return TSOCK_OK;
+}
+
+/* ---- attach ---- */
+
+static void impl_unmap(struct reader_impl *r) {
+  if (r->area != NULL) munmap(r->area, r->area_len);
+  if (r->map != NULL) munmap((void *)r->map, r->map_len);
+  if (r->fd >= 0) {
+    tsock__fork_untrack(r->fd);
+    close(r->fd); /* drops our OFD lock, freeing the record's byte */
+  }
+  free(r->held);
+  free(r);
+}
+
+/* Checks the header of an open segment against layout.h, with a message. */
+static int check_header(const tsock_header *h, uint64_t file_size, const char *name) {
+  int why;
+  int rc = tsock_layout_check_header(h, file_size, &why);
+  switch (rc) {
+  case TSOCK_OK:
+  case TSOCK_EAGAIN:
+    return rc;
+  case TSOCK_EVERSION:
+    return tsock__fail(rc, "channel '%s': segment layout version %u, this library reads version %u",
+                       name, h->layout_version, TSOCK_LAYOUT_VERSION);
+  default:
+    if (why == 1) return tsock__fail(rc, "channel '%s': not a tsock segment (bad magic)", name);
+    if (why == 4)
+      return tsock__fail(rc, "channel '%s': segment is %llu bytes, header says %llu (truncated?)",
+                         name, (unsigned long long)file_size, (unsigned long long)h->total_bytes);
+    return tsock__fail(rc, "channel '%s': inconsistent %s in header", name,
+                       why == 2 ? "struct sizes" : "geometry");
+  }
+}
+
+/* Opens and maps the segment. TSOCK_EAGAIN means "not there yet, retry". */
+static int open_segment(const char *name, struct reader_impl *r) {
+  char path[sizeof(TSOCK_SHM_DIR) + sizeof(TSOCK_SHM_PREFIX) + TSOCK_NAME_MAX + 2];
+  snprintf(path, sizeof path, "%s/%s%s", TSOCK_SHM_DIR, TSOCK_SHM_PREFIX, name);
+  r->fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  if (r->fd < 0) {
+    if (errno == ENOENT) return tsock__fail(TSOCK_ENOENT, "no channel '%s' (%s)", name, path);
+    return tsock__fail_errno(TSOCK_ESYS, errno, "open %s", path);
+  }
+  struct stat st;
+  if (fstat(r->fd, &st) != 0) return tsock__fail_errno(TSOCK_ESYS, errno, "fstat %s", path);
+  if (!S_ISREG(st.st_mode))
+    return tsock__fail(TSOCK_ECORRUPT, "channel '%s': %s is not a regular file", name, path);
+  if ((uint64_t)st.st_size < sizeof(tsock_header))
+    return tsock__fail(TSOCK_ECORRUPT, "channel '%s': segment is %lld bytes, truncated", name,
+                       (long long)st.st_size);
+  const tsock_header *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, r->fd, 0);
+  if (h == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap %s", path);
+  int rc = check_header(h, (uint64_t)st.st_size, name);
+  uint64_t total = h->total_bytes, readers_off = h->readers_offset, slots_off = h->slots_offset;
+  munmap((void *)h, sizeof *h);
+  if (rc != TSOCK_OK) return rc;
+
+  r->map_len = (size_t)total;
+  void *m = mmap(NULL, r->map_len, PROT_READ, MAP_SHARED, r->fd, 0);
+  if (m == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap %s", path);
+  r->map = m;
+  r->area_len = (size_t)(slots_off - readers_off);
+  void *a = mmap(NULL, r->area_len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, (off_t)readers_off);
+  if (a == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap reader area of %s", path);
+  r->area = a;
+  r->hdr = (const tsock_header *)r->map;
+  /* The header can no longer change geometry under us: it is written once
+   * before layout_version. Re-check through the long-lived mapping. */
+  rc = check_header(r->hdr, (uint64_t)st.st_size, name);
+  if (rc != TSOCK_OK) return rc == TSOCK_EAGAIN ? TSOCK_ECORRUPT : rc;
+  r->slots = (const tsock_slot *)(r->map + r->hdr->slots_offset);
+  r->payload = r->map + r->hdr->payload_offset;
+  r->mask = r->hdr->slot_count - 1;
+  r->slot_payload_bytes = r->hdr->slot_payload_bytes;
+  return TSOCK_OK;
+}
+
+static int producer_alive(struct reader_impl *r) {
+  return tsock__byte_locked(r->fd, TSOCK_LOCK_PRODUCER) != 0; /* error: assume alive */
+}
+
+/* Claims a free reader record: the kernel arbitrates through the OFD lock on
+ * the record's byte, the claim word's generation guards against the
+ * producer reclaiming the record at the same moment. */
+static int claim_record(struct reader_impl *r, const char *name, int start_mode) {
+  uint32_t cap = r->hdr->reader_capacity;
+  for (uint32_t i = 0; i < cap; i++) {
+    int lk = tsock__lock_byte(r->fd, TSOCK_LOCK_READER0 + i);
+    if (lk == -1) continue;
+    if (lk == -2) return tsock__fail_errno(TSOCK_ESYS, errno, "lock reader record %u", i);
+    tsock_reader_record *rec = &r->area->records[i];
+    /* We hold the lock, so whoever owned this record is gone: take it
+     * whatever state it was left in. */
+    uint64_t old = __atomic_load_n(&rec->claim, __ATOMIC_SEQ_CST), joining;
+    do {
+      joining = TSOCK_CLAIM(TSOCK_CLAIM_GEN(old) + 1, TSOCK_READER_JOINING);
+    } while (!__atomic_compare_exchange_n(&rec->claim, &old, joining, 0, __ATOMIC_SEQ_CST,
+                                          __ATOMIC_SEQ_CST));
+    rec->pid = getpid();
+    rec->start_time = tsock__proc_start_time(rec->pid);
+    rec->start_mode = (uint32_t)start_mode;
+    rec->wait_ns = 0;
+    rec->batches = 0;
+    rec->heartbeat_ns = tsock__now_ns();
+    /* Gate the producer at what is published now, then go active, then
+     * move up to what is published after that: any producer scan that
+     * missed us used a minimum no larger than that second value (see
+     * docs/ARCHITECTURE.md, "Joining"). */
+    uint64_t p1 = __atomic_load_n(&r->hdr->published, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&rec->cursor, p1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&rec->acquired, p1, __ATOMIC_SEQ_CST);
+    uint64_t active = TSOCK_CLAIM(TSOCK_CLAIM_GEN(joining), TSOCK_READER_ACTIVE);
+    uint64_t expect = joining;
+    if (!__atomic_compare_exchange_n(&rec->claim, &expect, active, 0, __ATOMIC_SEQ_CST,
+                                     __ATOMIC_SEQ_CST))
+      return tsock__fail(TSOCK_ECORRUPT, "channel '%s': reader record %u changed while joining",
+                         name, i);
+    uint64_t p2 = __atomic_load_n(&r->hdr->published, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&rec->cursor, p2, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&rec->acquired, p2, __ATOMIC_SEQ_CST);
+    r->index = i;
+    r->rec = rec;
+    r->claim = active;
+    r->next = r->released = p2;
+    r->skipping = start_mode == TSOCK_START_NEXT_EPOCH;
+    return TSOCK_OK;
+  }
+  return tsock__fail(TSOCK_EFULL, "channel '%s': all %u reader records are taken", name, cap);
+}
+
+int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
+                        tsock_reader_t **out) {
+  tsock__clear_error();
+  if (out == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_attach: out is NULL");
+  if (!tsock_layout_name_ok(name))
+    return tsock__fail(TSOCK_ENAME, "channel name '%.80s' is not 1..%d of [A-Za-z0-9._-]",
+                       name ? name : "(null)", TSOCK_NAME_MAX);
+  tsock_reader_options_t o;
+  int rc = options_read(opts, &o);
+  if (rc != TSOCK_OK) return rc;
+
+  uint64_t start = tsock__now_ns();
+  for (;;) {
+    struct reader_impl *r = calloc(1, sizeof *r);
+    if (r == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
+    r->fd = -1;
+    rc = open_segment(name, r);
+    if (rc == TSOCK_OK && !producer_alive(r))
+      rc = tsock__fail(TSOCK_EPRODUCER_GONE, "channel '%s': its producer is gone", name);
+    if (rc == TSOCK_OK) {
+      r->fork_gen = tsock__fork_generation();
+      r->max_held = o.max_held;
+      r->spin_ns = o.spin_ns;
+      r->held = calloc(o.max_held, sizeof *r->held);
+      rc = r->held ? claim_record(r, name, o.start)
+                   : tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
+    }
+    if (rc == TSOCK_OK) {
+      tsock__fork_track(r->fd);
+      tsock_reader_t *h = handle_new(r);
+      if (h == NULL) {
+        impl_unmap(r);
+        return tsock__fail(TSOCK_ENOMEM, "more than %u readers open in this process",
+                           HANDLE_SLOTS);
+      }
+      *out = h;
+      tsock__clear_error();
+      return TSOCK_OK;
+    }
+    impl_unmap(r);
+    /* Worth waiting for: no file yet, one being built, one left by a dead
+     * producer that a new producer will replace. */
+    int retry = rc == TSOCK_ENOENT || rc == TSOCK_EAGAIN || rc == TSOCK_EPRODUCER_GONE;
+    int64_t waited = (int64_t)(tsock__now_ns() - start);
+    if (!retry || o.attach_timeout_ns == 0 ||
+        (o.attach_timeout_ns > 0 && waited >= o.attach_timeout_ns)) {
+      if (rc == TSOCK_EAGAIN)
+        rc = tsock__fail(TSOCK_ETIMEDOUT, "channel '%s' is still being created", name);
+      return rc;
+    }
+    struct timespec ts = {0, ATTACH_POLL_NS};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* ---- acquire ---- */
+
+static int check_claim(struct reader_impl *r) {
+  uint64_t c = __atomic_load_n(&r->rec->claim, __ATOMIC_ACQUIRE);
+  if (c == r->claim) return TSOCK_OK;
+  if (TSOCK_CLAIM_STATE(c) == TSOCK_READER_EVICTED)
+    return tsock__fail(TSOCK_EEVICTED, "reader %u was evicted: it held the producer back too long",
+                       r->index);
+  return tsock__fail(TSOCK_EEVICTED, "reader record %u was taken from this reader", r->index);
+}
+
+/* Copies slot `seq` into a held batch and checks it. Returns TSOCK_OK,
+ * TSOCK_EEVICTED when the slot was overwritten under us, TSOCK_ECORRUPT
+ * when the producer wrote something invalid. */
+static int copy_slot(struct reader_impl *r, uint64_t seq, held_batch *hb) {
+  const tsock_slot *s = &r->slots[seq & r->mask];
+  uint64_t stamp = __atomic_load_n(&s->stamp, __ATOMIC_ACQUIRE);
+  if (stamp != seq + 1) {
+    int rc = check_claim(r);
+    if (rc != TSOCK_OK) return rc;
+    return tsock__fail(TSOCK_EEVICTED, "slot of batch %llu holds stamp %llu: overwritten",
+                       (unsigned long long)seq, (unsigned long long)stamp);
+  }
+  tsock_batch_t *b = &hb->batch;
+  b->seq = seq;
+  b->epoch = s->epoch;
+  b->index = s->index;
+  b->flags = s->flags;
+  b->n_tensors = s->n_tensors;
+  b->meta_len = s->meta_len;
+  b->publish_ns = s->publish_ns;
+  b->reserved = 0;
+  uint64_t used = s->payload_bytes;
+  if (b->n_tensors > TSOCK_MAX_TENSORS || b->meta_len > TSOCK_META_MAX ||
+      used > r->slot_payload_bytes || s->payload_kind != TSOCK_PAYLOAD_HOST)
+    goto corrupt;
+  memcpy(hb->meta, s->meta, b->meta_len);
+  for (uint32_t i = 0; i < b->n_tensors; i++) {
+    const tsock_shm_tensor *d = &s->tensors[i];
+    tsock_tensor_t *t = &hb->tensors[i];
+    t->dtype = d->dtype;
+    t->ndim = d->ndim;
+    t->offset = d->offset;
+    t->nbytes = d->nbytes;
+    int nd = (d->ndim >= 0 && d->ndim <= TSOCK_MAX_DIMS) ? d->ndim : 0;
+    memset(t->shape, 0, sizeof t->shape);
+    memset(t->strides, 0, sizeof t->strides);
+    memcpy(t->shape, d->shape, (size_t)nd * sizeof(int64_t));
+    memcpy(t->strides, d->strides, (size_t)nd * sizeof(int64_t));
+  }
+  /* Seqlock: what we copied is only valid if the stamp did not move. */
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  if (__atomic_load_n(&s->stamp, __ATOMIC_RELAXED) != stamp) {
+    int rc = check_claim(r);
+    return rc != TSOCK_OK ? rc
+                          : tsock__fail(TSOCK_EEVICTED, "batch %llu was overwritten while read",
+                                        (unsigned long long)seq);
+  }
+  /* Validate the private copy: the producer is not trusted. */
+  for (uint32_t i = 0; i < b->n_tensors; i++) {
+    tsock_tensor_t *t = &hb->tensors[i];
+    if (tsock_layout_check_tensor(t->dtype, t->ndim, t->shape, t->strides, t->offset, t->nbytes,
+                                  used) != 0)
+      goto corrupt;
+    t->data = r->payload + (seq & r->mask) * r->slot_payload_bytes + t->offset;
+  }
+  b->tensors = hb->tensors;
+  b->meta = hb->meta;
+  return TSOCK_OK;
+corrupt:
+  return tsock__fail(TSOCK_ECORRUPT, "batch %llu: invalid descriptor written by the producer",
+                     (unsigned long long)seq);
+}
+
+static void publish_cursor(struct reader_impl *r, uint64_t cursor) {
+  r->released = cursor;
+  __atomic_store_n(&r->rec->cursor, cursor, __ATOMIC_SEQ_CST);
+  /* Dekker pairing with the producer: it sets producer_waiting, then
+   * rescans cursors; we store the cursor, then look at producer_waiting. */
+  if (__atomic_load_n(&r->hdr->producer_waiting, __ATOMIC_SEQ_CST)) {
+    __atomic_add_fetch(&r->area->shared.release_notify, 1, __ATOMIC_SEQ_CST);
+    tsock__futex_wake_all(&r->area->shared.release_notify);
+  }
+}
+
+/* Nothing to read: decides whether the stream has ended. */
+static int stream_ended(struct reader_impl *r, uint64_t now) {
+  if (__atomic_load_n(&r->hdr->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED) {
+    /* The producer publishes before it closes: re-read published. */
+    if (r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE))
+      return tsock__fail(TSOCK_ECLOSED, "channel closed by the producer after %llu batches",
+                         (unsigned long long)r->next);
+    return TSOCK_OK;
+  }
+  if (now - r->last_live_check >= (uint64_t)LIVENESS_PERIOD_NS) {
+    r->last_live_check = now;
+    if (!producer_alive(r) && r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE))
+      return tsock__fail(TSOCK_EPRODUCER_GONE, "producer (pid %d) died after %llu batches",
+                         r->hdr->producer_pid, (unsigned long long)r->next);
+  }
+  return check_claim(r);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+/* Waits until published moves past r->next, the deadline passes, or the
+ * stream ends. Returns TSOCK_OK when there may be something to read. */
+static int wait_for_data(struct reader_impl *r, int64_t timeout_ns, uint64_t start) {
+  const uint64_t *pub = &r->hdr->published;
+  for (;;) {
+    uint64_t now = tsock__now_ns();
+    int rc = stream_ended(r, now);
+    if (rc != TSOCK_OK) return rc;
+    int64_t elapsed = (int64_t)(now - start);
+    if (timeout_ns >= 0 && elapsed >= timeout_ns) return TSOCK_EAGAIN;
+    if (elapsed < r->spin_ns) {
+      for (int i = 0; i < 256; i++) {
+        if (__atomic_load_n(pub, __ATOMIC_ACQUIRE) > r->next) return TSOCK_OK;
+        cpu_relax();
+      }
+      continue;
+    }
+    int64_t slice = SLEEP_SLICE_NS;
+    if (timeout_ns >= 0 && timeout_ns - elapsed < slice) slice = timeout_ns - elapsed;
+    uint32_t *waiters = &r->area->shared.waiters;
+    uint32_t word = (uint32_t)__atomic_load_n(pub, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+    /* Dekker pairing with publish: it stores published, then reads waiters. */
+    if (__atomic_load_n(pub, __ATOMIC_SEQ_CST) <= r->next)
+      tsock__futex_wait((const uint32_t *)pub, word, slice);
+    __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(pub, __ATOMIC_ACQUIRE) > r->next) return TSOCK_OK;
+  }
+}
+
+int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t timeout_ns) {
+  int rc;
+  struct reader_impl *r = handle_get(h, &rc);
+  if (r == NULL) return rc;
+  if (out == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_acquire: batch is NULL");
+  uint64_t start = 0;
+  for (;;) {
+    if (r->next - r->released >= r->max_held)
+      return tsock__fail(TSOCK_ESTATE, "reader already holds %u batches (max_held); release one",
+                         r->max_held);
+    if (__atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE) <= r->next) {
+      if (start == 0) start = tsock__now_ns();
+      rc = wait_for_data(r, timeout_ns, start);
+      if (rc == TSOCK_EAGAIN) return rc;
+      if (rc != TSOCK_OK) return rc;
+      continue;
+    }
+    uint64_t seq = r->next;
+    held_batch *hb = &r->held[seq % r->max_held];
+    rc = copy_slot(r, seq, hb);
+    r->next = seq + 1;
+    int skip = rc == TSOCK_OK && r->skipping && hb->batch.index != 0;
+    if (rc == TSOCK_OK && !skip) r->skipping = 0;
+    if (rc != TSOCK_OK || skip) {
+      /* Nothing handed out: release it at once if nothing older is held. */
+      if (r->released == seq) publish_cursor(r, seq + 1);
+      if (rc != TSOCK_OK) return rc;
+      continue;
+    }
+    tsock_reader_record *rec = r->rec;
+    __atomic_store_n(&rec->acquired, seq + 1, __ATOMIC_RELAXED);
+    rec->batches++;
+    if (start != 0) {
+      uint64_t now = tsock__now_ns();
+      rec->wait_ns += now - start;
+      rec->heartbeat_ns = now;
+    }
+    *out = &hb->batch;
+    return TSOCK_OK;
+  }
+}
+
+int tsock_reader_release(tsock_reader_t *h, const tsock_batch_t *b) {
+  int rc;
+  struct reader_impl *r = handle_get(h, &rc);
+  if (r == NULL) return rc;
+  if (b == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_release: batch is NULL");
+  uint64_t seq = b->seq;
+  if (seq < r->released || seq >= r->next || b != &r->held[seq % r->max_held].batch)
+    return tsock__fail(TSOCK_ESTATE, "tsock_reader_release: batch is not held by this reader");
+  publish_cursor(r, seq + 1);
+  return check_claim(r);
+}
+
+int tsock_reader_payload_range(tsock_reader_t *h, const void **base, uint64_t *len) {
+  int rc;
+  struct reader_impl *r = handle_get(h, &rc);
+  if (r == NULL) return rc;
+  if (base == NULL || len == NULL)
+    return tsock__fail(TSOCK_EINVAL, "tsock_reader_payload_range: NULL out-parameter");
+  *base = r->payload;
+  *len = (r->mask + 1) * r->slot_payload_bytes;
+  return TSOCK_OK;
+}
+
+int tsock_reader_detach(tsock_reader_t *h) {
+  int rc;
+  struct reader_impl *r = handle_take(h, &rc);
+  if (r == NULL) return rc;
+  /* Leave the record free for the next reader, then wake a producer that
+   * may have been gated on us. Only our own claim is changed: if the
+   * producer already reclaimed or evicted it, the CAS fails harmlessly. */
+  uint64_t expect = r->claim;
+  uint64_t freed = TSOCK_CLAIM(TSOCK_CLAIM_GEN(r->claim) + 1, TSOCK_READER_FREE);
+  if (!__atomic_compare_exchange_n(&r->rec->claim, &expect, freed, 0, __ATOMIC_SEQ_CST,
+                                   __ATOMIC_SEQ_CST) &&
+      TSOCK_CLAIM_STATE(expect) == TSOCK_READER_EVICTED) {
+    __atomic_compare_exchange_n(&r->rec->claim, &expect,
+                                TSOCK_CLAIM(TSOCK_CLAIM_GEN(expect) + 1, TSOCK_READER_FREE), 0,
+                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  }
+  __atomic_add_fetch(&r->area->shared.release_notify, 1, __ATOMIC_SEQ_CST);
+  tsock__futex_wake_all(&r->area->shared.release_notify);
+  impl_unmap(r);
+  return TSOCK_OK;
+}

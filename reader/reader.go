@@ -1,0 +1,179 @@
+// Package reader is tsock's reader side for Go programs and tools. It is a
+// thin cgo layer over the C reader (reader.c), the same code that
+// libtsock_reader.so exports, so Go and C readers behave identically.
+//
+// A Reader is used by one goroutine at a time. Tensor data are slices of
+// read-only shared memory: writing to them faults.
+package reader
+
+/*
+#cgo CFLAGS: -I${SRCDIR}/../include -I${SRCDIR}/../ring -Wall -Wextra -Werror
+#include <stdint.h>
+#include <stdlib.h>
+#include "tsock.h"
+
+static inline int rd_attach(const char *name, const tsock_reader_options_t *o, uintptr_t *out) {
+	tsock_reader_t *r;
+	int rc = tsock_reader_attach(name, o, &r);
+	if (rc == 0) *out = (uintptr_t)r;
+	return rc;
+}
+static inline int rd_acquire(uintptr_t r, const tsock_batch_t **b, int64_t t) {
+	return tsock_reader_acquire((tsock_reader_t *)r, b, t);
+}
+static inline int rd_release(uintptr_t r, const tsock_batch_t *b) {
+	return tsock_reader_release((tsock_reader_t *)r, b);
+}
+static inline int rd_detach(uintptr_t r) { return tsock_reader_detach((tsock_reader_t *)r); }
+static inline const tsock_tensor_t *rd_tensor(const tsock_batch_t *b, uint32_t i) { return &b->tensors[i]; }
+*/
+import "C"
+
+import (
+	"time"
+	"unsafe"
+
+	"github.com/tsock/tsock/ring"
+)
+
+// Start says where a reader that joins a running channel begins.
+type Start int32
+
+const (
+	// StartNextEpoch begins at the first batch of the next epoch (default);
+	// a reader attached before the first batch gets epoch 0.
+	StartNextEpoch Start = C.TSOCK_START_NEXT_EPOCH
+	// StartNow begins at the next batch published after attaching.
+	StartNow Start = C.TSOCK_START_NOW
+)
+
+// Options of Attach; the zero value means defaults.
+type Options struct {
+	Start         Start
+	AttachTimeout time.Duration // wait this long for the channel; 0 fails at once
+	MaxHeld       int           // batches held at once; default 4
+	Spin          time.Duration // busy-poll before sleeping; default 20µs, negative: none
+}
+
+// Sentinel errors; errors.Is matches them against reader errors.
+var (
+	ErrProducerGone = ring.Status(ring.StatusProducerGone)
+	ErrClosed       = ring.Status(ring.StatusClosed)
+	ErrNoChannel    = ring.Status(ring.StatusNoEnt)
+	ErrEvicted      = ring.Status(ring.StatusEvicted)
+	ErrVersion      = ring.Status(ring.StatusVersion)
+	ErrCorrupt      = ring.Status(ring.StatusCorrupt)
+)
+
+// Reader is an attached reader.
+type Reader struct {
+	h uintptr
+}
+
+// Tensor is one tensor of a batch; Data spans its bytes in shared memory.
+type Tensor struct {
+	Dtype   int32
+	Shape   []int64
+	Strides []int64 // elements
+	Data    []byte  // read-only shared memory, valid until the batch is released
+}
+
+// Batch is an acquired batch, valid until released.
+type Batch struct {
+	Seq, Epoch, Index uint64
+	Flags             uint32
+	PublishNs         uint64 // CLOCK_MONOTONIC
+	Tensors           []Tensor
+	Meta              []byte
+	c                 *C.tsock_batch_t
+}
+
+// EpochEnd reports whether the batch is an epoch-end marker.
+func (b *Batch) EpochEnd() bool { return b.Flags&ring.FlagEpochEnd != 0 }
+
+func lastError(rc C.int) error {
+	msg := C.GoString(C.tsock_last_error())
+	if msg == "" {
+		msg = C.GoString(C.tsock_status_str(rc))
+	}
+	return &ring.Error{Status: ring.Status(rc), Detail: msg}
+}
+
+func nanos(d time.Duration) C.int64_t { return C.int64_t(d) }
+
+// Attach attaches to channel name.
+func Attach(name string, o Options) (*Reader, error) {
+	var co C.tsock_reader_options_t
+	C.tsock_reader_options_init(&co)
+	co.start = C.int32_t(o.Start)
+	co.attach_timeout_ns = nanos(o.AttachTimeout)
+	if o.MaxHeld > 0 {
+		co.max_held = C.uint32_t(o.MaxHeld)
+	}
+	if o.Spin < 0 {
+		co.spin_ns = 0
+	} else if o.Spin > 0 {
+		co.spin_ns = nanos(o.Spin)
+	}
+	cs := C.CString(name)
+	defer C.free(unsafe.Pointer(cs))
+	var h C.uintptr_t
+	if rc := C.rd_attach(cs, &co, &h); rc != 0 {
+		return nil, lastError(rc)
+	}
+	return &Reader{h: uintptr(h)}, nil
+}
+
+// Acquire takes the next batch, waiting up to timeout (negative: no limit).
+// It returns (nil, nil) when no batch arrived in time; ErrProducerGone or
+// ErrClosed once the stream has ended and everything was read.
+func (r *Reader) Acquire(timeout time.Duration) (*Batch, error) {
+	var cb *C.tsock_batch_t
+	rc := C.rd_acquire(C.uintptr_t(r.h), &cb, nanos(timeout))
+	if rc == C.TSOCK_EAGAIN {
+		return nil, nil
+	}
+	if rc != 0 {
+		return nil, lastError(rc)
+	}
+	b := &Batch{Seq: uint64(cb.seq), Epoch: uint64(cb.epoch), Index: uint64(cb.index),
+		Flags: uint32(cb.flags), PublishNs: uint64(cb.publish_ns), c: cb}
+	if cb.meta_len > 0 {
+		b.Meta = unsafe.Slice((*byte)(cb.meta), int(cb.meta_len))
+	}
+	b.Tensors = make([]Tensor, int(cb.n_tensors))
+	for i := range b.Tensors {
+		t := C.rd_tensor(cb, C.uint32_t(i))
+		nd := int(t.ndim)
+		bt := &b.Tensors[i]
+		bt.Dtype = int32(t.dtype)
+		bt.Shape = make([]int64, nd)
+		bt.Strides = make([]int64, nd)
+		for d := 0; d < nd; d++ {
+			bt.Shape[d], bt.Strides[d] = int64(t.shape[d]), int64(t.strides[d])
+		}
+		if t.nbytes > 0 {
+			bt.Data = unsafe.Slice((*byte)(t.data), int(t.nbytes))
+		}
+	}
+	return b, nil
+}
+
+// Release gives back b and every batch acquired before it.
+func (r *Reader) Release(b *Batch) error {
+	if b == nil || b.c == nil {
+		return ring.Errorf(ring.StatusInval, "release of a nil batch")
+	}
+	if rc := C.rd_release(C.uintptr_t(r.h), b.c); rc != 0 {
+		return lastError(rc)
+	}
+	return nil
+}
+
+// Detach frees the reader record; the Reader must not be used afterwards.
+func (r *Reader) Detach() error {
+	if rc := C.rd_detach(C.uintptr_t(r.h)); rc != 0 {
+		return lastError(rc)
+	}
+	return nil
+}

@@ -1,0 +1,339 @@
+/*
+ * layout.h - the one definition of tsock's shared-memory segment.
+ *
+ * The producer (Go, through cgo) and the reader (C) both compile against
+ * these structs, so the two sides cannot drift. docs/ARCHITECTURE.md
+ * explains who writes each field and in which order.
+ *
+ * Rules for this file:
+ *   - fixed-width fields only, explicit padding, no pointers (offsets only);
+ *   - every struct size and every hot field offset is pinned by a static
+ *     assert; change one and bump TSOCK_LAYOUT_VERSION;
+ *   - fields written by more than one party are atomic words.
+ *
+ * Segment: /dev/shm/tsock.<name>, one file:
+ *
+ *   [0, 4096)                 tsock_header          (producer writes; readers map read-only)
+ *   [readers_offset, ...)     tsock_reader_area     (readers write their own record; mapped read-write)
+ *   [slots_offset, ...)       tsock_slot[slot_count] (producer writes; readers map read-only)
+ *   [payload_offset, ...)     payload, slot_payload_bytes per slot (producer writes; readers map read-only)
+ *
+ * OFD locks on the same file carry liveness: the producer holds a write lock
+ * on byte TSOCK_LOCK_PRODUCER, reader record i a write lock on byte
+ * TSOCK_LOCK_READER0 + i. The kernel drops them when the process dies.
+ */
+#ifndef TSOCK_RING_LAYOUT_H
+#define TSOCK_RING_LAYOUT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tsock.h"
+
+#define TSOCK_MAGIC 0x4d48534b434f5354ull /* "TSOCKSHM" in a little-endian word */
+#define TSOCK_LAYOUT_VERSION 1u
+
+#define TSOCK_PAGE 4096u
+#define TSOCK_CACHE_LINE 64u
+#define TSOCK_SHM_DIR "/dev/shm"
+#define TSOCK_SHM_PREFIX "tsock."
+
+#define TSOCK_MIN_SLOTS 2u
+#define TSOCK_MAX_SLOTS 65536u
+#define TSOCK_MAX_READERS 1024u
+#define TSOCK_MAX_SLOT_BYTES (1ull << 34) /* 16 GiB per slot */
+
+/* Byte offsets used for OFD locks (advisory; unrelated to the data there). */
+#define TSOCK_LOCK_PRODUCER 0
+#define TSOCK_LOCK_READER0 1
+
+/* Producer states (tsock_header.state). */
+#define TSOCK_STATE_OPEN 1u
+#define TSOCK_STATE_CLOSED 2u
+
+/* Reader record states: low 8 bits of tsock_reader_record.claim; the upper
+ * 56 bits are a generation that grows on every change of owner. */
+#define TSOCK_READER_FREE 0u
+#define TSOCK_READER_JOINING 1u
+#define TSOCK_READER_ACTIVE 2u
+#define TSOCK_READER_EVICTED 3u
+#define TSOCK_CLAIM_STATE(c) ((uint32_t)((c) & 0xffu))
+#define TSOCK_CLAIM_GEN(c) ((c) >> 8)
+#define TSOCK_CLAIM(gen, state) (((uint64_t)(gen) << 8) | (uint64_t)(state))
+
+/* Slot payload kinds (tsock_slot.payload_kind). GPU kinds come later. */
+#define TSOCK_PAYLOAD_HOST 0u
+
+/* ---- Header page ---------------------------------------------------------
+ * Written by the producer only. Identity fields are written once before
+ * layout_version, which is stored last with release semantics: a reader
+ * that loads layout_version with acquire semantics and finds the expected
+ * value sees a complete header. */
+typedef struct tsock_header {
+  /* line 0: identity and geometry (written once) */
+  uint64_t magic;                /* TSOCK_MAGIC */
+  uint32_t layout_version;       /* TSOCK_LAYOUT_VERSION, stored last */
+  uint32_t header_size;          /* sizeof(tsock_header) */
+  uint32_t slot_size;            /* sizeof(tsock_slot) */
+  uint32_t reader_record_size;   /* sizeof(tsock_reader_record) */
+  uint32_t slot_count;           /* power of two */
+  uint32_t reader_capacity;      /* records in the reader area */
+  uint64_t slot_payload_bytes;   /* payload bytes per slot, multiple of 4096 */
+  uint64_t readers_offset;       /* byte offsets from the segment start */
+  uint64_t slots_offset;
+  uint64_t payload_offset;
+  /* line 1 */
+  uint64_t total_bytes;          /* size of the file */
+  int32_t producer_pid;
+  uint32_t pad0;
+  uint64_t producer_start_time;  /* /proc/<pid>/stat field 22, guards pid reuse */
+  uint64_t created_ns;           /* CLOCK_REALTIME at creation */
+  char name[32];                 /* informational prefix of the channel name */
+  /* lines 2-3: producer state */
+  uint32_t state;                /* TSOCK_STATE_*, atomic */
+  uint32_t producer_waiting;     /* 1 while reserve sleeps; readers wake it */
+  uint64_t heartbeat_ns;         /* CLOCK_MONOTONIC, informational only */
+  uint64_t epoch;                /* current epoch (informational) */
+  uint8_t pad1[104];
+  /* lines 4-5: the published sequence, alone on its own two cache lines
+   * (adjacent-line prefetch pairs lines) */
+  uint64_t published;            /* batches published; seq < published are readable.
+                                    Readers sleep on its low 32-bit word (futex). */
+  uint8_t pad3[120];
+  /* lines 6-7: producer statistics (informational) */
+  uint64_t stat_backpressure_ns;
+  uint64_t stat_readers_reclaimed;
+  uint64_t stat_readers_evicted;
+  uint64_t stat_payload_bytes;
+  uint8_t pad4[96];
+  uint8_t pad_page[TSOCK_PAGE - 512];
+} tsock_header;
+
+/* ---- Reader area ---------------------------------------------------------
+ * The only memory readers write. The first two cache lines are shared words
+ * every reader may touch; then one record per reader. */
+typedef struct tsock_reader_shared {
+  uint32_t waiters;        /* readers sleeping on header.notify (atomic add) */
+  uint32_t release_notify; /* futex word the producer sleeps on; readers bump it */
+  uint8_t pad[120];
+} tsock_reader_shared;
+
+/* One record per reader. Each field has one writer:
+ *   claim          CAS by the reader (join/leave) and the producer (reclaim/evict)
+ *   everything else: the reader; the producer validates before use. */
+typedef struct tsock_reader_record {
+  uint64_t claim;          /* generation << 8 | state */
+  int32_t pid;
+  uint32_t start_mode;     /* tsock_start */
+  uint64_t start_time;     /* /proc/<pid>/stat field 22 */
+  uint64_t cursor;         /* every seq below is released */
+  uint64_t acquired;       /* every seq below was acquired */
+  uint64_t heartbeat_ns;   /* CLOCK_MONOTONIC of last acquire/release */
+  uint64_t wait_ns;        /* total time spent waiting for data (data stall) */
+  uint64_t batches;        /* batches acquired */
+  /* line 1 */
+  uint8_t pad[64];
+} tsock_reader_record;
+
+typedef struct tsock_reader_area {
+  tsock_reader_shared shared;
+  tsock_reader_record records[]; /* reader_capacity entries */
+} tsock_reader_area;
+
+/* ---- Slots ---------------------------------------------------------------
+ * Written by the producer only, while no live reader can be reading it
+ * (gating). stamp is the seqlock: 0 while the slot is being written, seq+1
+ * once complete (release store). A reader checks it before and after
+ * copying the descriptors. */
+typedef struct tsock_shm_tensor {
+  int32_t dtype;
+  int32_t ndim;
+  uint64_t offset;                  /* bytes from the slot payload start */
+  uint64_t nbytes;
+  int64_t shape[TSOCK_MAX_DIMS];
+  int64_t strides[TSOCK_MAX_DIMS];  /* elements */
+} tsock_shm_tensor;
+
+typedef struct tsock_slot {
+  uint64_t stamp;           /* seqlock: 0 = being written, else seq + 1 */
+  uint64_t epoch;
+  uint64_t index;
+  uint32_t flags;           /* TSOCK_BATCH_* */
+  uint32_t n_tensors;
+  uint64_t payload_bytes;   /* bytes of the slot payload in use */
+  uint32_t meta_len;
+  uint32_t payload_kind;    /* TSOCK_PAYLOAD_* */
+  uint64_t publish_ns;      /* CLOCK_MONOTONIC */
+  uint32_t device;          /* reserved for GPU payloads (device ordinal) */
+  uint32_t event;           /* reserved for GPU payloads (IPC event index) */
+  tsock_shm_tensor tensors[TSOCK_MAX_TENSORS];
+  uint8_t meta[TSOCK_META_MAX];
+} tsock_slot;
+
+/* ---- Pinned sizes and offsets ----------------------------------------------- */
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "tsock's segment layout is little-endian (the futex word is the low half of published)"
+#endif
+#define TSOCK_STATIC_ASSERT(c, m) _Static_assert(c, m)
+#ifdef __cplusplus
+#undef TSOCK_STATIC_ASSERT
+#define TSOCK_STATIC_ASSERT(c, m) static_assert(c, m)
+#endif
+
+TSOCK_STATIC_ASSERT(sizeof(tsock_header) == TSOCK_PAGE, "header is one page");
+TSOCK_STATIC_ASSERT(offsetof(tsock_header, layout_version) == 8, "layout_version");
+TSOCK_STATIC_ASSERT(offsetof(tsock_header, total_bytes) == 64, "line 1");
+TSOCK_STATIC_ASSERT(offsetof(tsock_header, state) == 128, "state line");
+TSOCK_STATIC_ASSERT(offsetof(tsock_header, published) == 256, "published line");
+TSOCK_STATIC_ASSERT(offsetof(tsock_header, stat_backpressure_ns) == 384, "stats line");
+TSOCK_STATIC_ASSERT(sizeof(tsock_reader_shared) == 128, "reader shared words");
+TSOCK_STATIC_ASSERT(sizeof(tsock_reader_record) == 128, "reader record");
+TSOCK_STATIC_ASSERT(offsetof(tsock_reader_record, cursor) == 24, "cursor");
+TSOCK_STATIC_ASSERT(sizeof(tsock_shm_tensor) == 152, "tensor descriptor");
+TSOCK_STATIC_ASSERT(offsetof(tsock_slot, tensors) == 64, "slot head");
+TSOCK_STATIC_ASSERT(sizeof(tsock_slot) == 64 + TSOCK_MAX_TENSORS * 152 + TSOCK_META_MAX,
+                    "slot size");
+TSOCK_STATIC_ASSERT(sizeof(tsock_slot) % TSOCK_CACHE_LINE == 0, "slots are whole lines");
+
+/* ---- Rules both sides apply ----------------------------------------------- */
+
+static inline uint64_t tsock_align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+/* Bytes per element; 0 for an unknown dtype. */
+static inline uint32_t tsock_layout_dtype_size(int32_t dtype) {
+  switch (dtype) {
+  case TSOCK_DTYPE_BOOL: case TSOCK_DTYPE_INT8: case TSOCK_DTYPE_UINT8: return 1;
+  case TSOCK_DTYPE_INT16: case TSOCK_DTYPE_UINT16:
+  case TSOCK_DTYPE_FLOAT16: case TSOCK_DTYPE_BFLOAT16: return 2;
+  case TSOCK_DTYPE_INT32: case TSOCK_DTYPE_UINT32: case TSOCK_DTYPE_FLOAT32: return 4;
+  case TSOCK_DTYPE_INT64: case TSOCK_DTYPE_UINT64: case TSOCK_DTYPE_FLOAT64: return 8;
+  default: return 0;
+  }
+}
+
+/* Checks one tensor descriptor against a payload of `payload_bytes`:
+ * known dtype, ndim in range, non-negative shape and strides, offset aligned
+ * to the element size, and every addressed element inside
+ * [offset, offset + nbytes) inside the payload. Overflow-safe.
+ * Returns 0 or TSOCK_EDTYPE / TSOCK_ETOOBIG. Used by the producer before
+ * publishing and by readers before trusting a slot. */
+static inline int tsock_layout_check_tensor(int32_t dtype, int32_t ndim, const int64_t *shape,
+                                            const int64_t *strides, uint64_t offset,
+                                            uint64_t nbytes, uint64_t payload_bytes) {
+  uint64_t item = tsock_layout_dtype_size(dtype);
+  if (item == 0 || ndim < 0 || ndim > (int32_t)TSOCK_MAX_DIMS) return TSOCK_EDTYPE;
+  if (offset % item != 0) return TSOCK_EDTYPE;
+  if (offset > payload_bytes || nbytes > payload_bytes - offset) return TSOCK_ETOOBIG;
+  /* last = index of the furthest element, in elements; empty tensors need no bytes */
+  uint64_t last = 0;
+  int empty = 0;
+  for (int32_t i = 0; i < ndim; i++) {
+    if (shape[i] < 0 || strides[i] < 0) return TSOCK_EDTYPE;
+    if (shape[i] == 0) { empty = 1; continue; }
+    uint64_t span = (uint64_t)(shape[i] - 1);
+    uint64_t st = (uint64_t)strides[i];
+    if (st != 0 && span > (UINT64_MAX - last) / st) return TSOCK_ETOOBIG;
+    last += span * st;
+  }
+  if (empty) return 0;
+  if (last >= UINT64_MAX / item) return TSOCK_ETOOBIG;
+  if ((last + 1) * item > nbytes) return TSOCK_ETOOBIG;
+  return 0;
+}
+
+/* Geometry of a segment, derived from its three parameters. */
+typedef struct tsock_geometry {
+  uint64_t readers_offset, slots_offset, payload_offset, total_bytes, slot_payload_bytes;
+} tsock_geometry;
+
+/* Computes the geometry; returns 0, or TSOCK_EINVAL for parameters outside
+ * the limits. The producer lays the segment out with it and a reader checks
+ * the header against it, so both agree on every offset. */
+static inline int tsock_layout_geometry(uint32_t slot_count, uint32_t reader_capacity,
+                                        uint64_t slot_payload_bytes, tsock_geometry *g) {
+  if (slot_count < TSOCK_MIN_SLOTS || slot_count > TSOCK_MAX_SLOTS ||
+      (slot_count & (slot_count - 1)) != 0)
+    return TSOCK_EINVAL;
+  if (reader_capacity < 1 || reader_capacity > TSOCK_MAX_READERS) return TSOCK_EINVAL;
+  if (slot_payload_bytes < 1 || slot_payload_bytes > TSOCK_MAX_SLOT_BYTES) return TSOCK_EINVAL;
+  g->slot_payload_bytes = tsock_align_up(slot_payload_bytes, TSOCK_PAGE);
+  g->readers_offset = TSOCK_PAGE;
+  g->slots_offset = tsock_align_up(g->readers_offset + sizeof(tsock_reader_shared) +
+                                       (uint64_t)reader_capacity * sizeof(tsock_reader_record),
+                                   TSOCK_PAGE);
+  g->payload_offset =
+      tsock_align_up(g->slots_offset + (uint64_t)slot_count * sizeof(tsock_slot), TSOCK_PAGE);
+  g->total_bytes = g->payload_offset + (uint64_t)slot_count * g->slot_payload_bytes;
+  return 0;
+}
+
+/* Checks a mapped header against this layout and a file of `file_size`
+ * bytes. Returns 0; TSOCK_EAGAIN while layout_version is still 0 (being
+ * built); TSOCK_ECORRUPT for a foreign or inconsistent header (bad magic is
+ * reported through *why = 1, sizes 2, geometry 3, file size 4);
+ * TSOCK_EVERSION for another layout version. */
+static inline int tsock_layout_check_header(const tsock_header *h, uint64_t file_size, int *why) {
+  *why = 0;
+  if (h->magic != TSOCK_MAGIC) return *why = 1, TSOCK_ECORRUPT;
+  uint32_t v = __atomic_load_n(&h->layout_version, __ATOMIC_ACQUIRE);
+  if (v == 0) return TSOCK_EAGAIN;
+  if (v != TSOCK_LAYOUT_VERSION) return TSOCK_EVERSION;
+  if (h->header_size != sizeof(tsock_header) || h->slot_size != sizeof(tsock_slot) ||
+      h->reader_record_size != sizeof(tsock_reader_record))
+    return *why = 2, TSOCK_ECORRUPT;
+  tsock_geometry g;
+  if (tsock_layout_geometry(h->slot_count, h->reader_capacity, h->slot_payload_bytes, &g) != 0 ||
+      g.slot_payload_bytes != h->slot_payload_bytes || g.readers_offset != h->readers_offset ||
+      g.slots_offset != h->slots_offset || g.payload_offset != h->payload_offset ||
+      g.total_bytes != h->total_bytes)
+    return *why = 3, TSOCK_ECORRUPT;
+  if (file_size != h->total_bytes) return *why = 4, TSOCK_ECORRUPT;
+  return 0;
+}
+
+/* Static description of a status; the table behind tsock_status_str(). */
+static inline const char *tsock_layout_status_str(int status) {
+  switch (status) {
+  case TSOCK_OK: return "ok";
+  case TSOCK_EAGAIN: return "no batch available yet";
+  case TSOCK_EINVAL: return "invalid argument";
+  case TSOCK_EHANDLE: return "invalid or closed handle";
+  case TSOCK_ENAME: return "invalid channel name";
+  case TSOCK_ENOENT: return "no such channel";
+  case TSOCK_EEXIST: return "channel already has a live producer";
+  case TSOCK_EVERSION: return "segment layout version mismatch";
+  case TSOCK_ECORRUPT: return "segment truncated, foreign or corrupt";
+  case TSOCK_EPRODUCER_GONE: return "producer gone";
+  case TSOCK_ECLOSED: return "channel closed by the producer";
+  case TSOCK_EFULL: return "no free reader record";
+  case TSOCK_EBACKPRESSURE: return "back-pressured: ring full";
+  case TSOCK_ETIMEDOUT: return "timed out";
+  case TSOCK_ETOOBIG: return "too big for the channel";
+  case TSOCK_EDTYPE: return "unsupported dtype or bad shape";
+  case TSOCK_EEVICTED: return "reader evicted";
+  case TSOCK_ESTATE: return "call out of order";
+  case TSOCK_EPERM: return "permission denied";
+  case TSOCK_ESYS: return "system call failed";
+  case TSOCK_EFORKED: return "handle used in a forked child";
+  case TSOCK_ENOMEM: return "out of memory";
+  default: return "unknown status";
+  }
+}
+
+/* Valid channel name: 1..TSOCK_NAME_MAX characters of [A-Za-z0-9._-], not
+ * "." or "..". Returns 1 if valid. */
+static inline int tsock_layout_name_ok(const char *name) {
+  size_t n = 0;
+  if (name == NULL) return 0;
+  for (; name[n] != '\0'; n++) {
+    char c = name[n];
+    int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+             c == '.' || c == '_' || c == '-';
+    if (!ok || n >= TSOCK_NAME_MAX) return 0;
+  }
+  if (n == 0) return 0;
+  if ((n == 1 && name[0] == '.') || (n == 2 && name[0] == '.' && name[1] == '.')) return 0;
+  return 1;
+}
+
+#endif /* TSOCK_RING_LAYOUT_H */

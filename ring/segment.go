@@ -1,0 +1,186 @@
+package ring
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"unsafe"
+
+	mmap "github.com/edsrzf/mmap-go"
+)
+
+// Segment is a mapped channel segment. The producer maps it read-write and
+// writes through it; tools map it read-only to inspect it. Every access to
+// a word another process writes goes through sync/atomic.
+type Segment struct {
+	File      *os.File
+	mem       mmap.MMap
+	base      unsafe.Pointer
+	Geometry  Geometry
+	SlotCount uint32
+	Readers   uint32
+	mask      uint64
+}
+
+// MapSegment maps an open segment file whose header is already valid (or,
+// for the producer, whose geometry is g). writable maps it read-write.
+func MapSegment(f *os.File, g Geometry, slots, readers uint32, writable bool) (*Segment, error) {
+	prot := mmap.RDONLY
+	if writable {
+		prot = mmap.RDWR
+	}
+	m, err := mmap.MapRegion(f, int(g.TotalBytes), prot, 0, 0)
+	if err != nil {
+		return nil, fmt.Errorf("mmap %s: %w", f.Name(), err)
+	}
+	return &Segment{File: f, mem: m, base: unsafe.Pointer(&m[0]), Geometry: g,
+		SlotCount: slots, Readers: readers, mask: uint64(slots) - 1}, nil
+}
+
+// Unmap releases the mapping (the file stays open).
+func (s *Segment) Unmap() error {
+	if s.mem == nil {
+		return nil
+	}
+	err := s.mem.Unmap()
+	s.mem, s.base = nil, nil
+	return err
+}
+
+// Header is the segment's header page.
+func (s *Segment) Header() *Header { return (*Header)(s.base) }
+
+func (s *Segment) shared() *ReaderShared {
+	return (*ReaderShared)(unsafe.Add(s.base, s.Geometry.ReadersOffset))
+}
+
+// Record is reader record i.
+func (s *Segment) Record(i uint32) *ReaderRecord {
+	off := s.Geometry.ReadersOffset + uint64(ReaderSharedSize) + uint64(i)*uint64(ReaderRecordSize)
+	return (*ReaderRecord)(unsafe.Add(s.base, off))
+}
+
+// SlotIndex is the ring position of a sequence number.
+func (s *Segment) SlotIndex(seq uint64) uint64 { return seq & s.mask }
+
+// SlotAt is the slot that holds sequence number seq.
+func (s *Segment) SlotAt(seq uint64) *Slot {
+	off := s.Geometry.SlotsOffset + s.SlotIndex(seq)*uint64(SlotSize)
+	return (*Slot)(unsafe.Add(s.base, off))
+}
+
+// Payload is the payload buffer bound to the slot of seq.
+func (s *Segment) Payload(seq uint64) []byte {
+	off := s.Geometry.PayloadOffset + s.SlotIndex(seq)*s.Geometry.SlotPayloadBytes
+	return s.mem[off : off+s.Geometry.SlotPayloadBytes : off+s.Geometry.SlotPayloadBytes]
+}
+
+func u64(p *C64) *uint64 { return (*uint64)(unsafe.Pointer(p)) }
+func u32(p *C32) *uint32 { return (*uint32)(unsafe.Pointer(p)) }
+
+// Published is the number of batches published (atomic).
+func (s *Segment) Published() uint64 { return atomic.LoadUint64(u64(&s.Header().published)) }
+
+// StorePublished makes every seq below v readable (atomic, sequentially
+// consistent: pairs with the readers' waiters count).
+func (s *Segment) StorePublished(v uint64) { atomic.StoreUint64(u64(&s.Header().published), v) }
+
+// PublishedWord is the futex word readers sleep on: the low half of
+// published.
+func (s *Segment) PublishedWord() *uint32 { return (*uint32)(unsafe.Pointer(&s.Header().published)) }
+
+// State is the producer state (StateOpen, StateClosed).
+func (s *Segment) State() uint32 { return atomic.LoadUint32(u32(&s.Header().state)) }
+
+// SetState stores the producer state.
+func (s *Segment) SetState(v uint32) { atomic.StoreUint32(u32(&s.Header().state), v) }
+
+// SetProducerWaiting tells releasing readers to wake the producer.
+func (s *Segment) SetProducerWaiting(on bool) {
+	var v uint32
+	if on {
+		v = 1
+	}
+	atomic.StoreUint32(u32(&s.Header().producer_waiting), v)
+}
+
+// Waiters is how many readers sleep on the published word.
+func (s *Segment) Waiters() uint32 { return atomic.LoadUint32(u32(&s.shared().waiters)) }
+
+// ReleaseWord is the futex word the producer sleeps on; readers bump it.
+func (s *Segment) ReleaseWord() *uint32 { return u32(&s.shared().release_notify) }
+
+// Claim is reader record i's claim word: generation << 8 | state.
+func (s *Segment) Claim(i uint32) uint64 { return atomic.LoadUint64(u64(&s.Record(i).claim)) }
+
+// CASClaim changes record i's claim word from old to new.
+func (s *Segment) CASClaim(i uint32, old, new uint64) bool {
+	return atomic.CompareAndSwapUint64(u64(&s.Record(i).claim), old, new)
+}
+
+// ClaimState and ClaimGen split a claim word; MakeClaim joins them.
+func ClaimState(c uint64) uint32             { return uint32(c & 0xff) }
+func ClaimGen(c uint64) uint64               { return c >> 8 }
+func MakeClaim(gen uint64, st uint32) uint64 { return gen<<8 | uint64(st) }
+
+// RecordSnapshot is what a reader last wrote in its record. The values come
+// from another process: validate before use.
+type RecordSnapshot struct {
+	Claim       uint64
+	Pid         int32
+	StartTime   uint64
+	StartMode   uint32
+	Cursor      uint64
+	Acquired    uint64
+	HeartbeatNs uint64
+	WaitNs      uint64
+	Batches     uint64
+}
+
+// Snapshot reads reader record i.
+func (s *Segment) Snapshot(i uint32) RecordSnapshot {
+	r := s.Record(i)
+	return RecordSnapshot{
+		Claim:       atomic.LoadUint64(u64(&r.claim)),
+		Pid:         int32(atomic.LoadUint32(u32((*C32)(unsafe.Pointer(&r.pid))))),
+		StartTime:   atomic.LoadUint64(u64(&r.start_time)),
+		StartMode:   atomic.LoadUint32(u32(&r.start_mode)),
+		Cursor:      atomic.LoadUint64(u64(&r.cursor)),
+		Acquired:    atomic.LoadUint64(u64(&r.acquired)),
+		HeartbeatNs: atomic.LoadUint64(u64(&r.heartbeat_ns)),
+		WaitNs:      atomic.LoadUint64(u64(&r.wait_ns)),
+		Batches:     atomic.LoadUint64(u64(&r.batches)),
+	}
+}
+
+// Cursor is reader record i's cursor (every seq below is released).
+func (s *Segment) Cursor(i uint32) uint64 { return atomic.LoadUint64(u64(&s.Record(i).cursor)) }
+
+// ReaderLocked reports whether a live process holds reader record i.
+func (s *Segment) ReaderLocked(i uint32) (bool, error) {
+	return ByteLocked(s.File, LockReader0+int64(i))
+}
+
+// ProducerLocked reports whether a live process holds the producer lock.
+func (s *Segment) ProducerLocked() (bool, error) { return ByteLocked(s.File, LockProducer) }
+
+// ErrNotSegment and friends describe why a file is not a usable segment.
+var (
+	ErrNotSegment = errors.New("not a tsock segment")
+	ErrVersion    = errors.New("layout version mismatch")
+	ErrTruncated  = errors.New("segment truncated or inconsistent")
+)
+
+// Epoch is the producer's current epoch (informational).
+func (s *Segment) Epoch() uint64 { return atomic.LoadUint64(u64(&s.Header().epoch)) }
+
+// SetEpoch stores the producer's current epoch.
+func (s *Segment) SetEpoch(v uint64) { atomic.StoreUint64(u64(&s.Header().epoch), v) }
+
+// StillNamed reports whether path still names this segment's file.
+func (s *Segment) StillNamed(path string) bool {
+	a, err1 := s.File.Stat()
+	b, err2 := os.Stat(path)
+	return err1 == nil && err2 == nil && os.SameFile(a, b)
+}
