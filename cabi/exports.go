@@ -1,0 +1,199 @@
+// Command cabi is built with -buildmode=c-shared into libtsock.so: the
+// producer half of include/tsock.h, implemented by package producer, plus
+// the C reader linked in from package reader.
+//
+// The public C functions are in shim.c; the functions exported here are
+// its private back end. Producer handles are ids, never reused, so a
+// stale or closed handle is reported, not dereferenced.
+package main
+
+/*
+#cgo CFLAGS: -I${SRCDIR}/../include -I${SRCDIR}/../ring -I${SRCDIR}/../reader -Wall -Wextra -Werror
+#include <stdint.h>
+#include <stdlib.h>
+#include "tsock.h"
+void tsockgo_set_error(const char *msg);
+void tsockgo_track_fd(int fd);
+void tsockgo_untrack_fd(int fd);
+*/
+import "C"
+
+import (
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/tsock/tsock/producer"
+	_ "github.com/tsock/tsock/reader" // links the C reader into libtsock.so
+	"github.com/tsock/tsock/ring"
+)
+
+func main() {}
+
+// entry is one open producer handle and its scratch space, so publishing
+// from C allocates nothing.
+type entry struct {
+	p       *producer.Producer
+	tensors [ring.MaxTensors]ring.Tensor
+	dims    [ring.MaxTensors][2][ring.MaxDims]int64
+}
+
+var (
+	handlesMu sync.Mutex
+	handles   = map[uintptr]*entry{}
+	nextID    uintptr = 0x1000
+)
+
+func lookup(h C.uintptr_t) (*entry, C.int) {
+	handlesMu.Lock()
+	e := handles[uintptr(h)]
+	handlesMu.Unlock()
+	if e == nil {
+		return nil, fail(ring.Errorf(ring.StatusHandle, "producer handle %#x is not open", uintptr(h)))
+	}
+	return e, 0
+}
+
+// fail records err as the calling thread's message and returns its status.
+func fail(err error) C.int {
+	if err == nil {
+		return 0
+	}
+	msg := C.CString(err.Error())
+	C.tsockgo_set_error(msg)
+	C.free(unsafe.Pointer(msg))
+	return C.int(ring.StatusOf(err))
+}
+
+func duration(ns C.int64_t) time.Duration {
+	if ns < 0 {
+		return -1
+	}
+	return time.Duration(ns)
+}
+
+//export tsockgo_producer_create
+func tsockgo_producer_create(name *C.char, o *C.tsock_producer_options_t, out *C.uintptr_t) C.int {
+	opts := producer.Options{Slots: uint32(o.slot_count), SlotBytes: uint64(o.slot_bytes),
+		MaxReaders: uint32(o.max_readers), Mode: fileMode(uint32(o.mode)), Gid: int(o.gid),
+		EvictAfter: time.Duration(o.evict_after_ns)}
+	if o.evict_after_ns < 0 || uint32(o.mode)&^0o777 != 0 || o.mode == 0 {
+		return fail(ring.Errorf(ring.StatusInval, "producer options: mode %o or evict_after_ns %d out of range",
+			uint32(o.mode), int64(o.evict_after_ns)))
+	}
+	p, err := producer.Create(C.GoString(name), opts)
+	if err != nil {
+		return fail(err)
+	}
+	C.tsockgo_track_fd(C.int(p.Fd()))
+	handlesMu.Lock()
+	nextID += 16
+	id := nextID
+	handles[id] = &entry{p: p}
+	handlesMu.Unlock()
+	*out = C.uintptr_t(id)
+	return 0
+}
+
+//export tsockgo_producer_reserve
+func tsockgo_producer_reserve(h C.uintptr_t, nbytes C.uint64_t, timeout C.int64_t, payload *unsafe.Pointer) C.int {
+	e, rc := lookup(h)
+	if e == nil {
+		return rc
+	}
+	buf, err := e.p.Reserve(uint64(nbytes), duration(timeout))
+	if err != nil {
+		return fail(err)
+	}
+	// The buffer is shared memory, not Go memory: C may keep the pointer.
+	*payload = unsafe.Pointer(unsafe.SliceData(buf[:cap(buf)]))
+	return 0
+}
+
+//export tsockgo_producer_publish
+func tsockgo_producer_publish(h C.uintptr_t, ts *C.tsock_tensor_t, n C.uint32_t, meta unsafe.Pointer, metaLen C.uint32_t) C.int {
+	e, rc := lookup(h)
+	if e == nil {
+		return rc
+	}
+	if int(n) > ring.MaxTensors {
+		return fail(ring.Errorf(ring.StatusTooBig, "batch has %d tensors, at most %d", int(n), ring.MaxTensors))
+	}
+	var in []C.tsock_tensor_t
+	if n > 0 {
+		in = unsafe.Slice(ts, int(n))
+	}
+	for i := range in {
+		nd := int(in[i].ndim)
+		if nd < 0 || nd > ring.MaxDims {
+			return fail(ring.Errorf(ring.StatusDtype, "tensor %d: ndim %d outside 0..%d", i, nd, ring.MaxDims))
+		}
+		shape, strides := e.dims[i][0][:nd], e.dims[i][1][:nd]
+		for d := 0; d < nd; d++ {
+			shape[d], strides[d] = int64(in[i].shape[d]), int64(in[i].strides[d])
+		}
+		e.tensors[i] = ring.Tensor{Dtype: int32(in[i].dtype), Shape: shape, Strides: strides,
+			Offset: uint64(in[i].offset), Nbytes: uint64(in[i].nbytes)}
+	}
+	var m []byte
+	if metaLen > 0 {
+		m = unsafe.Slice((*byte)(meta), int(metaLen))
+	}
+	return fail(e.p.Publish(e.tensors[:n], m))
+}
+
+//export tsockgo_producer_abort
+func tsockgo_producer_abort(h C.uintptr_t) C.int {
+	e, rc := lookup(h)
+	if e == nil {
+		return rc
+	}
+	return fail(e.p.Abort())
+}
+
+//export tsockgo_producer_end_epoch
+func tsockgo_producer_end_epoch(h C.uintptr_t, timeout C.int64_t) C.int {
+	e, rc := lookup(h)
+	if e == nil {
+		return rc
+	}
+	return fail(e.p.EndEpoch(duration(timeout)))
+}
+
+//export tsockgo_producer_wait_readers
+func tsockgo_producer_wait_readers(h C.uintptr_t, n C.uint32_t, timeout C.int64_t) C.int {
+	e, rc := lookup(h)
+	if e == nil {
+		return rc
+	}
+	return fail(e.p.WaitReaders(int(n), duration(timeout)))
+}
+
+//export tsockgo_producer_stats
+func tsockgo_producer_stats(h C.uintptr_t, out *C.tsock_producer_stats_t) C.int {
+	e, rc := lookup(h)
+	if e == nil {
+		return rc
+	}
+	s := e.p.Stats()
+	out.readers = C.uint32_t(s.Readers)
+	out.published = C.uint64_t(s.Published)
+	out.epoch = C.uint64_t(s.Epoch)
+	out.backpressure_ns = C.uint64_t(s.BackpressureNs)
+	out.readers_reclaimed = C.uint64_t(s.ReadersReclaimed)
+	out.readers_evicted = C.uint64_t(s.ReadersEvicted)
+	return 0
+}
+
+//export tsockgo_producer_close
+func tsockgo_producer_close(h C.uintptr_t) C.int {
+	handlesMu.Lock()
+	e := handles[uintptr(h)]
+	delete(handles, uintptr(h))
+	handlesMu.Unlock()
+	if e == nil {
+		return fail(ring.Errorf(ring.StatusHandle, "producer handle %#x is not open", uintptr(h)))
+	}
+	C.tsockgo_untrack_fd(C.int(e.p.Fd()))
+	return fail(e.p.Close())
+}

@@ -1,0 +1,5 @@
+package main
+
+import "os"
+
+func fileMode(m uint32) os.FileMode { return os.FileMode(m) }
