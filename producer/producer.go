@@ -79,10 +79,6 @@ type Producer struct {
 	// gating reader watch, for the eviction policy
 	gateCursor uint64
 	gateSince  time.Time
-
-	backpressureNs atomic.Uint64
-	reclaimed      atomic.Uint64
-	evicted        atomic.Uint64
 }
 
 func (o *Options) fill() error {
@@ -360,6 +356,7 @@ func (p *Producer) EndEpoch(timeout time.Duration) error {
 func (p *Producer) write(c ring.SlotContents, n int) {
 	seq := p.next
 	c.PublishNs = ring.MonotonicNs()
+	p.seg.SetHeartbeat(c.PublishNs)
 	p.seg.WriteSlot(seq, &c, p.descs[:n])
 	p.next = seq + 1
 	p.reserved = false
@@ -385,7 +382,7 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 		return ring.Errorf(ring.StatusBackpressure, "ring full: the slowest reader is at batch %d, publishing %d", p.cachedMin, seq)
 	}
 	start := time.Now()
-	defer func() { p.backpressureNs.Add(uint64(time.Since(start))) }()
+	defer func() { p.seg.AddBackpressure(uint64(time.Since(start))) }()
 	defer p.seg.SetProducerWaiting(false)
 	word := p.seg.ReleaseWord()
 	for {
@@ -449,7 +446,7 @@ func (p *Producer) reclaimIfDead(i uint32, claim uint64) bool {
 		return false
 	}
 	if p.seg.CASClaim(i, claim, ring.MakeClaim(ring.ClaimGen(claim)+1, ring.ReaderFree)) {
-		p.reclaimed.Add(1)
+		p.seg.AddReclaimed()
 	}
 	return true
 }
@@ -478,7 +475,7 @@ func (p *Producer) maybeEvict(least uint64) {
 			cur = seq - p.slots
 		}
 		if cur == least && p.seg.CASClaim(i, c, ring.MakeClaim(ring.ClaimGen(c), ring.ReaderEvicted)) {
-			p.evicted.Add(1)
+			p.seg.AddEvicted()
 		}
 	}
 	p.gateSince = time.Time{}
@@ -543,9 +540,10 @@ type Stats struct {
 
 // Stats reads the counters. It may be called from any goroutine.
 func (p *Producer) Stats() Stats {
+	h := p.seg.Stats()
 	return Stats{Readers: len(p.Readers()), Published: p.seg.Published(), Epoch: p.seg.Epoch(),
-		BackpressureNs: p.backpressureNs.Load(), ReadersReclaimed: p.reclaimed.Load(),
-		ReadersEvicted: p.evicted.Load()}
+		BackpressureNs: h.BackpressureNs, ReadersReclaimed: h.ReadersReclaimed,
+		ReadersEvicted: h.ReadersEvicted}
 }
 
 // Close marks the channel closed (readers drain what was published, then

@@ -184,3 +184,30 @@ func (s *Segment) StillNamed(path string) bool {
 	b, err2 := os.Stat(path)
 	return err1 == nil && err2 == nil && os.SameFile(a, b)
 }
+
+// HeaderStats are the producer's counters kept in the header, so tools
+// can read them from another process.
+type HeaderStats struct {
+	BackpressureNs, ReadersReclaimed, ReadersEvicted, HeartbeatNs uint64
+}
+
+// Stats reads the header counters.
+func (s *Segment) Stats() HeaderStats {
+	h := s.Header()
+	return HeaderStats{
+		BackpressureNs:   atomic.LoadUint64(u64(&h.stat_backpressure_ns)),
+		ReadersReclaimed: atomic.LoadUint64(u64(&h.stat_readers_reclaimed)),
+		ReadersEvicted:   atomic.LoadUint64(u64(&h.stat_readers_evicted)),
+		HeartbeatNs:      atomic.LoadUint64(u64(&h.heartbeat_ns)),
+	}
+}
+
+// AddBackpressure, AddReclaimed and AddEvicted bump the header counters.
+func (s *Segment) AddBackpressure(ns uint64) {
+	atomic.AddUint64(u64(&s.Header().stat_backpressure_ns), ns)
+}
+func (s *Segment) AddReclaimed() { atomic.AddUint64(u64(&s.Header().stat_readers_reclaimed), 1) }
+func (s *Segment) AddEvicted()   { atomic.AddUint64(u64(&s.Header().stat_readers_evicted), 1) }
+
+// SetHeartbeat stores the producer's last activity (CLOCK_MONOTONIC).
+func (s *Segment) SetHeartbeat(ns uint64) { atomic.StoreUint64(u64(&s.Header().heartbeat_ns), ns) }
