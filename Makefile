@@ -2,7 +2,7 @@
 BUILD ?= build
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
-.PHONY: all build lint go-test c-test test demo bench-latency clean
+.PHONY: all build lint go-test c-test py-test test demo bench-latency clean
 
 all: build
 
@@ -22,7 +22,13 @@ go-test:
 c-test: build
 	ctest --test-dir $(BUILD) --output-on-failure --timeout 300
 
-test: lint go-test c-test
+# Python tests through ctypes against the built libraries.
+py-test: build
+	python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore ruff pytest
+	python3 -m ruff check python tests/python
+	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) python3 -m pytest -q tests/python
+
+test: lint go-test c-test py-test
 
 demo:
 	go run ./cmd/tsock demo

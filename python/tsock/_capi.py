@@ -1,0 +1,151 @@
+"""ctypes declarations of include/tsock.h.
+
+This module mirrors the C header one to one and nothing else; the Python API
+lives in the modules beside it. The library is found, in order: the
+TSOCK_LIBRARY_DIR environment variable, the package's own _lib folder (where
+`pip install` puts it), the repository's build folder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+MAX_DIMS = 8
+MAX_TENSORS = 16
+META_MAX = 256
+BATCH_EPOCH_END = 0x1
+START_NEXT_EPOCH = 0
+START_NOW = 1
+
+# Status codes (tsock_status).
+OK = 0
+EAGAIN = -1
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("dtype", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * MAX_DIMS),
+        ("strides", ctypes.c_int64 * MAX_DIMS),
+        ("offset", ctypes.c_uint64),
+        ("nbytes", ctypes.c_uint64),
+        ("data", ctypes.c_void_p),
+    ]
+
+
+class Batch(ctypes.Structure):
+    _fields_ = [
+        ("seq", ctypes.c_uint64),
+        ("epoch", ctypes.c_uint64),
+        ("index", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("n_tensors", ctypes.c_uint32),
+        ("tensors", ctypes.POINTER(Tensor)),
+        ("meta", ctypes.c_void_p),
+        ("meta_len", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("publish_ns", ctypes.c_uint64),
+    ]
+
+
+class ReaderOptions(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("start", ctypes.c_int32),
+        ("attach_timeout_ns", ctypes.c_int64),
+        ("max_held", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("spin_ns", ctypes.c_int64),
+    ]
+
+
+class ProducerOptions(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("slot_count", ctypes.c_uint32),
+        ("slot_bytes", ctypes.c_uint64),
+        ("max_readers", ctypes.c_uint32),
+        ("mode", ctypes.c_uint32),
+        ("gid", ctypes.c_int64),
+        ("evict_after_ns", ctypes.c_int64),
+    ]
+
+
+class ProducerStats(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("readers", ctypes.c_uint32),
+        ("published", ctypes.c_uint64),
+        ("epoch", ctypes.c_uint64),
+        ("backpressure_ns", ctypes.c_uint64),
+        ("readers_reclaimed", ctypes.c_uint64),
+        ("readers_evicted", ctypes.c_uint64),
+    ]
+
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+_COMMON = {
+    "tsock_status_str": (ctypes.c_char_p, [_I]),
+    "tsock_last_error": (ctypes.c_char_p, []),
+    "tsock_dtype_size": (ctypes.c_size_t, [_I]),
+    "tsock_reader_options_init": (None, [ctypes.POINTER(ReaderOptions)]),
+    "tsock_reader_attach": (_I, [ctypes.c_char_p, ctypes.POINTER(ReaderOptions), ctypes.POINTER(_P)]),
+    "tsock_reader_acquire": (_I, [_P, ctypes.POINTER(ctypes.POINTER(Batch)), ctypes.c_int64]),
+    "tsock_reader_release": (_I, [_P, ctypes.POINTER(Batch)]),
+    "tsock_reader_payload_range": (_I, [_P, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint64)]),
+    "tsock_reader_detach": (_I, [_P]),
+}
+
+_PRODUCER = {
+    "tsock_producer_options_init": (None, [ctypes.POINTER(ProducerOptions)]),
+    "tsock_producer_create": (_I, [ctypes.c_char_p, ctypes.POINTER(ProducerOptions), ctypes.POINTER(_P)]),
+    "tsock_producer_reserve": (_I, [_P, ctypes.c_uint64, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
+    "tsock_producer_publish": (_I, [_P, ctypes.POINTER(Tensor), ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32]),
+    "tsock_producer_abort": (_I, [_P]),
+    "tsock_producer_end_epoch": (_I, [_P, ctypes.c_int64]),
+    "tsock_producer_wait_readers": (_I, [_P, ctypes.c_uint32, ctypes.c_int64]),
+    "tsock_producer_stats": (_I, [_P, ctypes.POINTER(ProducerStats)]),
+    "tsock_producer_close": (_I, [_P]),
+}
+
+
+def library_dirs() -> list[Path]:
+    """Folders searched for the libraries, in order."""
+    dirs = []
+    env = os.environ.get("TSOCK_LIBRARY_DIR")
+    if env:
+        dirs.append(Path(env))
+    here = Path(__file__).resolve().parent
+    dirs.append(here / "_lib")
+    dirs.append(here.parent.parent / "build")
+    return dirs
+
+
+def _find(filename: str) -> Path:
+    for d in library_dirs():
+        if (d / filename).is_file():
+            return d / filename
+    searched = ", ".join(str(d) for d in library_dirs())
+    raise OSError(f"{filename} not found (searched {searched}); build it with `make build`")
+
+
+def _declare(lib: ctypes.CDLL, table: dict) -> None:
+    for name, (restype, argtypes) in table.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def load(reader_only: bool = False) -> ctypes.CDLL:
+    """Loads libtsock_reader.so (reader_only) or libtsock.so with plain
+    ctypes.CDLL and declares its functions."""
+    lib = ctypes.CDLL(str(_find("libtsock_reader.so" if reader_only else "libtsock.so")))
+    _declare(lib, _COMMON)
+    if not reader_only:
+        _declare(lib, _PRODUCER)
+    return lib
