@@ -1,0 +1,578 @@
+/* test_api.c - the C ABI of libtsock.so (producer and reader), in one process. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+
+#include "test_util.h"
+
+static tsock_producer_t *make_producer(const char *name, uint32_t slots, uint64_t slot_bytes) {
+  tsock_producer_options_t o;
+  tsock_producer_options_init(&o);
+  o.slot_count = slots;
+  o.slot_bytes = slot_bytes;
+  tsock_producer_t *p = NULL;
+  CHECK_RC(tsock_producer_create(name, &o, &p), TSOCK_OK);
+  return p;
+}
+
+static tsock_reader_t *make_reader(const char *name, int start) {
+  tsock_reader_options_t o;
+  tsock_reader_options_init(&o);
+  o.start = start;
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, &o, &r), TSOCK_OK);
+  return r;
+}
+
+/* Publishes one batch: a uint32 [1] tensor holding `value`. */
+static void publish_value(tsock_producer_t *p, uint32_t value) {
+  void *buf = NULL;
+  CHECK_RC(tsock_producer_reserve(p, 4, 1000 * MS, &buf), TSOCK_OK);
+  if (buf == NULL) return;
+  memcpy(buf, &value, 4);
+  tsock_tensor_t t;
+  const int64_t shape[1] = {1};
+  CHECK_RC(tsock_tensor_init(&t, TSOCK_DTYPE_UINT32, 1, shape, 0), TSOCK_OK);
+  CHECK_RC(tsock_producer_publish(p, &t, 1, NULL, 0), TSOCK_OK);
+}
+
+static uint32_t batch_value(const tsock_batch_t *b) {
+  uint32_t v = UINT32_MAX;
+  if (b->n_tensors == 1 && b->tensors[0].dtype == TSOCK_DTYPE_UINT32) memcpy(&v, b->tensors[0].data, 4);
+  return v;
+}
+
+static void test_options_init(void) {
+  tsock_producer_options_t po;
+  memset(&po, 0xff, sizeof po);
+  tsock_producer_options_init(&po);
+  CHECK(po.size == sizeof po);
+  CHECK(po.slot_count == 16 && po.slot_bytes == 1u << 20 && po.max_readers == 64);
+  CHECK(po.mode == 0600 && po.gid == -1 && po.evict_after_ns == 0);
+  tsock_reader_options_t ro;
+  memset(&ro, 0xff, sizeof ro);
+  tsock_reader_options_init(&ro);
+  CHECK(ro.size == sizeof ro);
+  CHECK(ro.start == TSOCK_START_NEXT_EPOCH && ro.attach_timeout_ns == 0 && ro.max_held == 4);
+  CHECK(ro.reserved == 0 && ro.spin_ns == 20000);
+  tsock_producer_options_init(NULL); /* no crash */
+  tsock_reader_options_init(NULL);
+}
+
+static void test_status_strings(void) {
+  const char *seen[22];
+  for (int s = 0; s >= TSOCK_ENOMEM; s--) {
+    const char *str = tsock_status_str(s);
+    CHECK(str != NULL && str[0] != '\0' && strcmp(str, "unknown status") != 0);
+    seen[-s] = str;
+    for (int k = 0; k < -s; k++) CHECK(strcmp(seen[k], str) != 0);
+  }
+  CHECK(strcmp(tsock_status_str(TSOCK_ENOMEM - 1), "unknown status") == 0);
+  CHECK(strcmp(tsock_status_str(1), "unknown status") == 0);
+  CHECK(strcmp(tsock_status_str(-1000), "unknown status") == 0);
+  CHECK(strcmp(tsock_status_str(TSOCK_OK), "ok") == 0);
+}
+
+static void test_names(void) {
+  char long65[66];
+  memset(long65, 'a', 65);
+  long65[65] = '\0';
+  const char *bad[] = {"", long65, "a/b", "..", ".", "a b", "x\xc3\xa9", NULL};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    tsock_producer_t *p = (tsock_producer_t *)1;
+    tsock_reader_t *r = (tsock_reader_t *)1;
+    CHECK_RC(tsock_producer_create(bad[i], NULL, &p), TSOCK_ENAME);
+    CHECK(p == (tsock_producer_t *)1); /* out-parameters untouched on error */
+    CHECK_RC(tsock_reader_attach(bad[i], NULL, &r), TSOCK_ENAME);
+    CHECK(r == (tsock_reader_t *)1);
+  }
+  /* 64 characters, with every allowed punctuation, is fine. */
+  char buf[80];
+  snprintf(buf, sizeof buf, "._-%053d%08d", 0, (int)getpid() % 100000000);
+  const char *name = test_keep(buf);
+  CHECK(strlen(name) == TSOCK_NAME_MAX);
+  tsock_producer_t *p = NULL;
+  CHECK_RC(tsock_producer_create(name, NULL, &p), TSOCK_OK);
+  if (p != NULL) {
+    tsock_reader_t *r = NULL;
+    CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_OK);
+    if (r != NULL) CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+    CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+  }
+}
+
+static void test_null_pointers(void) {
+  const char *name = test_name("tapi", "null");
+  tsock_producer_t *p = NULL;
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_producer_create(name, NULL, NULL), TSOCK_EINVAL);
+  CHECK_RC(tsock_reader_attach(name, NULL, NULL), TSOCK_EINVAL);
+  CHECK_RC(tsock_tensor_init(NULL, TSOCK_DTYPE_INT8, 0, NULL, 0), TSOCK_EINVAL);
+  tsock_tensor_t t;
+  CHECK_RC(tsock_tensor_init(&t, TSOCK_DTYPE_INT8, 1, NULL, 0), TSOCK_EINVAL);
+
+  /* NULL handles */
+  void *buf = NULL;
+  const tsock_batch_t *b = NULL;
+  tsock_producer_stats_t st = {.size = sizeof st};
+  CHECK_RC(tsock_producer_reserve(NULL, 1, 0, &buf), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_publish(NULL, NULL, 0, NULL, 0), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_abort(NULL), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_end_epoch(NULL, 0), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_wait_readers(NULL, 1, 0), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_stats(NULL, &st), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_close(NULL), TSOCK_EHANDLE);
+  CHECK_RC(tsock_reader_acquire(NULL, &b, 0), TSOCK_EHANDLE);
+  CHECK_RC(tsock_reader_release(NULL, b), TSOCK_EHANDLE);
+  CHECK_RC(tsock_reader_payload_range(NULL, NULL, NULL), TSOCK_EHANDLE);
+  CHECK_RC(tsock_reader_detach(NULL), TSOCK_EHANDLE);
+
+  /* NULL out-parameters on live handles */
+  p = make_producer(name, 4, 4096);
+  r = make_reader(name, TSOCK_START_NEXT_EPOCH);
+  if (p == NULL || r == NULL) return;
+  CHECK_RC(tsock_producer_reserve(p, 1, 0, NULL), TSOCK_EINVAL);
+  CHECK_RC(tsock_producer_stats(p, NULL), TSOCK_EINVAL);
+  CHECK_RC(tsock_producer_reserve(p, 8, 0, &buf), TSOCK_OK);
+  CHECK_RC(tsock_producer_publish(p, NULL, 1, NULL, 0), TSOCK_EINVAL);
+  CHECK_RC(tsock_producer_publish(p, NULL, 0, NULL, 4), TSOCK_EINVAL);
+  CHECK_RC(tsock_producer_publish(p, NULL, 0, NULL, 0), TSOCK_OK); /* an empty batch is fine */
+  CHECK_RC(tsock_reader_acquire(r, NULL, 0), TSOCK_EINVAL);
+  CHECK_RC(tsock_reader_release(r, NULL), TSOCK_EINVAL);
+  const void *base = NULL;
+  uint64_t len = 0;
+  CHECK_RC(tsock_reader_payload_range(r, NULL, &len), TSOCK_EINVAL);
+  CHECK_RC(tsock_reader_payload_range(r, &base, NULL), TSOCK_EINVAL);
+  CHECK_RC(tsock_reader_payload_range(r, &base, &len), TSOCK_OK);
+  CHECK(base != NULL && len == 4 * 4096);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    CHECK(b->n_tensors == 0 && b->meta_len == 0 && b->flags == 0);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_ESTATE); /* released already */
+  }
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
+static void test_closed_handles(void) {
+  const char *name = test_name("tapi", "closed");
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NEXT_EPOCH);
+  if (p == NULL || r == NULL) return;
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_EHANDLE);
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 0), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_EHANDLE);
+  void *buf = NULL;
+  CHECK_RC(tsock_producer_reserve(p, 1, 0, &buf), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_publish(p, NULL, 0, NULL, 0), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_abort(p), TSOCK_EHANDLE);
+  CHECK_RC(tsock_producer_wait_readers(p, 0, 0), TSOCK_EHANDLE);
+  tsock_producer_stats_t st = {.size = sizeof st};
+  CHECK_RC(tsock_producer_stats(p, &st), TSOCK_EHANDLE);
+  /* Made-up handles are refused, never dereferenced. */
+  CHECK_RC(tsock_producer_close((tsock_producer_t *)(uintptr_t)0xdeadbeef0), TSOCK_EHANDLE);
+  CHECK_RC(tsock_reader_acquire((tsock_reader_t *)(uintptr_t)0xdeadbeef0, &b, 0), TSOCK_EHANDLE);
+  CHECK_RC(tsock_reader_detach((tsock_reader_t *)(uintptr_t)0x80003), TSOCK_EHANDLE);
+}
+
+static void test_bad_options(void) {
+  const char *name = test_name("tapi", "opts");
+  tsock_producer_options_t po;
+  tsock_producer_t *p = NULL;
+  tsock_producer_options_init(&po);
+  po.size = 4;
+  CHECK_RC(tsock_producer_create(name, &po, &p), TSOCK_EINVAL);
+  tsock_producer_options_init(&po);
+  po.slot_count = 3;
+  CHECK_RC(tsock_producer_create(name, &po, &p), TSOCK_EINVAL);
+  tsock_producer_options_init(&po);
+  po.max_readers = 2000;
+  CHECK_RC(tsock_producer_create(name, &po, &p), TSOCK_EINVAL);
+  tsock_producer_options_init(&po);
+  po.mode = 01777;
+  CHECK_RC(tsock_producer_create(name, &po, &p), TSOCK_EINVAL);
+  CHECK(p == NULL);
+
+  p = make_producer(name, 4, 4096);
+  tsock_reader_options_t ro;
+  tsock_reader_t *r = NULL;
+  tsock_reader_options_init(&ro);
+  ro.size = sizeof ro + 8;
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
+  tsock_reader_options_init(&ro);
+  ro.max_held = 0;
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
+  tsock_reader_options_init(&ro);
+  ro.start = 7;
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
+  tsock_reader_options_init(&ro);
+  ro.reserved = 1;
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
+  CHECK(r == NULL);
+  if (p != NULL) {
+    tsock_producer_stats_t st;
+    st.size = 8;
+    CHECK_RC(tsock_producer_stats(p, &st), TSOCK_EINVAL);
+    CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+  }
+}
+
+static void test_producer_errors(void) {
+  const char *name = test_name("tapi", "perr");
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  if (p == NULL) return;
+  tsock_producer_t *p2 = NULL;
+  CHECK_RC(tsock_producer_create(name, NULL, &p2), TSOCK_EEXIST);
+  CHECK(p2 == NULL);
+
+  void *buf = NULL;
+  tsock_tensor_t t;
+  const int64_t shape[1] = {16};
+  CHECK_RC(tsock_tensor_init(&t, TSOCK_DTYPE_FLOAT32, 1, shape, 0), TSOCK_OK);
+  CHECK_RC(tsock_producer_publish(p, &t, 1, NULL, 0), TSOCK_ESTATE); /* nothing reserved */
+  CHECK_RC(tsock_producer_abort(p), TSOCK_ESTATE);
+  CHECK_RC(tsock_producer_reserve(p, 4097, 0, &buf), TSOCK_ETOOBIG);
+  CHECK(buf == NULL);
+  CHECK_RC(tsock_producer_reserve(p, 64, 0, &buf), TSOCK_OK);
+  CHECK_RC(tsock_producer_reserve(p, 64, 0, &buf), TSOCK_ESTATE); /* reserved twice */
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_ESTATE);        /* while reserved */
+
+  tsock_tensor_t bad = t;
+  bad.dtype = 99;
+  CHECK_RC(tsock_producer_publish(p, &bad, 1, NULL, 0), TSOCK_EDTYPE);
+  bad = t;
+  bad.ndim = 9;
+  CHECK_RC(tsock_producer_publish(p, &bad, 1, NULL, 0), TSOCK_EDTYPE);
+  bad = t;
+  bad.ndim = -1;
+  CHECK_RC(tsock_producer_publish(p, &bad, 1, NULL, 0), TSOCK_EDTYPE);
+  bad = t;
+  bad.offset = 2; /* not a multiple of 4 */
+  CHECK_RC(tsock_producer_publish(p, &bad, 1, NULL, 0), TSOCK_EDTYPE);
+  bad = t;
+  bad.strides[0] = -1;
+  CHECK_RC(tsock_producer_publish(p, &bad, 1, NULL, 0), TSOCK_EDTYPE);
+  const int64_t big[1] = {17}; /* 68 bytes, 64 reserved */
+  CHECK_RC(tsock_tensor_init(&bad, TSOCK_DTYPE_FLOAT32, 1, big, 0), TSOCK_OK);
+  CHECK_RC(tsock_producer_publish(p, &bad, 1, NULL, 0), TSOCK_ETOOBIG);
+  CHECK_RC(tsock_tensor_init(&bad, TSOCK_DTYPE_FLOAT32, 1, shape, 8), TSOCK_OK); /* [8, 72) */
+  CHECK_RC(tsock_producer_publish(p, &bad, 1, NULL, 0), TSOCK_ETOOBIG);
+  bad = t;
+  bad.strides[0] = 2; /* elements up to byte 124 */
+  CHECK_RC(tsock_producer_publish(p, &bad, 1, NULL, 0), TSOCK_ETOOBIG);
+  tsock_tensor_t many[TSOCK_MAX_TENSORS + 1];
+  for (int i = 0; i <= TSOCK_MAX_TENSORS; i++) many[i] = t;
+  CHECK_RC(tsock_producer_publish(p, many, TSOCK_MAX_TENSORS + 1, NULL, 0), TSOCK_ETOOBIG);
+  uint8_t meta[TSOCK_META_MAX + 1] = {0};
+  CHECK_RC(tsock_producer_publish(p, &t, 1, meta, TSOCK_META_MAX + 1), TSOCK_ETOOBIG);
+  /* The reservation survived every failed publish. */
+  CHECK_RC(tsock_producer_publish(p, many, TSOCK_MAX_TENSORS, meta, TSOCK_META_MAX), TSOCK_OK);
+  CHECK_RC(tsock_producer_reserve(p, 64, 0, &buf), TSOCK_OK);
+  CHECK_RC(tsock_producer_abort(p), TSOCK_OK);
+  CHECK_RC(tsock_producer_abort(p), TSOCK_ESTATE);
+
+  /* tsock_tensor_init's own checks */
+  CHECK_RC(tsock_tensor_init(&bad, 0, 1, shape, 0), TSOCK_EDTYPE);
+  CHECK_RC(tsock_tensor_init(&bad, 14, 1, shape, 0), TSOCK_EDTYPE);
+  const int64_t nine[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+  CHECK_RC(tsock_tensor_init(&bad, TSOCK_DTYPE_INT8, 9, nine, 0), TSOCK_EDTYPE);
+  const int64_t neg[2] = {2, -1};
+  CHECK_RC(tsock_tensor_init(&bad, TSOCK_DTYPE_INT8, 2, neg, 0), TSOCK_EDTYPE);
+  CHECK(tsock_dtype_size(0) == 0 && tsock_dtype_size(14) == 0);
+
+  CHECK_RC(tsock_producer_wait_readers(p, 1, 10 * MS), TSOCK_ETIMEDOUT);
+  tsock_producer_stats_t st = {.size = sizeof st};
+  CHECK_RC(tsock_producer_stats(p, &st), TSOCK_OK);
+  CHECK(st.published == 1 && st.readers == 0 && st.epoch == 0);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
+static void test_attach_missing(void) {
+  const char *name = test_name("tapi", "missing");
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_ENOENT);
+  CHECK(strstr(tsock_last_error(), name) != NULL);
+  tsock_reader_options_t o;
+  tsock_reader_options_init(&o);
+  o.attach_timeout_ns = 50 * MS;
+  int64_t t0 = test_now_ns();
+  CHECK_RC(tsock_reader_attach(name, &o, &r), TSOCK_ENOENT);
+  int64_t waited = test_now_ns() - t0;
+  CHECK(waited >= 50 * MS && waited < 2000 * MS);
+  CHECK(r == NULL);
+}
+
+static void *create_later(void *arg) {
+  struct timespec ts = {0, 30 * MS};
+  nanosleep(&ts, NULL);
+  tsock_producer_t *p = NULL;
+  tsock_producer_create((const char *)arg, NULL, &p);
+  return p;
+}
+
+static void test_attach_timeout_waits(void) {
+  const char *name = test_name("tapi", "later");
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, create_later, (void *)name) == 0);
+  tsock_reader_options_t o;
+  tsock_reader_options_init(&o);
+  o.attach_timeout_ns = 5000 * MS;
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, &o, &r), TSOCK_OK);
+  void *p = NULL;
+  pthread_join(th, &p);
+  CHECK(p != NULL);
+  if (r != NULL) CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  if (p != NULL) CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
+/* One batch with a tensor of every dtype, plus a strided, a scalar and an
+ * empty tensor, read back and compared byte for byte. */
+static void test_roundtrip_dtypes(void) {
+  const char *name = test_name("tapi", "dtypes");
+  tsock_producer_t *p = make_producer(name, 4, 8192);
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NEXT_EPOCH);
+  if (p == NULL || r == NULL) return;
+  enum { NT = 16, STRIDE = 128, N = 4 };
+  uint8_t *buf = NULL;
+  CHECK_RC(tsock_producer_reserve(p, NT * STRIDE, 0, (void **)&buf), TSOCK_OK);
+  if (buf == NULL) return;
+  tsock_tensor_t t[NT];
+  const int64_t shape[1] = {N};
+  for (int d = TSOCK_DTYPE_BOOL; d <= TSOCK_DTYPE_FLOAT64; d++) {
+    int k = d - 1;
+    size_t item = tsock_dtype_size(d);
+    CHECK(item == (d == 1 || d == 2 || d == 6 ? 1 : d == 3 || d == 7 || d == 10 || d == 11 ? 2
+                   : d == 4 || d == 8 || d == 12                                   ? 4
+                                                                                   : 8));
+    CHECK_RC(tsock_tensor_init(&t[k], d, 1, shape, (uint64_t)k * STRIDE), TSOCK_OK);
+    CHECK(t[k].nbytes == N * item && t[k].strides[0] == 1);
+    uint8_t *dst = buf + k * STRIDE;
+    switch (d) {
+    case TSOCK_DTYPE_BOOL: { const uint8_t v[N] = {1, 0, 1, 1}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_INT8: { const int8_t v[N] = {-128, -1, 0, 127}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_INT16: { const int16_t v[N] = {-32768, -2, 3, 32767}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_INT32: { const int32_t v[N] = {INT32_MIN, -3, 4, INT32_MAX}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_INT64: { const int64_t v[N] = {INT64_MIN, -4, 5, INT64_MAX}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_UINT8: { const uint8_t v[N] = {0, 1, 200, 255}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_UINT16: { const uint16_t v[N] = {0, 2, 40000, 65535}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_UINT32: { const uint32_t v[N] = {0, 3, 3000000000u, UINT32_MAX}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_UINT64: { const uint64_t v[N] = {0, 4, 1ull << 63, UINT64_MAX}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_FLOAT16: { const uint16_t v[N] = {0x3c00, 0xc000, 0x7bff, 0x0001}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_BFLOAT16: { const uint16_t v[N] = {0x3f80, 0xc040, 0x7f7f, 0x0080}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_FLOAT32: { const float v[N] = {1.5f, -2.25f, 3.0e38f, 1.0e-38f}; memcpy(dst, v, sizeof v); break; }
+    case TSOCK_DTYPE_FLOAT64: { const double v[N] = {1.5, -2.25, 1.0e300, 5.0e-324}; memcpy(dst, v, sizeof v); break; }
+    }
+  }
+  /* 13: int32 [3, 4] in column-major order (strides {1, 3}) */
+  const int64_t s2[2] = {3, 4};
+  CHECK_RC(tsock_tensor_init(&t[13], TSOCK_DTYPE_INT32, 2, s2, 13 * STRIDE), TSOCK_OK);
+  CHECK(t[13].strides[0] == 4 && t[13].strides[1] == 1 && t[13].nbytes == 48);
+  t[13].strides[0] = 1;
+  t[13].strides[1] = 3;
+  for (int32_t i = 0; i < 12; i++) memcpy(buf + 13 * STRIDE + 4 * i, &i, 4);
+  /* 14: a scalar; 15: an empty tensor */
+  CHECK_RC(tsock_tensor_init(&t[14], TSOCK_DTYPE_FLOAT64, 0, NULL, 14 * STRIDE), TSOCK_OK);
+  CHECK(t[14].nbytes == 8);
+  const double pi = 3.14159;
+  memcpy(buf + 14 * STRIDE, &pi, 8);
+  const int64_t s0[2] = {5, 0};
+  CHECK_RC(tsock_tensor_init(&t[15], TSOCK_DTYPE_INT16, 2, s0, 15 * STRIDE), TSOCK_OK);
+  CHECK(t[15].nbytes == 0);
+  const char meta[] = "every dtype";
+  CHECK_RC(tsock_producer_publish(p, t, NT, meta, sizeof meta), TSOCK_OK);
+
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b == NULL) return;
+  CHECK(b->seq == 0 && b->epoch == 0 && b->index == 0 && b->flags == 0);
+  CHECK(b->publish_ns > 0);
+  CHECK(b->meta_len == sizeof meta && memcmp(b->meta, meta, sizeof meta) == 0);
+  CHECK(b->n_tensors == NT);
+  const void *base = NULL;
+  uint64_t len = 0;
+  CHECK_RC(tsock_reader_payload_range(r, &base, &len), TSOCK_OK);
+  for (int k = 0; k < NT && k < (int)b->n_tensors; k++) {
+    const tsock_tensor_t *g = &b->tensors[k];
+    CHECK(g->dtype == t[k].dtype && g->ndim == t[k].ndim);
+    CHECK(g->offset == t[k].offset && g->nbytes == t[k].nbytes);
+    for (int i = 0; i < t[k].ndim; i++) CHECK(g->shape[i] == t[k].shape[i] && g->strides[i] == t[k].strides[i]);
+    const uint8_t *data = g->data;
+    CHECK(data >= (const uint8_t *)base && data + g->nbytes <= (const uint8_t *)base + len);
+    if (k < 15) CHECK(memcmp(data, buf + k * STRIDE, g->nbytes) == 0); /* same shared memory, read back */
+  }
+  const int32_t *m = b->tensors[13].data; /* element (i, j) at i*1 + j*3 */
+  CHECK(m[2 * 1 + 3 * 3] == 11);
+  double scalar;
+  memcpy(&scalar, b->tensors[14].data, 8);
+  CHECK(scalar == pi);
+  float f[N];
+  memcpy(f, b->tensors[TSOCK_DTYPE_FLOAT32 - 1].data, sizeof f);
+  CHECK(f[0] == 1.5f && f[1] == -2.25f && f[2] == 3.0e38f);
+  int64_t i64[N];
+  memcpy(i64, b->tensors[TSOCK_DTYPE_INT64 - 1].data, sizeof i64);
+  CHECK(i64[0] == INT64_MIN && i64[3] == INT64_MAX);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
+static void test_epochs_and_close(void) {
+  const char *name = test_name("tapi", "epochs");
+  tsock_producer_t *p = make_producer(name, 16, 4096);
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NEXT_EPOCH);
+  if (p == NULL || r == NULL) return;
+  for (uint32_t i = 0; i < 3; i++) publish_value(p, i);
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_OK);
+  for (uint32_t i = 0; i < 2; i++) publish_value(p, 10 + i);
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_OK);
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_OK); /* an empty epoch */
+  publish_value(p, 20);
+  tsock_producer_stats_t st = {.size = sizeof st};
+  CHECK_RC(tsock_producer_stats(p, &st), TSOCK_OK);
+  CHECK(st.published == 9 && st.epoch == 3 && st.readers == 1);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+
+  /* expected: epoch, index, marker?, value */
+  const struct { uint64_t epoch, index; int marker; uint32_t value; } want[] = {
+      {0, 0, 0, 0}, {0, 1, 0, 1}, {0, 2, 0, 2}, {0, 3, 1, 0},  {1, 0, 0, 10},
+      {1, 1, 0, 11}, {1, 2, 1, 0}, {2, 0, 1, 0}, {3, 0, 0, 20},
+  };
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+    const tsock_batch_t *b = NULL;
+    CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+    if (b == NULL) return;
+    CHECK(b->seq == i && b->epoch == want[i].epoch && b->index == want[i].index);
+    if (want[i].marker) {
+      CHECK(b->flags == TSOCK_BATCH_EPOCH_END && b->n_tensors == 0);
+    } else {
+      CHECK(b->flags == 0 && batch_value(b) == want[i].value);
+    }
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+  /* Drained and closed: TSOCK_ECLOSED at once and on every later call. */
+  const tsock_batch_t *b = NULL;
+  int64_t t0 = test_now_ns();
+  CHECK_RC(tsock_reader_acquire(r, &b, 5000 * MS), TSOCK_ECLOSED);
+  CHECK(test_now_ns() - t0 < 1000 * MS);
+  CHECK_RC(tsock_reader_acquire(r, &b, 0), TSOCK_ECLOSED);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  /* The name is gone with the producer, and free for a new one. */
+  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_ENOENT);
+  p = make_producer(name, 4, 4096);
+  if (p != NULL) CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
+static void test_backpressure(void) {
+  const char *name = test_name("tapi", "bp");
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NEXT_EPOCH);
+  if (p == NULL || r == NULL) return;
+  for (uint32_t i = 0; i < 4; i++) publish_value(p, i);
+  const tsock_batch_t *held[4] = {0};
+  for (int i = 0; i < 4; i++) CHECK_RC(tsock_reader_acquire(r, &held[i], 1000 * MS), TSOCK_OK);
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 0), TSOCK_ESTATE); /* max_held (4) batches held */
+
+  void *buf = NULL;
+  CHECK_RC(tsock_producer_reserve(p, 4, 0, &buf), TSOCK_EBACKPRESSURE);
+  int64_t t0 = test_now_ns();
+  CHECK_RC(tsock_producer_reserve(p, 4, 20 * MS, &buf), TSOCK_ETIMEDOUT);
+  int64_t waited = test_now_ns() - t0;
+  CHECK(waited >= 20 * MS && waited < 2000 * MS);
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_EBACKPRESSURE);
+  CHECK(buf == NULL);
+
+  if (held[0] == NULL || held[3] == NULL) return;
+  CHECK(batch_value(held[0]) == 0 && batch_value(held[3]) == 3);
+  CHECK_RC(tsock_reader_release(r, held[0]), TSOCK_OK); /* frees exactly one slot */
+  CHECK_RC(tsock_producer_reserve(p, 4, 0, &buf), TSOCK_OK);
+  CHECK_RC(tsock_producer_abort(p), TSOCK_OK);
+  publish_value(p, 4);
+  CHECK_RC(tsock_producer_reserve(p, 4, 0, &buf), TSOCK_EBACKPRESSURE);
+  CHECK_RC(tsock_reader_release(r, held[3]), TSOCK_OK); /* releases 1..3 too */
+  CHECK_RC(tsock_reader_release(r, held[2]), TSOCK_ESTATE);
+  for (uint32_t i = 5; i < 8; i++) publish_value(p, i);
+  tsock_producer_stats_t st = {.size = sizeof st};
+  CHECK_RC(tsock_producer_stats(p, &st), TSOCK_OK);
+  CHECK(st.published == 8 && st.backpressure_ns >= 20 * MS);
+
+  /* A reader that detaches no longer holds the producer back. */
+  CHECK_RC(tsock_producer_reserve(p, 4, 0, &buf), TSOCK_EBACKPRESSURE);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK_RC(tsock_producer_reserve(p, 4, 0, &buf), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
+static void test_late_join(void) {
+  const char *name = test_name("tapi", "late");
+  tsock_producer_t *p = make_producer(name, 16, 4096);
+  if (p == NULL) return;
+  for (uint32_t i = 0; i < 3; i++) publish_value(p, i); /* epoch 0, nobody reading */
+  tsock_reader_t *next = make_reader(name, TSOCK_START_NEXT_EPOCH);
+  tsock_reader_t *now = make_reader(name, TSOCK_START_NOW);
+  if (next == NULL || now == NULL) return;
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(next, &b, 0), TSOCK_EAGAIN);
+  CHECK_RC(tsock_reader_acquire(now, &b, 0), TSOCK_EAGAIN);
+  CHECK_RC(tsock_reader_acquire(now, &b, 10 * MS), TSOCK_EAGAIN);
+  for (uint32_t i = 3; i < 5; i++) publish_value(p, i);
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_OK);
+  publish_value(p, 100);
+
+  b = NULL;
+  CHECK_RC(tsock_reader_acquire(now, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    CHECK(b->seq == 3 && b->epoch == 0 && b->index == 3 && batch_value(b) == 3);
+    CHECK_RC(tsock_reader_release(now, b), TSOCK_OK);
+  }
+  b = NULL;
+  CHECK_RC(tsock_reader_acquire(next, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    CHECK(b->seq == 6 && b->epoch == 1 && b->index == 0 && b->flags == 0);
+    CHECK(batch_value(b) == 100);
+    CHECK_RC(tsock_reader_release(next, b), TSOCK_OK);
+  }
+  CHECK_RC(tsock_reader_detach(next), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(now), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
+static void test_wait_readers(void) {
+  const char *name = test_name("tapi", "wait");
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  if (p == NULL) return;
+  tsock_reader_t *r1 = make_reader(name, TSOCK_START_NOW);
+  tsock_reader_t *r2 = make_reader(name, TSOCK_START_NOW);
+  CHECK_RC(tsock_producer_wait_readers(p, 2, 1000 * MS), TSOCK_OK);
+  CHECK_RC(tsock_producer_wait_readers(p, 3, 10 * MS), TSOCK_ETIMEDOUT);
+  if (r1 != NULL) CHECK_RC(tsock_reader_detach(r1), TSOCK_OK);
+  tsock_producer_stats_t st = {.size = sizeof st};
+  CHECK_RC(tsock_producer_stats(p, &st), TSOCK_OK);
+  CHECK(st.readers == 1);
+  if (r2 != NULL) CHECK_RC(tsock_reader_detach(r2), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
+int main(void) {
+  test_options_init();
+  test_status_strings();
+  test_names();
+  test_null_pointers();
+  test_closed_handles();
+  test_bad_options();
+  test_producer_errors();
+  test_attach_missing();
+  test_attach_timeout_waits();
+  test_roundtrip_dtypes();
+  test_epochs_and_close();
+  test_backpressure();
+  test_late_join();
+  test_wait_readers();
+  return test_report("test_api");
+}

@@ -1,0 +1,275 @@
+/* test_segment.c - libtsock_reader.so (no Go) against segments crafted by
+ * hand in /dev/shm: foreign, truncated, other-version and inconsistent
+ * files, and a valid segment whose "producer" is this test. */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+
+#include "layout.h"
+#include "test_util.h"
+
+/* A valid header for the given geometry. */
+static void make_header(tsock_header *h, uint32_t slots, uint32_t readers, uint64_t slot_bytes) {
+  memset(h, 0, sizeof *h);
+  tsock_geometry g;
+  if (tsock_layout_geometry(slots, readers, slot_bytes, &g) != 0) abort();
+  h->magic = TSOCK_MAGIC;
+  h->layout_version = TSOCK_LAYOUT_VERSION;
+  h->header_size = sizeof(tsock_header);
+  h->slot_size = sizeof(tsock_slot);
+  h->reader_record_size = sizeof(tsock_reader_record);
+  h->slot_count = slots;
+  h->reader_capacity = readers;
+  h->slot_payload_bytes = g.slot_payload_bytes;
+  h->readers_offset = g.readers_offset;
+  h->slots_offset = g.slots_offset;
+  h->payload_offset = g.payload_offset;
+  h->total_bytes = g.total_bytes;
+  h->producer_pid = (int32_t)getpid();
+  h->state = TSOCK_STATE_OPEN;
+  snprintf(h->name, sizeof h->name, "crafted");
+}
+
+/* Creates /dev/shm/tsock.<name> of `size` bytes starting with `head`
+ * (head_len bytes). Returns the open descriptor. */
+static int write_file(const char *name, const void *head, size_t head_len, uint64_t size) {
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0 || ftruncate(fd, (off_t)size) != 0 ||
+      pwrite(fd, head, head_len, 0) != (ssize_t)head_len) {
+    perror(path);
+    exit(1);
+  }
+  return fd;
+}
+
+static void remove_file(const char *name) {
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  unlink(path);
+}
+
+/* Attach must fail with `want` and a message containing `needle`. */
+static void expect_attach(const char *name, int want, const char *needle) {
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, &r), want);
+  CHECK(r == NULL);
+  if (needle != NULL && strstr(tsock_last_error(), needle) == NULL) {
+    fprintf(stderr, "attach %s: message '%s' lacks '%s'\n", name, tsock_last_error(), needle);
+    test_failures++;
+  }
+}
+
+static void test_foreign(void) {
+  const char *name = test_name("tseg", "foreign");
+  uint8_t junk[8192];
+  uint64_t x = 88172645463325252ull; /* xorshift64 */
+  for (size_t i = 0; i < sizeof junk; i++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    junk[i] = (uint8_t)x;
+  }
+  close(write_file(name, junk, sizeof junk, sizeof junk));
+  expect_attach(name, TSOCK_ECORRUPT, "bad magic");
+  remove_file(name);
+}
+
+static void test_truncated(void) {
+  const char *name = test_name("tseg", "trunc");
+  tsock_header h;
+  make_header(&h, 4, 2, 4096);
+  close(write_file(name, &h, 100, 100));
+  expect_attach(name, TSOCK_ECORRUPT, "100 bytes");
+  remove_file(name);
+  close(write_file(name, "", 0, 0)); /* empty */
+  expect_attach(name, TSOCK_ECORRUPT, NULL);
+  remove_file(name);
+}
+
+static void test_version(void) {
+  const char *name = test_name("tseg", "version");
+  tsock_header h;
+  make_header(&h, 4, 2, 4096);
+  h.layout_version = 99;
+  close(write_file(name, &h, sizeof h, h.total_bytes));
+  expect_attach(name, TSOCK_EVERSION, "99");
+  remove_file(name);
+}
+
+static void test_inconsistent(void) {
+  const char *name = test_name("tseg", "size");
+  tsock_header h;
+  make_header(&h, 4, 2, 4096);
+  /* file larger, then smaller, than the header's total_bytes */
+  close(write_file(name, &h, sizeof h, h.total_bytes + 4096));
+  expect_attach(name, TSOCK_ECORRUPT, "header says");
+  remove_file(name);
+  close(write_file(name, &h, sizeof h, h.total_bytes - 4096));
+  expect_attach(name, TSOCK_ECORRUPT, "header says");
+  remove_file(name);
+  /* total_bytes matches the file but not the geometry */
+  h.total_bytes += 4096;
+  close(write_file(name, &h, sizeof h, h.total_bytes));
+  expect_attach(name, TSOCK_ECORRUPT, "geometry");
+  remove_file(name);
+  /* wrong struct size */
+  make_header(&h, 4, 2, 4096);
+  h.slot_size += 64;
+  close(write_file(name, &h, sizeof h, h.total_bytes));
+  expect_attach(name, TSOCK_ECORRUPT, "struct sizes");
+  remove_file(name);
+  /* slot count not a power of two */
+  make_header(&h, 4, 2, 4096);
+  h.slot_count = 3;
+  close(write_file(name, &h, sizeof h, h.total_bytes));
+  expect_attach(name, TSOCK_ECORRUPT, NULL);
+  remove_file(name);
+  /* layout_version 0: still being built; attach gives up with ETIMEDOUT */
+  make_header(&h, 4, 2, 4096);
+  h.layout_version = 0;
+  close(write_file(name, &h, sizeof h, h.total_bytes));
+  tsock_reader_options_t o;
+  tsock_reader_options_init(&o);
+  o.attach_timeout_ns = 20 * MS;
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, &o, &r), TSOCK_ETIMEDOUT);
+  remove_file(name);
+}
+
+static void test_no_producer(void) {
+  const char *name = test_name("tseg", "gone");
+  tsock_header h;
+  make_header(&h, 4, 2, 4096);
+  close(write_file(name, &h, sizeof h, h.total_bytes)); /* nobody holds the producer lock */
+  expect_attach(name, TSOCK_EPRODUCER_GONE, "gone");
+  remove_file(name);
+}
+
+/* A fake producer: holds the producer lock and writes slots by hand. */
+typedef struct fake {
+  int fd;
+  uint8_t *map;
+  tsock_header *h;
+} fake;
+
+static int fake_open(fake *f, const char *name, uint32_t slots, uint32_t readers) {
+  tsock_header h;
+  make_header(&h, slots, readers, 4096);
+  f->fd = write_file(name, &h, sizeof h, h.total_bytes);
+  struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = TSOCK_LOCK_PRODUCER, .l_len = 1};
+  if (fcntl(f->fd, F_OFD_SETLK, &fl) != 0) return -1;
+  f->map = mmap(NULL, h.total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd, 0);
+  if (f->map == MAP_FAILED) return -1;
+  f->h = (tsock_header *)f->map;
+  return 0;
+}
+
+/* Writes slot `seq`: a uint8 [n] tensor of bytes seq+j, then publishes it. */
+static void fake_publish(fake *f, uint64_t seq, uint32_t n) {
+  tsock_slot *s = (tsock_slot *)(f->map + f->h->slots_offset) + (seq % f->h->slot_count);
+  uint8_t *payload = f->map + f->h->payload_offset + (seq % f->h->slot_count) * f->h->slot_payload_bytes;
+  __atomic_store_n(&s->stamp, 0, __ATOMIC_RELEASE);
+  memset((uint8_t *)s + 8, 0, sizeof *s - 8);
+  s->epoch = 0;
+  s->index = seq;
+  s->n_tensors = 1;
+  s->payload_bytes = n;
+  s->payload_kind = TSOCK_PAYLOAD_HOST;
+  tsock_shm_tensor *t = &s->tensors[0];
+  t->dtype = TSOCK_DTYPE_UINT8;
+  t->ndim = 1;
+  t->shape[0] = n;
+  t->strides[0] = 1;
+  t->nbytes = n;
+  for (uint32_t j = 0; j < n; j++) payload[j] = (uint8_t)(seq + j);
+  __atomic_store_n(&s->stamp, seq + 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&f->h->published, seq + 1, __ATOMIC_SEQ_CST);
+}
+
+static void test_fake_producer(void) {
+  const char *name = test_name("tseg", "fake");
+  fake f;
+  if (fake_open(&f, name, 4, 1) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_OK);
+  if (r == NULL) return;
+  tsock_reader_t *r2 = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, &r2), TSOCK_EFULL); /* one reader record */
+
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 0), TSOCK_EAGAIN);
+  fake_publish(&f, 0, 10);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    CHECK(b->seq == 0 && b->n_tensors == 1 && b->tensors[0].shape[0] == 10);
+    const uint8_t *d = b->tensors[0].data;
+    CHECK(d[0] == 0 && d[9] == 9);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+
+  /* The reader trusts nothing: a descriptor past the used payload is corrupt. */
+  fake_publish(&f, 1, 10);
+  tsock_slot *s1 = (tsock_slot *)(f.map + f.h->slots_offset) + 1;
+  s1->tensors[0].shape[0] = 11;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_ECORRUPT);
+  fake_publish(&f, 2, 10);
+  s1 = (tsock_slot *)(f.map + f.h->slots_offset) + 2;
+  s1->n_tensors = TSOCK_MAX_TENSORS + 1;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_ECORRUPT);
+  /* A stamp that does not match the sequence: the slot was overwritten. */
+  fake_publish(&f, 3, 10);
+  s1 = (tsock_slot *)(f.map + f.h->slots_offset) + 3;
+  s1->stamp = 99;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_EEVICTED);
+
+  /* In a forked child the parent's handle refuses to work. */
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int rc = tsock_reader_acquire(r, &b, 0);
+    _exit(rc == TSOCK_EFORKED ? 0 : 1);
+  }
+  int status = 0;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+
+  /* Closed by the producer: the reader drains, then gets TSOCK_ECLOSED. */
+  fake_publish(&f, 4, 5);
+  __atomic_store_n(&f.h->state, TSOCK_STATE_CLOSED, __ATOMIC_RELEASE);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    CHECK(b->seq == 4 && b->tensors[0].shape[0] == 5);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_ECLOSED);
+
+  /* The producer dies while open: a waiting reader sees it. */
+  __atomic_store_n(&f.h->state, TSOCK_STATE_OPEN, __ATOMIC_RELEASE);
+  CHECK_RC(tsock_reader_acquire(r, &b, 0), TSOCK_EAGAIN);
+  struct flock fl = {.l_type = F_UNLCK, .l_whence = SEEK_SET, .l_start = TSOCK_LOCK_PRODUCER, .l_len = 1};
+  CHECK(fcntl(f.fd, F_OFD_SETLK, &fl) == 0);
+  int64_t t0 = test_now_ns();
+  CHECK_RC(tsock_reader_acquire(r, &b, 5000 * MS), TSOCK_EPRODUCER_GONE);
+  CHECK(test_now_ns() - t0 < 1000 * MS);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_EHANDLE);
+
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
+int main(void) {
+  test_foreign();
+  test_truncated();
+  test_version();
+  test_inconsistent();
+  test_no_producer();
+  test_fake_producer();
+  return test_report("test_segment");
+}
