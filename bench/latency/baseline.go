@@ -1,0 +1,422 @@
+package main
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Offsets in the shared page of the baselines; each hot word has its own
+// cache line.
+const (
+	offPing    = 0   // uint64, written by the parent
+	offPong    = 64  // uint64, written by the child
+	offReady   = 128 // uint32, the child has mapped the page
+	offWord    = 192 // uint32, the futex word
+	offStop    = 196 // uint32, the futex child should exit
+	offStamps  = 256 // [stampSlots]uint64, stamp of wake-up i at i % stampSlots
+	stampSlots = 64
+	pageBytes  = 4096
+)
+
+// sharedPage is a page of /dev/shm mapped by the parent and one child.
+type sharedPage struct {
+	path string
+	mem  []byte
+}
+
+// newSharedPage creates and maps a fresh page.
+func newSharedPage() (*sharedPage, error) {
+	var rnd [6]byte
+	_, _ = rand.Read(rnd[:])
+	path := fmt.Sprintf("/dev/shm/tsock-latency-%d-%s", os.Getpid(), hex.EncodeToString(rnd[:]))
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if err := f.Truncate(pageBytes); err != nil {
+		os.Remove(path)
+		return nil, err
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, pageBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		os.Remove(path)
+		return nil, err
+	}
+	return &sharedPage{path: path, mem: mem}, nil
+}
+
+// mapSharedPage maps the page a parent created.
+func mapSharedPage(path string) (*sharedPage, error) {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	mem, err := unix.Mmap(int(f.Fd()), 0, pageBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, err
+	}
+	return &sharedPage{path: path, mem: mem}, nil
+}
+
+func (s *sharedPage) u64(off int) *uint64 { return (*uint64)(unsafe.Pointer(&s.mem[off])) }
+func (s *sharedPage) u32(off int) *uint32 { return (*uint32)(unsafe.Pointer(&s.mem[off])) }
+
+// reset zeroes the page between two baselines.
+func (s *sharedPage) reset() { clear(s.mem) }
+
+// remove unmaps and unlinks the page.
+func (s *sharedPage) remove() {
+	_ = unix.Munmap(s.mem)
+	_ = os.Remove(s.path)
+}
+
+// child is a helper process whose stdout carries its samples.
+type child struct {
+	cmd    *exec.Cmd
+	stdout bytes.Buffer
+	done   chan struct{}
+	err    error
+}
+
+// startChild re-executes this binary in role with args. The child gets
+// SIGKILL if the parent dies. The caller must hold its OS thread locked
+// (runtime.LockOSThread): Pdeathsig follows the forking thread.
+func startChild(role string, args ...string) (*child, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	c := &child{done: make(chan struct{})}
+	c.cmd = exec.Command(self, append([]string{childArg, role, strconv.Itoa(os.Getpid())}, args...)...)
+	c.cmd.Stdout = &c.stdout
+	c.cmd.Stderr = os.Stderr
+	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := c.cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() { c.err = c.cmd.Wait(); close(c.done) }()
+	return c, nil
+}
+
+// exited reports whether the child has ended.
+func (c *child) exited() bool {
+	select {
+	case <-c.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// finish waits up to timeout for the child and decodes its samples.
+func (c *child) finish(timeout time.Duration) ([]uint64, error) {
+	select {
+	case <-c.done:
+	case <-time.After(timeout):
+		_ = c.cmd.Process.Kill()
+		<-c.done
+		return nil, fmt.Errorf("child %d did not finish within %v", c.cmd.Process.Pid, timeout)
+	}
+	if c.err != nil {
+		return nil, fmt.Errorf("child %d: %v", c.cmd.Process.Pid, c.err)
+	}
+	return decodeSamples(c.stdout.Bytes())
+}
+
+// kill ends the child at once.
+func (c *child) kill() {
+	if !c.exited() {
+		_ = c.cmd.Process.Kill()
+		<-c.done
+	}
+}
+
+// writeSamples sends samples to the parent: a count, then the values, then
+// two counters (see childCounters), all uint64 little-endian.
+func writeSamples(samples []uint64, missed, extra uint64) error {
+	b := make([]byte, 8*(len(samples)+3))
+	binary.LittleEndian.PutUint64(b, uint64(len(samples)))
+	for i, v := range samples {
+		binary.LittleEndian.PutUint64(b[8*(i+1):], v)
+	}
+	binary.LittleEndian.PutUint64(b[8*(len(samples)+1):], missed)
+	binary.LittleEndian.PutUint64(b[8*(len(samples)+2):], extra)
+	_, err := os.Stdout.Write(b)
+	return err
+}
+
+// childCounters are the two counters a child sends after its samples.
+type childCounters struct {
+	missed uint64 // tsock reader: batches skipped in the sequence
+	extra  uint64 // tsock reader: batches seen; futex: wake-ups that found the waiter awake
+}
+
+// decodeSamples reads what writeSamples wrote; the counters are appended
+// as the last two values.
+func decodeSamples(b []byte) ([]uint64, error) {
+	if len(b) < 8 {
+		return nil, errors.New("child sent no samples")
+	}
+	n := binary.LittleEndian.Uint64(b)
+	if uint64(len(b)) != 8*(n+3) {
+		return nil, fmt.Errorf("child sent %d bytes for %d samples", len(b), n)
+	}
+	out := make([]uint64, n+2)
+	for i := range out {
+		out[i] = binary.LittleEndian.Uint64(b[8*(i+1):])
+	}
+	return out, nil
+}
+
+// splitCounters separates decodeSamples' output into samples and counters.
+func splitCounters(v []uint64) ([]uint64, childCounters) {
+	k := len(v) - 2
+	return v[:k], childCounters{missed: v[k], extra: v[k+1]}
+}
+
+// checkParent exits the child if the parent pid given on the command line
+// is no longer its parent (it died before Pdeathsig was armed).
+func checkParent(args []string) ([]string, error) {
+	if len(args) == 0 {
+		return nil, errors.New("missing parent pid")
+	}
+	pid, err := strconv.Atoi(args[0])
+	if err != nil || os.Getppid() != pid {
+		return nil, fmt.Errorf("parent %s is gone", args[0])
+	}
+	return args[1:], nil
+}
+
+// waitFlag spins (with short sleeps) until *w != 0, the child dies, or
+// the timeout passes.
+func waitFlag(w *uint32, c *child, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for atomic.LoadUint32(w) == 0 {
+		if c.exited() {
+			return fmt.Errorf("child exited early: %v", c.err)
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("child not ready within %v", timeout)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	return nil
+}
+
+// pingPong measures the cache-line handoff: the parent stores i in ping
+// and spins until the child echoes it in pong.
+func pingPong(cfg config, shm *sharedPage) (stats, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	c, err := startChild("pingpong", shm.path)
+	if err != nil {
+		return stats{}, err
+	}
+	defer c.kill()
+	if err := waitFlag(shm.u32(offReady), c, 10*time.Second); err != nil {
+		return stats{}, err
+	}
+	ping, pong := shm.u64(offPing), shm.u64(offPong)
+	n := cfg.samples * 4 // cheap: take more samples
+	samples := make([]uint64, 0, n)
+	deadline := now() + uint64(cfg.maxTime)
+	for i := uint64(1); i <= uint64(n+cfg.warmup); i++ {
+		t0 := now()
+		atomic.StoreUint64(ping, i)
+		for spins := 0; atomic.LoadUint64(pong) != i; spins++ {
+			if spins&0xfffff == 0xfffff && c.exited() {
+				return stats{}, fmt.Errorf("ping-pong child died: %v", c.err)
+			}
+		}
+		t1 := now()
+		if i > uint64(cfg.warmup) {
+			samples = append(samples, (t1-t0)/2)
+		}
+		if t1 > deadline {
+			break
+		}
+	}
+	atomic.StoreUint64(ping, ^uint64(0))
+	if _, err := c.finish(5 * time.Second); err != nil {
+		return stats{}, err
+	}
+	return summarize(samples), nil
+}
+
+// pingPongChild echoes ping into pong until ping is all ones.
+func pingPongChild(args []string) error {
+	args, err := checkParent(args)
+	if err != nil {
+		return err
+	}
+	shm, err := mapSharedPage(args[0])
+	if err != nil {
+		return err
+	}
+	ping, pong := shm.u64(offPing), shm.u64(offPong)
+	atomic.StoreUint32(shm.u32(offReady), 1)
+	var last uint64
+	for {
+		v := atomic.LoadUint64(ping)
+		if v == last {
+			continue
+		}
+		if v == ^uint64(0) {
+			return writeSamples(nil, 0, 0)
+		}
+		atomic.StoreUint64(pong, v)
+		last = v
+	}
+}
+
+// futex(2) operations, shared (no FUTEX_PRIVATE_FLAG) as tsock's words.
+const (
+	futexWaitOp = 0
+	futexWakeOp = 1
+)
+
+// futexWait sleeps on a shared (not process-private) futex while *w ==
+// val. It returns the errno: 0 after a wake-up, EAGAIN if *w != val.
+func futexWait(w *uint32, val uint32) syscall.Errno {
+	_, _, e := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(w)), futexWaitOp, uintptr(val), 0, 0, 0)
+	return e
+}
+
+// futexWake wakes up to n sleepers on w.
+func futexWake(w *uint32, n int) {
+	_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(w)), futexWakeOp, uintptr(n), 0, 0, 0)
+}
+
+// pacer sleeps until absolute CLOCK_MONOTONIC deadlines one interval
+// apart, without catching up in bursts after an oversleep. It must run on
+// a locked OS thread: the timer slack it sets is per thread.
+type pacer struct {
+	interval uint64
+	next     uint64
+	spin     bool // busy-wait instead of sleeping
+}
+
+// newPacer sets the calling thread's timer slack to 1 ns so that sleeps
+// end close to the deadline (the default slack is 50 µs). With spin it
+// busy-waits instead, which costs a CPU.
+func newPacer(interval time.Duration, spin bool) *pacer {
+	_ = unix.Prctl(unix.PR_SET_TIMERSLACK, 1, 0, 0, 0)
+	return &pacer{interval: uint64(interval), next: now(), spin: spin}
+}
+
+// wait sleeps until the next deadline.
+func (p *pacer) wait() {
+	p.next += p.interval
+	t := now()
+	if t >= p.next {
+		p.next = t
+		return
+	}
+	if p.spin {
+		for now() < p.next {
+		}
+		return
+	}
+	ts := unix.NsecToTimespec(int64(p.next))
+	for unix.ClockNanosleep(unix.CLOCK_MONOTONIC, unix.TIMER_ABSTIME, &ts, nil) == unix.EINTR {
+	}
+}
+
+// futexBaseline measures FUTEX_WAKE to waiter running: the parent stamps
+// the time, bumps the word and wakes; the child, asleep on the word,
+// subtracts the stamp from its clock on waking.
+func futexBaseline(cfg config, shm *sharedPage) (stats, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	c, err := startChild("futex", shm.path, strconv.Itoa(cfg.warmup))
+	if err != nil {
+		return stats{}, err
+	}
+	defer c.kill()
+	if err := waitFlag(shm.u32(offReady), c, 10*time.Second); err != nil {
+		return stats{}, err
+	}
+	word := shm.u32(offWord)
+	pace := newPacer(cfg.interval, cfg.paceSpin)
+	deadline := now() + uint64(cfg.maxTime)
+	for i := uint32(1); i <= uint32(cfg.samples+cfg.warmup); i++ {
+		pace.wait()
+		atomic.StoreUint64(shm.u64(offStamps+8*int(i%stampSlots)), now())
+		atomic.StoreUint32(word, i)
+		futexWake(word, 1)
+		if now() > deadline {
+			break
+		}
+	}
+	atomic.StoreUint32(shm.u32(offStop), 1)
+	atomic.AddUint32(word, 1)
+	futexWake(word, 1)
+	v, err := c.finish(5 * time.Second)
+	if err != nil {
+		return stats{}, err
+	}
+	samples, cnt := splitCounters(v)
+	st := summarize(samples)
+	st.lateWakeup = int(cnt.extra)
+	return st, nil
+}
+
+// futexChild sleeps on the word and records each wake-up's latency.
+func futexChild(args []string) error {
+	args, err := checkParent(args)
+	if err != nil {
+		return err
+	}
+	if len(args) != 2 {
+		return errors.New("usage: futex PATH WARMUP")
+	}
+	warmup, _ := strconv.Atoi(args[1])
+	shm, err := mapSharedPage(args[0])
+	if err != nil {
+		return err
+	}
+	word, stop := shm.u32(offWord), shm.u32(offStop)
+	var samples []uint64
+	var late uint64
+	atomic.StoreUint32(shm.u32(offReady), 1)
+	for {
+		w := atomic.LoadUint32(word)
+		if atomic.LoadUint32(stop) != 0 {
+			break
+		}
+		e := futexWait(word, w)
+		t := now()
+		nw := atomic.LoadUint32(word)
+		if nw == w { // spurious
+			continue
+		}
+		if e != 0 { // the word moved before we slept: no wake-up to time
+			late++
+			continue
+		}
+		if atomic.LoadUint32(stop) != 0 {
+			break
+		}
+		stamp := atomic.LoadUint64(shm.u64(offStamps + 8*int(nw%stampSlots)))
+		if int(nw) > warmup && t >= stamp {
+			samples = append(samples, t-stamp)
+		}
+	}
+	return writeSamples(samples, 0, late)
+}
