@@ -40,7 +40,7 @@ type entry struct {
 
 var (
 	handlesMu sync.Mutex
-	handles   = map[uintptr]*entry{}
+	handles           = map[uintptr]*entry{}
 	nextID    uintptr = 0x1000
 )
 

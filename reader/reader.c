@@ -429,9 +429,14 @@ static int stream_ended(struct reader_impl *r, uint64_t now) {
   }
   if (now - r->last_live_check >= (uint64_t)LIVENESS_PERIOD_NS) {
     r->last_live_check = now;
-    if (!producer_alive(r) && r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE))
+    if (!producer_alive(r) && r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE)) {
+      /* Close stores the closed state before it drops the lock: a close
+       * that came after the state check above is not a death. */
+      if (__atomic_load_n(&r->hdr->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
+        return stream_ended(r, now);
       return tsock__fail(TSOCK_EPRODUCER_GONE, "producer (pid %d) died after %llu batches",
                          r->hdr->producer_pid, (unsigned long long)r->next);
+    }
   }
   return check_claim(r);
 }
@@ -481,6 +486,10 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
   if (out == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_acquire: batch is NULL");
   uint64_t start = 0;
   for (;;) {
+    /* An evicted reader is no longer gated on: a slot whose stamp still
+     * matches may be overwritten while in use, so hand out nothing more. */
+    rc = check_claim(r);
+    if (rc != TSOCK_OK) return rc;
     if (r->next - r->released >= r->max_held)
       return tsock__fail(TSOCK_ESTATE, "reader already holds %u batches (max_held); release one",
                          r->max_held);

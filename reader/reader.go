@@ -30,6 +30,7 @@ static inline const tsock_tensor_t *rd_tensor(const tsock_batch_t *b, uint32_t i
 import "C"
 
 import (
+	"strings"
 	"time"
 	"unsafe"
 
@@ -114,6 +115,9 @@ func Attach(name string, o Options) (*Reader, error) {
 		co.spin_ns = 0
 	} else if o.Spin > 0 {
 		co.spin_ns = nanos(o.Spin)
+	}
+	if strings.IndexByte(name, 0) >= 0 { // C.CString would cut the name at the NUL
+		return nil, ring.Errorf(ring.StatusName, "channel name %q contains a NUL byte", name)
 	}
 	cs := C.CString(name)
 	defer C.free(unsafe.Pointer(cs))

@@ -55,6 +55,9 @@ func (t *Tensor) Fill(d *ShmTensor, payloadBytes uint64) (int, error) {
 		}
 	}
 	d.nbytes = C64(t.Nbytes)
+	if t.Nbytes == 0 && t.Strides != nil {
+		d.nbytes = C64(stridedSpan(t.Shape, t.Strides, uint64(item)))
+	}
 	if t.Nbytes == 0 && t.Strides == nil {
 		d.nbytes = C64(count * uint64(item))
 		for _, e := range t.Shape {
@@ -68,6 +71,31 @@ func (t *Tensor) Fill(d *ShmTensor, payloadBytes uint64) (int, error) {
 			t.Dtype, t.Shape, t.Offset, uint64(d.nbytes), payloadBytes)
 	}
 	return StatusOK, nil
+}
+
+// stridedSpan is the bytes a strided tensor spans from its first element:
+// (index of the furthest element + 1) * item; 0 for an empty tensor, and
+// also 0 when it overflows or a value is negative (the tensor check then
+// rejects the descriptor).
+func stridedSpan(shape, strides []int64, item uint64) uint64 {
+	last := uint64(0)
+	for i := range shape {
+		if shape[i] < 0 || strides[i] < 0 {
+			return 0
+		}
+		if shape[i] == 0 {
+			return 0
+		}
+		span, st := uint64(shape[i]-1), uint64(strides[i])
+		if st != 0 && span > (^uint64(0)-last)/st {
+			return 0
+		}
+		last += span * st
+	}
+	if last >= ^uint64(0)/item {
+		return 0
+	}
+	return (last + 1) * item
 }
 
 // BeginSlot marks the slot of seq as being written (stamp 0), so a reader

@@ -1,0 +1,426 @@
+package reader_test
+
+import (
+	"encoding/binary"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tsock/tsock/internal/batchgen"
+	"github.com/tsock/tsock/producer"
+	"github.com/tsock/tsock/reader"
+	"github.com/tsock/tsock/ring"
+)
+
+var seq atomic.Int64
+
+func channel(t *testing.T) string {
+	t.Helper()
+	name := fmt.Sprintf("rdtest-%d-%d-%d", os.Getpid(), seq.Add(1), time.Now().UnixNano()%1e6)
+	t.Cleanup(func() { os.Remove(ring.ChannelPath(name)) })
+	return name
+}
+
+func create(t *testing.T, name string, o producer.Options) *producer.Producer {
+	t.Helper()
+	p, err := producer.Create(name, o)
+	require.NoError(t, err)
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func attach(t *testing.T, name string, o reader.Options) *reader.Reader {
+	t.Helper()
+	r, err := reader.Attach(name, o)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Detach() })
+	return r
+}
+
+func publish(t *testing.T, p *producer.Producer, i uint64) {
+	t.Helper()
+	buf, err := p.Reserve(batchgen.PayloadBytes(i), time.Second)
+	require.NoError(t, err)
+	ts, meta := batchgen.Write(buf, i)
+	require.NoError(t, p.Publish(ts, meta))
+}
+
+func tensors(b *reader.Batch) []batchgen.Tensor {
+	out := make([]batchgen.Tensor, len(b.Tensors))
+	for k, x := range b.Tensors {
+		out[k] = batchgen.Tensor(x)
+	}
+	return out
+}
+
+func TestAttachErrors(t *testing.T) {
+	for _, n := range []string{"", "..", "a/b", "x\x00"} {
+		_, err := reader.Attach(n, reader.Options{})
+		assert.Equal(t, ring.StatusName, ring.StatusOf(err), "name %q: %v", n, err)
+	}
+	name := channel(t)
+	start := time.Now()
+	_, err := reader.Attach(name, reader.Options{})
+	require.ErrorIs(t, err, reader.ErrNoChannel)
+	assert.Less(t, time.Since(start), time.Second, "no attach timeout: fails at once")
+
+	start = time.Now()
+	_, err = reader.Attach(name, reader.Options{AttachTimeout: 60 * time.Millisecond})
+	require.ErrorIs(t, err, reader.ErrNoChannel)
+	assert.GreaterOrEqual(t, time.Since(start), 60*time.Millisecond)
+
+	create(t, name, producer.Options{Slots: 2, SlotBytes: 4096})
+	for _, o := range []reader.Options{{MaxHeld: 65}, {Start: 2}, {Start: -1}} {
+		_, err = reader.Attach(name, o)
+		assert.Equal(t, ring.StatusInval, ring.StatusOf(err), "%+v: %v", o, err)
+	}
+	r, err := reader.Attach(name, reader.Options{MaxHeld: 64, Spin: -1})
+	require.NoError(t, err)
+	require.NoError(t, r.Detach())
+	assert.Equal(t, ring.StatusHandle, ring.StatusOf(r.Detach()), "second detach")
+	_, err = r.Acquire(0)
+	assert.Equal(t, ring.StatusHandle, ring.StatusOf(err), "acquire after detach")
+}
+
+func TestAttachWaitsForChannel(t *testing.T) {
+	name := channel(t)
+	created := make(chan *producer.Producer, 1)
+	go func() {
+		time.Sleep(50 * time.Millisecond)
+		p, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 64 << 10})
+		if err != nil {
+			created <- nil
+			return
+		}
+		created <- p
+		if err := p.WaitReaders(1, 5*time.Second); err != nil {
+			return
+		}
+		buf, _ := p.Reserve(batchgen.PayloadBytes(0), time.Second)
+		ts, meta := batchgen.Write(buf, 0)
+		p.Publish(ts, meta)
+	}()
+	start := time.Now()
+	r := attach(t, name, reader.Options{AttachTimeout: 10 * time.Second})
+	assert.GreaterOrEqual(t, time.Since(start), 40*time.Millisecond)
+	p := <-created
+	require.NotNil(t, p)
+	t.Cleanup(func() { p.Close() })
+	b, err := r.Acquire(5 * time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	_, _, err = batchgen.Check(tensors(b), b.Meta)
+	require.NoError(t, err)
+}
+
+func TestAcquireContents(t *testing.T) {
+	name := channel(t)
+	p := create(t, name, producer.Options{Slots: 8, SlotBytes: 64 << 10})
+	r := attach(t, name, reader.Options{})
+
+	start := time.Now()
+	b, err := r.Acquire(30 * time.Millisecond)
+	require.NoError(t, err)
+	require.Nil(t, b, "nothing published: no batch, no error")
+	assert.GreaterOrEqual(t, time.Since(start), 30*time.Millisecond)
+	b, err = r.Acquire(0)
+	require.NoError(t, err)
+	require.Nil(t, b)
+
+	before := ring.MonotonicNs()
+	publish(t, p, 5)
+	// A strided, offset tensor of float32 next to the test batch's tensors.
+	buf, err := p.Reserve(4096, 0)
+	require.NoError(t, err)
+	for k := 0; k < 1024; k++ {
+		binary.LittleEndian.PutUint32(buf[4*k:], uint32(k))
+	}
+	require.NoError(t, p.Publish([]producer.Tensor{
+		{Dtype: ring.DtypeUint32, Shape: []int64{3, 4}, Strides: []int64{10, 2}, Offset: 400},
+		{Dtype: ring.DtypeFloat64, Offset: 4088},
+		{Dtype: ring.DtypeInt16, Shape: []int64{0, 3}},
+	}, []byte("meta")))
+	require.NoError(t, p.EndEpoch(0))
+
+	b, err = r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	assert.Equal(t, uint64(0), b.Seq)
+	assert.Equal(t, uint64(0), b.Epoch)
+	assert.Equal(t, uint64(0), b.Index)
+	assert.False(t, b.EpochEnd())
+	assert.GreaterOrEqual(t, b.PublishNs, before)
+	assert.LessOrEqual(t, b.PublishNs, ring.MonotonicNs())
+	i, _, err := batchgen.Check(tensors(b), b.Meta)
+	require.NoError(t, err)
+	assert.Equal(t, uint64(5), i)
+
+	b2, err := r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b2)
+	assert.Equal(t, uint64(1), b2.Seq)
+	assert.Equal(t, uint64(1), b2.Index)
+	assert.Equal(t, []byte("meta"), b2.Meta)
+	require.Len(t, b2.Tensors, 3)
+	st := b2.Tensors[0]
+	assert.Equal(t, ring.DtypeUint32, st.Dtype)
+	assert.Equal(t, []int64{3, 4}, st.Shape)
+	assert.Equal(t, []int64{10, 2}, st.Strides)
+	require.Len(t, st.Data, (2*10+3*2+1)*4, "a strided tensor spans its furthest element")
+	for x := 0; x < 3; x++ {
+		for y := 0; y < 4; y++ {
+			off := 4 * (x*10 + y*2)
+			assert.Equal(t, uint32(100+x*10+y*2), binary.LittleEndian.Uint32(st.Data[off:]))
+		}
+	}
+	assert.Empty(t, b2.Tensors[1].Shape)
+	assert.Len(t, b2.Tensors[1].Data, 8)
+	assert.Equal(t, []int64{0, 3}, b2.Tensors[2].Shape)
+	assert.Empty(t, b2.Tensors[2].Data)
+
+	m, err := r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, m)
+	assert.True(t, m.EpochEnd())
+	assert.Equal(t, uint64(2), m.Index, "marker index: batches in the epoch")
+	assert.Empty(t, m.Tensors)
+	assert.Empty(t, m.Meta)
+	require.NoError(t, r.Release(m))
+
+	// Releasing a batch released already (with m) is out of order.
+	assert.Equal(t, ring.StatusState, ring.StatusOf(r.Release(b)))
+	assert.Equal(t, ring.StatusInval, ring.StatusOf(r.Release(nil)))
+	assert.Equal(t, ring.StatusInval, ring.StatusOf(r.Release(&reader.Batch{})))
+
+	publish(t, p, 6)
+	b, err = r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	assert.Equal(t, uint64(1), b.Epoch)
+	assert.Equal(t, uint64(0), b.Index)
+	other := attach(t, name, reader.Options{})
+	assert.Equal(t, ring.StatusState, ring.StatusOf(other.Release(b)), "a batch of another reader")
+}
+
+func TestMaxHeld(t *testing.T) {
+	name := channel(t)
+	p := create(t, name, producer.Options{Slots: 16, SlotBytes: 64 << 10})
+	r := attach(t, name, reader.Options{MaxHeld: 3})
+	for i := uint64(0); i < 8; i++ {
+		publish(t, p, i)
+	}
+	var held []*reader.Batch
+	for k := 0; k < 3; k++ {
+		b, err := r.Acquire(time.Second)
+		require.NoError(t, err)
+		require.NotNil(t, b)
+		held = append(held, b)
+	}
+	_, err := r.Acquire(time.Second)
+	require.Equal(t, ring.StatusState, ring.StatusOf(err), "%v", err)
+	// Held batches stay valid while more are held.
+	for k, b := range held {
+		i, _, err := batchgen.Check(tensors(b), b.Meta)
+		require.NoError(t, err)
+		assert.Equal(t, uint64(k), i)
+	}
+	// Releasing the second releases the first too.
+	require.NoError(t, r.Release(held[1]))
+	assert.Equal(t, ring.StatusState, ring.StatusOf(r.Release(held[0])))
+	for k := 0; k < 2; k++ {
+		b, err := r.Acquire(time.Second)
+		require.NoError(t, err)
+		require.NotNil(t, b)
+		assert.Equal(t, uint64(3+k), b.Seq)
+	}
+	_, err = r.Acquire(0)
+	require.Equal(t, ring.StatusState, ring.StatusOf(err))
+	var cursor uint64
+	for _, in := range p.Readers() {
+		cursor = in.Cursor
+		assert.Equal(t, uint64(5), in.Acquired)
+		assert.Equal(t, uint64(5), in.Batches)
+	}
+	assert.Equal(t, uint64(2), cursor)
+}
+
+func TestReaderRecordsFull(t *testing.T) {
+	name := channel(t)
+	p := create(t, name, producer.Options{Slots: 2, SlotBytes: 4096, MaxReaders: 2})
+	a := attach(t, name, reader.Options{})
+	attach(t, name, reader.Options{})
+	_, err := reader.Attach(name, reader.Options{})
+	require.Equal(t, ring.StatusFull, ring.StatusOf(err))
+	require.NoError(t, a.Detach())
+	attach(t, name, reader.Options{})
+	assert.Len(t, p.Readers(), 2)
+}
+
+// fakeSegment builds a channel segment by hand and holds its producer lock
+// through f, standing in for a producer the test controls completely.
+type fakeSegment struct {
+	seg  *ring.Segment
+	f    *os.File
+	next uint64
+}
+
+func newFake(t *testing.T, name string, slots uint32) *fakeSegment {
+	t.Helper()
+	g, ok := ring.ComputeGeometry(slots, 4, 4096)
+	require.True(t, ok)
+	f, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	require.NoError(t, err)
+	require.NoError(t, f.Truncate(int64(g.TotalBytes)))
+	seg, err := ring.MapSegment(f, g, slots, 4, true)
+	require.NoError(t, err)
+	seg.InitHeader(name, os.Getpid(), 1)
+	require.NoError(t, ring.LockByte(f, ring.LockProducer))
+	fs := &fakeSegment{seg: seg, f: f}
+	t.Cleanup(fs.die)
+	return fs
+}
+
+// publish writes a slot as the producer does, with the given descriptor
+// checked against checkBytes but the slot claiming payloadBytes.
+func (fs *fakeSegment) publish(t *testing.T, tn ring.Tensor, checkBytes, payloadBytes uint64) {
+	t.Helper()
+	var d [1]ring.ShmTensor
+	st, err := tn.Fill(&d[0], checkBytes)
+	require.Equal(t, ring.StatusOK, st, "%v", err)
+	fs.seg.BeginSlot(fs.next)
+	fs.seg.WriteSlot(fs.next, &ring.SlotContents{Index: fs.next, Tensors: []ring.Tensor{tn},
+		PayloadBytes: payloadBytes, PublishNs: ring.MonotonicNs()}, d[:])
+	fs.next++
+	fs.seg.StorePublished(fs.next)
+	ring.FutexWakeAll(fs.seg.PublishedWord())
+}
+
+// die drops the producer lock as a dying process would.
+func (fs *fakeSegment) die() {
+	if fs.f != nil {
+		fs.seg.Unmap()
+		fs.f.Close()
+		fs.f = nil
+	}
+}
+
+func TestCorruptDescriptorRejected(t *testing.T) {
+	name := channel(t)
+	fs := newFake(t, name, 4)
+	r := attach(t, name, reader.Options{})
+	fs.publish(t, ring.Tensor{Dtype: ring.DtypeUint8, Shape: []int64{100}}, 4096, 100)
+	b, err := r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	require.Len(t, b.Tensors[0].Data, 100)
+	require.NoError(t, r.Release(b))
+
+	// The descriptor says 200 bytes, the slot only 100 in use.
+	fs.publish(t, ring.Tensor{Dtype: ring.DtypeUint8, Shape: []int64{200}}, 4096, 100)
+	_, err = r.Acquire(time.Second)
+	require.ErrorIs(t, err, reader.ErrCorrupt)
+	// The slot claims more payload than the channel has.
+	fs.publish(t, ring.Tensor{Dtype: ring.DtypeUint8, Shape: []int64{10}}, 1<<20, 1<<20)
+	_, err = r.Acquire(time.Second)
+	require.ErrorIs(t, err, reader.ErrCorrupt)
+	// The reader goes on with the next valid batch.
+	fs.publish(t, ring.Tensor{Dtype: ring.DtypeUint8, Shape: []int64{7}}, 4096, 7)
+	b, err = r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	assert.Equal(t, uint64(3), b.Seq)
+}
+
+func TestProducerGone(t *testing.T) {
+	name := channel(t)
+	fs := newFake(t, name, 4)
+	r := attach(t, name, reader.Options{})
+	for k := 0; k < 3; k++ {
+		fs.publish(t, ring.Tensor{Dtype: ring.DtypeUint8, Shape: []int64{int64(k + 1)}}, 4096, 4096)
+	}
+	type res struct {
+		n   int
+		err error
+		at  time.Time
+	}
+	ch := make(chan res, 1)
+	go func() {
+		n := 0
+		for {
+			b, err := r.Acquire(10 * time.Second)
+			if err == nil && b == nil {
+				err = fmt.Errorf("no batch and no error in 10 s")
+			}
+			if err != nil {
+				ch <- res{n, err, time.Now()}
+				return
+			}
+			n++
+			r.Release(b)
+		}
+	}()
+	time.Sleep(100 * time.Millisecond)
+	died := time.Now()
+	fs.die()
+	select {
+	case x := <-ch:
+		require.ErrorIs(t, x.err, reader.ErrProducerGone)
+		assert.Equal(t, 3, x.n, "everything published before the death is read")
+		t.Logf("producer gone noticed after %v", x.at.Sub(died))
+		assert.Less(t, x.at.Sub(died), time.Second)
+	case <-time.After(5 * time.Second):
+		t.Fatal("a reader waiting without limit never noticed the producer's death")
+	}
+	_, err := r.Acquire(200 * time.Millisecond)
+	require.ErrorIs(t, err, reader.ErrProducerGone)
+	// No new reader attaches to a dead producer's channel.
+	_, err = reader.Attach(name, reader.Options{})
+	require.ErrorIs(t, err, reader.ErrProducerGone)
+	start := time.Now()
+	_, err = reader.Attach(name, reader.Options{AttachTimeout: 50 * time.Millisecond})
+	require.ErrorIs(t, err, reader.ErrProducerGone)
+	assert.GreaterOrEqual(t, time.Since(start), 50*time.Millisecond, "waits for a new producer")
+}
+
+func TestBadSegments(t *testing.T) {
+	g, ok := ring.ComputeGeometry(4, 4, 4096)
+	require.True(t, ok)
+	cases := []struct {
+		name   string
+		mutate func(h []byte) []byte
+		status int
+	}{
+		{"garbage", func(h []byte) []byte {
+			for i := range h {
+				h[i] = 0xa5
+			}
+			return h
+		}, ring.StatusCorrupt},
+		{"empty", func([]byte) []byte { return nil }, ring.StatusCorrupt},
+		{"truncated", func(h []byte) []byte { return h[:4096+100] }, ring.StatusCorrupt},
+		{"version", func(h []byte) []byte { binary.LittleEndian.PutUint32(h[8:], 99); return h }, ring.StatusVersion},
+		{"geometry", func(h []byte) []byte { binary.LittleEndian.PutUint32(h[24:], 8); return h }, ring.StatusCorrupt},
+		{"being built", func(h []byte) []byte { binary.LittleEndian.PutUint32(h[8:], 0); return h }, ring.StatusTimedOut},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			name := channel(t)
+			fs := newFake(t, name, 4)
+			img := make([]byte, g.TotalBytes)
+			n, err := fs.f.ReadAt(img, 0)
+			require.NoError(t, err)
+			require.Equal(t, len(img), n)
+			img = c.mutate(img)
+			require.NoError(t, fs.f.Truncate(int64(len(img))))
+			_, err = fs.f.WriteAt(img, 0)
+			require.NoError(t, err)
+			_, err = reader.Attach(name, reader.Options{})
+			assert.Equal(t, c.status, ring.StatusOf(err), "%v", err)
+		})
+	}
+}
