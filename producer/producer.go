@@ -215,11 +215,11 @@ func reclaimStale(path string) error {
 	if syscall.Fstat(int(f.Fd()), &a) != nil || syscall.Stat(path, &b) != nil || a.Ino != b.Ino || a.Dev != b.Dev {
 		return nil
 	}
-	buf := make([]byte, ring.HeaderSize)
-	if n, _ := f.ReadAt(buf, 0); n == len(buf) {
-		if st, _ := ring.CheckHeader(buf, uint64(len(buf))); st == ring.StatusCorrupt && !looksLikeSegment(buf) {
-			return ring.Errorf(ring.StatusCorrupt, "%s is not a tsock segment; remove it by hand", path)
-		}
+	// Producers link only finished segments, so anything without the magic
+	// is not ours: leave it for a person to look at.
+	buf := make([]byte, 8)
+	if n, _ := f.ReadAt(buf, 0); n < len(buf) || !looksLikeSegment(buf) {
+		return ring.Errorf(ring.StatusCorrupt, "%s is not a tsock segment; remove it by hand", path)
 	}
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return sysError(err, "remove stale %s", path)

@@ -64,3 +64,30 @@ func TestPublishAcquireInProcess(t *testing.T) {
 	require.NoError(t, r.Release(b))
 	require.NoError(t, <-done)
 }
+
+// A late joiner waiting for the next epoch skips epoch-end markers, even the
+// marker of an empty epoch (whose index is 0), and starts at real data.
+func TestLateJoinSkipsEmptyEpochMarker(t *testing.T) {
+	name := uniqueName(t)
+	p, err := producer.Create(name, producer.Options{Slots: 8, SlotBytes: 4096})
+	require.NoError(t, err)
+	defer p.Close()
+	publish := func() {
+		_, err := p.Reserve(8, time.Second)
+		require.NoError(t, err)
+		require.NoError(t, p.Publish([]producer.Tensor{{Dtype: ring.DtypeUint64, Shape: []int64{1}}}, nil))
+	}
+	publish() // epoch 0, index 0
+	r, err := reader.Attach(name, reader.Options{})
+	require.NoError(t, err)
+	defer r.Detach()
+	require.NoError(t, p.EndEpoch(time.Second)) // marker of epoch 0
+	require.NoError(t, p.EndEpoch(time.Second)) // epoch 1 is empty: its marker has index 0
+	publish()                                   // epoch 2, index 0
+	b, err := r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	require.False(t, b.EpochEnd())
+	require.Equal(t, uint64(2), b.Epoch)
+	require.Equal(t, uint64(0), b.Index)
+}

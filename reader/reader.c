@@ -49,6 +49,7 @@ struct reader_impl {
   uint64_t next;         /* next seq to acquire */
   uint64_t released;     /* every seq below is released (mirror of rec->cursor) */
   int skipping;          /* TSOCK_START_NEXT_EPOCH: drop batches until index 0 */
+  int producer_dead;     /* the producer's lock was seen free */
   uint32_t max_held;
   int64_t spin_ns;
   uint64_t last_live_check;
@@ -427,9 +428,13 @@ static int stream_ended(struct reader_impl *r, uint64_t now) {
                          (unsigned long long)r->next);
     return TSOCK_OK;
   }
-  if (now - r->last_live_check >= (uint64_t)LIVENESS_PERIOD_NS) {
+  /* A dead producer stays dead: once seen, no need to ask the kernel again. */
+  if (!r->producer_dead && now - r->last_live_check >= (uint64_t)LIVENESS_PERIOD_NS) {
     r->last_live_check = now;
-    if (!producer_alive(r) && r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE)) {
+    r->producer_dead = !producer_alive(r);
+  }
+  if (r->producer_dead) {
+    if (r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE)) {
       /* Close stores the closed state before it drops the lock: a close
        * that came after the state check above is not a death. */
       if (__atomic_load_n(&r->hdr->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
@@ -504,7 +509,8 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
     held_batch *hb = &r->held[seq % r->max_held];
     rc = copy_slot(r, seq, hb);
     r->next = seq + 1;
-    int skip = rc == TSOCK_OK && r->skipping && hb->batch.index != 0;
+    int skip = rc == TSOCK_OK && r->skipping &&
+               (hb->batch.index != 0 || (hb->batch.flags & TSOCK_BATCH_EPOCH_END));
     if (rc == TSOCK_OK && !skip) r->skipping = 0;
     if (rc != TSOCK_OK || skip) {
       /* Nothing handed out: release it at once if nothing older is held. */

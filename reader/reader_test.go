@@ -378,6 +378,11 @@ func TestProducerGone(t *testing.T) {
 	}
 	_, err := r.Acquire(200 * time.Millisecond)
 	require.ErrorIs(t, err, reader.ErrProducerGone)
+	// "Gone" is sticky: even a call that does not wait says so at once.
+	for k := 0; k < 3; k++ {
+		_, err = r.Acquire(0)
+		require.ErrorIs(t, err, reader.ErrProducerGone)
+	}
 	// No new reader attaches to a dead producer's channel.
 	_, err = reader.Attach(name, reader.Options{})
 	require.ErrorIs(t, err, reader.ErrProducerGone)

@@ -44,7 +44,7 @@ static int test_nchannels;
 static inline void test_cleanup(void) {
   char path[128];
   for (int i = 0; i < test_nchannels; i++) {
-    snprintf(path, sizeof path, "/dev/shm/tsock.%s", test_channels[i]);
+    snprintf(path, sizeof path, "/dev/shm/tsock.%.79s", test_channels[i]);
     unlink(path);
   }
 }
