@@ -12,40 +12,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tsock/tsock/internal/batchgen"
+	"github.com/tsock/tsock/internal/testkit"
 	"github.com/tsock/tsock/producer"
 	"github.com/tsock/tsock/reader"
 	"github.com/tsock/tsock/ring"
 )
-
-// channel returns a unique channel name for the test and removes its
-// segment file when the test ends.
-func channel(t *testing.T) string {
-	t.Helper()
-	name := uniqueName(t)
-	name = strings.NewReplacer("/", "-", " ", "-").Replace(name)
-	if len(name) > ring.NameMax {
-		name = name[len(name)-ring.NameMax:]
-	}
-	require.True(t, ring.NameOK(name), name)
-	t.Cleanup(func() { os.Remove(ring.ChannelPath(name)) })
-	return name
-}
-
-func create(t *testing.T, name string, o producer.Options) *producer.Producer {
-	t.Helper()
-	p, err := producer.Create(name, o)
-	require.NoError(t, err)
-	t.Cleanup(func() { p.Close() })
-	return p
-}
-
-func attach(t *testing.T, name string, o reader.Options) *reader.Reader {
-	t.Helper()
-	r, err := reader.Attach(name, o)
-	require.NoError(t, err)
-	t.Cleanup(func() { r.Detach() })
-	return r
-}
 
 // publish publishes test batch i, waiting up to timeout for a slot.
 func publish(p *producer.Producer, i uint64, timeout time.Duration) error {
@@ -71,7 +42,7 @@ func TestCreateErrors(t *testing.T) {
 		assert.ErrorIs(t, err, producer.ErrName, "name %q", n)
 		assert.Equal(t, ring.StatusName, ring.StatusOf(err))
 	}
-	name := channel(t)
+	name := testkit.Channel(t)
 	bad := []producer.Options{
 		{Slots: 3}, {Slots: 1}, {Slots: 1 << 17}, {MaxReaders: 1025}, {SlotBytes: ring.MaxSlotBytes + 1},
 		{Mode: 0o1777}, {EvictAfter: -time.Second},
@@ -89,8 +60,8 @@ func TestCreateErrors(t *testing.T) {
 }
 
 func TestCreateModeAndGeometry(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 8, SlotBytes: 5000, MaxReaders: 3, Mode: 0o640})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 8, SlotBytes: 5000, MaxReaders: 3, Mode: 0o640})
 	st, err := os.Stat(ring.ChannelPath(name))
 	require.NoError(t, err)
 	assert.Equal(t, os.FileMode(0o640), st.Mode().Perm())
@@ -110,8 +81,8 @@ func TestCreateModeAndGeometry(t *testing.T) {
 	assert.True(t, locked)
 
 	// Defaults.
-	name2 := channel(t)
-	p2 := create(t, name2, producer.Options{})
+	name2 := testkit.Channel(t)
+	p2 := testkit.Create(t, name2, producer.Options{})
 	assert.Equal(t, uint32(producer.DefaultSlots), p2.Slots())
 	assert.Equal(t, uint64(producer.DefaultSlotBytes), p2.SlotBytes())
 	st, err = os.Stat(ring.ChannelPath(name2))
@@ -120,13 +91,13 @@ func TestCreateModeAndGeometry(t *testing.T) {
 }
 
 func TestSecondProducerExists(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 2, SlotBytes: 64 << 10})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 64 << 10})
 	_, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
 	require.ErrorIs(t, err, producer.ErrExist)
 	// The live producer's channel is untouched.
 	require.NoError(t, publish(p, 0, 0))
-	r := attach(t, name, reader.Options{Start: reader.StartNow})
+	r := testkit.Attach(t, name, reader.Options{Start: reader.StartNow})
 	require.NoError(t, publish(p, 1, 0))
 	b, err := r.Acquire(time.Second)
 	require.NoError(t, err)
@@ -135,7 +106,7 @@ func TestSecondProducerExists(t *testing.T) {
 
 	require.NoError(t, p.Close())
 	require.Error(t, p.Close(), "second close")
-	p2 := create(t, name, producer.Options{Slots: 2, SlotBytes: 4096})
+	p2 := testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 4096})
 	require.NoError(t, publish(p2, 0, 0)) // batch 0 is 24 bytes
 }
 
@@ -157,7 +128,7 @@ func staleSegment(t *testing.T, name string, published uint64) {
 }
 
 func TestReclaimStaleSegment(t *testing.T) {
-	name := channel(t)
+	name := testkit.Channel(t)
 	staleSegment(t, name, 3)
 	old, err := os.Stat(ring.ChannelPath(name))
 	require.NoError(t, err)
@@ -166,7 +137,7 @@ func TestReclaimStaleSegment(t *testing.T) {
 	_, err = reader.Attach(name, reader.Options{})
 	require.ErrorIs(t, err, reader.ErrProducerGone)
 
-	p := create(t, name, producer.Options{Slots: 8, SlotBytes: 8192})
+	p := testkit.Create(t, name, producer.Options{Slots: 8, SlotBytes: 8192})
 	cur, err := os.Stat(ring.ChannelPath(name))
 	require.NoError(t, err)
 	assert.False(t, os.SameFile(old, cur), "the stale segment was replaced")
@@ -178,7 +149,7 @@ func TestReclaimStaleSegment(t *testing.T) {
 	assert.Equal(t, uint32(8), seg.Info().Slots)
 	assert.Zero(t, seg.Published())
 
-	r := attach(t, name, reader.Options{})
+	r := testkit.Attach(t, name, reader.Options{})
 	require.NoError(t, publish(p, 0, 0))
 	b, err := r.Acquire(time.Second)
 	require.NoError(t, err)
@@ -189,7 +160,7 @@ func TestReclaimStaleSegment(t *testing.T) {
 func TestStaleSegmentHeldLockIsLive(t *testing.T) {
 	// A segment whose producer lock is held (by another open file
 	// description, as a live producer would) is not reclaimed.
-	name := channel(t)
+	name := testkit.Channel(t)
 	staleSegment(t, name, 0)
 	f, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR, 0)
 	require.NoError(t, err)
@@ -198,11 +169,11 @@ func TestStaleSegmentHeldLockIsLive(t *testing.T) {
 	_, err = producer.Create(name, producer.Options{})
 	require.ErrorIs(t, err, producer.ErrExist)
 	require.NoError(t, ring.UnlockByte(f, ring.LockProducer))
-	create(t, name, producer.Options{Slots: 2, SlotBytes: 4096})
+	testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 4096})
 }
 
 func TestForeignFileIsKept(t *testing.T) {
-	name := channel(t)
+	name := testkit.Channel(t)
 	junk := make([]byte, 8192)
 	for i := range junk {
 		junk[i] = byte(i)
@@ -217,8 +188,8 @@ func TestForeignFileIsKept(t *testing.T) {
 }
 
 func TestCallOrder(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 4, SlotBytes: 4096})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 4, SlotBytes: 4096})
 
 	_, err := p.Reserve(4097, 0)
 	require.ErrorIs(t, err, producer.ErrTooBig)
@@ -276,9 +247,9 @@ func TestCallOrder(t *testing.T) {
 }
 
 func TestBackpressure(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10})
-	r := attach(t, name, reader.Options{})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10})
+	r := testkit.Attach(t, name, reader.Options{})
 	require.NoError(t, p.WaitReaders(1, time.Second))
 
 	require.NoError(t, publish(p, 0, 0))
@@ -336,8 +307,8 @@ func TestBackpressure(t *testing.T) {
 }
 
 func TestNoReadersNeverBlocks(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 2, SlotBytes: batchgen.MaxPayload})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: batchgen.MaxPayload})
 	for i := uint64(0); i < 500; i++ {
 		require.NoError(t, publish(p, i, 0), "batch %d", i)
 		if i%100 == 99 {
@@ -363,10 +334,10 @@ func TestNoReadersNeverBlocks(t *testing.T) {
 }
 
 func TestEviction(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10, EvictAfter: 50 * time.Millisecond})
-	stuck := attach(t, name, reader.Options{})
-	fine := attach(t, name, reader.Options{})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10, EvictAfter: 50 * time.Millisecond})
+	stuck := testkit.Attach(t, name, reader.Options{})
+	fine := testkit.Attach(t, name, reader.Options{})
 	require.NoError(t, p.WaitReaders(2, time.Second))
 
 	done := make(chan error, 1)
@@ -446,7 +417,7 @@ func TestEviction(t *testing.T) {
 	require.ErrorIs(t, err, reader.ErrEvicted)
 	// Its record is freed by detach and can be claimed again.
 	require.NoError(t, stuck.Detach())
-	again := attach(t, name, reader.Options{Start: reader.StartNow})
+	again := testkit.Attach(t, name, reader.Options{Start: reader.StartNow})
 	require.NoError(t, publish(p, 12, time.Second))
 	b, err := again.Acquire(time.Second)
 	require.NoError(t, err)
@@ -459,9 +430,9 @@ func TestEviction(t *testing.T) {
 // producer no longer protects its slots, so any batch handed out could be
 // overwritten while in use.
 func TestEvictedReaderGetsNoMoreData(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10, EvictAfter: 30 * time.Millisecond})
-	stuck := attach(t, name, reader.Options{})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10, EvictAfter: 30 * time.Millisecond})
+	stuck := testkit.Attach(t, name, reader.Options{})
 	require.NoError(t, p.WaitReaders(1, time.Second))
 	for i := uint64(0); i < 4; i++ {
 		require.NoError(t, publish(p, i, 0))
@@ -481,9 +452,9 @@ func TestEvictedReaderGetsNoMoreData(t *testing.T) {
 // TestEvictionAfterLap: an evicted reader that kept acquiring until the
 // producer lapped it gets ErrEvicted, never stale data.
 func TestEvictionAfterLap(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 2, SlotBytes: 64 << 10, EvictAfter: 20 * time.Millisecond})
-	stuck := attach(t, name, reader.Options{MaxHeld: 1})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 64 << 10, EvictAfter: 20 * time.Millisecond})
+	stuck := testkit.Attach(t, name, reader.Options{MaxHeld: 1})
 	require.NoError(t, p.WaitReaders(1, time.Second))
 	require.NoError(t, publish(p, 0, 0))
 	held, err := stuck.Acquire(time.Second)
@@ -498,9 +469,9 @@ func TestEvictionAfterLap(t *testing.T) {
 }
 
 func TestSlowReaderNotEvictedByDefault(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10})
-	slow := attach(t, name, reader.Options{})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10})
+	slow := testkit.Attach(t, name, reader.Options{})
 	require.NoError(t, p.WaitReaders(1, time.Second))
 	for i := uint64(0); i < 4; i++ {
 		require.NoError(t, publish(p, i, 0))
@@ -541,8 +512,8 @@ func TestSlowReaderNotEvictedByDefault(t *testing.T) {
 }
 
 func TestWaitReadersAndStats(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 4, SlotBytes: 4096, MaxReaders: 2})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 4, SlotBytes: 4096, MaxReaders: 2})
 	start := time.Now()
 	require.ErrorIs(t, p.WaitReaders(1, 30*time.Millisecond), producer.ErrTimedOut)
 	assert.GreaterOrEqual(t, time.Since(start), 30*time.Millisecond)
@@ -558,7 +529,7 @@ func TestWaitReadersAndStats(t *testing.T) {
 	if r := <-late; r != nil {
 		t.Cleanup(func() { r.Detach() })
 	}
-	r2 := attach(t, name, reader.Options{})
+	r2 := testkit.Attach(t, name, reader.Options{})
 	_, err := reader.Attach(name, reader.Options{})
 	assert.Equal(t, ring.StatusFull, ring.StatusOf(err), "only 2 records: %v", err)
 
@@ -572,7 +543,7 @@ func TestWaitReadersAndStats(t *testing.T) {
 
 	require.NoError(t, r2.Detach())
 	assert.Len(t, p.Readers(), 1)
-	r3 := attach(t, name, reader.Options{})
+	r3 := testkit.Attach(t, name, reader.Options{})
 	_ = r3
 	assert.Len(t, p.Readers(), 2)
 }

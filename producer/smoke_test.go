@@ -2,23 +2,18 @@ package producer_test
 
 import (
 	"encoding/binary"
-	"fmt"
-	"os"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/tsock/tsock/internal/testkit"
 	"github.com/tsock/tsock/producer"
 	"github.com/tsock/tsock/reader"
 	"github.com/tsock/tsock/ring"
 )
 
-func uniqueName(t *testing.T) string {
-	return fmt.Sprintf("test-%s-%d-%d", t.Name(), os.Getpid(), time.Now().UnixNano()%1e6)
-}
-
 func TestPublishAcquireInProcess(t *testing.T) {
-	name := uniqueName(t)
+	name := testkit.Channel(t)
 	p, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 4096})
 	require.NoError(t, err)
 	defer p.Close()
@@ -68,7 +63,7 @@ func TestPublishAcquireInProcess(t *testing.T) {
 // A late joiner waiting for the next epoch skips epoch-end markers, even the
 // marker of an empty epoch (whose index is 0), and starts at real data.
 func TestLateJoinSkipsEmptyEpochMarker(t *testing.T) {
-	name := uniqueName(t)
+	name := testkit.Channel(t)
 	p, err := producer.Create(name, producer.Options{Slots: 8, SlotBytes: 4096})
 	require.NoError(t, err)
 	defer p.Close()

@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"os"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -12,35 +11,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tsock/tsock/internal/batchgen"
+	"github.com/tsock/tsock/internal/testkit"
 	"github.com/tsock/tsock/producer"
 	"github.com/tsock/tsock/reader"
 	"github.com/tsock/tsock/ring"
 )
-
-var seq atomic.Int64
-
-func channel(t *testing.T) string {
-	t.Helper()
-	name := fmt.Sprintf("rdtest-%d-%d-%d", os.Getpid(), seq.Add(1), time.Now().UnixNano()%1e6)
-	t.Cleanup(func() { os.Remove(ring.ChannelPath(name)) })
-	return name
-}
-
-func create(t *testing.T, name string, o producer.Options) *producer.Producer {
-	t.Helper()
-	p, err := producer.Create(name, o)
-	require.NoError(t, err)
-	t.Cleanup(func() { p.Close() })
-	return p
-}
-
-func attach(t *testing.T, name string, o reader.Options) *reader.Reader {
-	t.Helper()
-	r, err := reader.Attach(name, o)
-	require.NoError(t, err)
-	t.Cleanup(func() { r.Detach() })
-	return r
-}
 
 func publish(t *testing.T, p *producer.Producer, i uint64) {
 	t.Helper()
@@ -63,7 +38,7 @@ func TestAttachErrors(t *testing.T) {
 		_, err := reader.Attach(n, reader.Options{})
 		assert.Equal(t, ring.StatusName, ring.StatusOf(err), "name %q: %v", n, err)
 	}
-	name := channel(t)
+	name := testkit.Channel(t)
 	start := time.Now()
 	_, err := reader.Attach(name, reader.Options{})
 	require.ErrorIs(t, err, reader.ErrNoChannel)
@@ -74,7 +49,7 @@ func TestAttachErrors(t *testing.T) {
 	require.ErrorIs(t, err, reader.ErrNoChannel)
 	assert.GreaterOrEqual(t, time.Since(start), 60*time.Millisecond)
 
-	create(t, name, producer.Options{Slots: 2, SlotBytes: 4096})
+	testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 4096})
 	for _, o := range []reader.Options{{MaxHeld: 65}, {Start: 2}, {Start: -1}} {
 		_, err = reader.Attach(name, o)
 		assert.Equal(t, ring.StatusInval, ring.StatusOf(err), "%+v: %v", o, err)
@@ -88,7 +63,7 @@ func TestAttachErrors(t *testing.T) {
 }
 
 func TestAttachWaitsForChannel(t *testing.T) {
-	name := channel(t)
+	name := testkit.Channel(t)
 	created := make(chan *producer.Producer, 1)
 	go func() {
 		time.Sleep(50 * time.Millisecond)
@@ -106,7 +81,7 @@ func TestAttachWaitsForChannel(t *testing.T) {
 		p.Publish(ts, meta)
 	}()
 	start := time.Now()
-	r := attach(t, name, reader.Options{AttachTimeout: 10 * time.Second})
+	r := testkit.Attach(t, name, reader.Options{AttachTimeout: 10 * time.Second})
 	assert.GreaterOrEqual(t, time.Since(start), 40*time.Millisecond)
 	p := <-created
 	require.NotNil(t, p)
@@ -119,9 +94,9 @@ func TestAttachWaitsForChannel(t *testing.T) {
 }
 
 func TestAcquireContents(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 8, SlotBytes: 64 << 10})
-	r := attach(t, name, reader.Options{})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 8, SlotBytes: 64 << 10})
+	r := testkit.Attach(t, name, reader.Options{})
 
 	start := time.Now()
 	b, err := r.Acquire(30 * time.Millisecond)
@@ -203,14 +178,14 @@ func TestAcquireContents(t *testing.T) {
 	require.NotNil(t, b)
 	assert.Equal(t, uint64(1), b.Epoch)
 	assert.Equal(t, uint64(0), b.Index)
-	other := attach(t, name, reader.Options{})
+	other := testkit.Attach(t, name, reader.Options{})
 	assert.Equal(t, ring.StatusState, ring.StatusOf(other.Release(b)), "a batch of another reader")
 }
 
 func TestMaxHeld(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 16, SlotBytes: 64 << 10})
-	r := attach(t, name, reader.Options{MaxHeld: 3})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 16, SlotBytes: 64 << 10})
+	r := testkit.Attach(t, name, reader.Options{MaxHeld: 3})
 	for i := uint64(0); i < 8; i++ {
 		publish(t, p, i)
 	}
@@ -250,14 +225,14 @@ func TestMaxHeld(t *testing.T) {
 }
 
 func TestReaderRecordsFull(t *testing.T) {
-	name := channel(t)
-	p := create(t, name, producer.Options{Slots: 2, SlotBytes: 4096, MaxReaders: 2})
-	a := attach(t, name, reader.Options{})
-	attach(t, name, reader.Options{})
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 4096, MaxReaders: 2})
+	a := testkit.Attach(t, name, reader.Options{})
+	testkit.Attach(t, name, reader.Options{})
 	_, err := reader.Attach(name, reader.Options{})
 	require.Equal(t, ring.StatusFull, ring.StatusOf(err))
 	require.NoError(t, a.Detach())
-	attach(t, name, reader.Options{})
+	testkit.Attach(t, name, reader.Options{})
 	assert.Len(t, p.Readers(), 2)
 }
 
@@ -310,9 +285,9 @@ func (fs *fakeSegment) die() {
 }
 
 func TestCorruptDescriptorRejected(t *testing.T) {
-	name := channel(t)
+	name := testkit.Channel(t)
 	fs := newFake(t, name, 4)
-	r := attach(t, name, reader.Options{})
+	r := testkit.Attach(t, name, reader.Options{})
 	fs.publish(t, ring.Tensor{Dtype: ring.DtypeUint8, Shape: []int64{100}}, 4096, 100)
 	b, err := r.Acquire(time.Second)
 	require.NoError(t, err)
@@ -337,9 +312,9 @@ func TestCorruptDescriptorRejected(t *testing.T) {
 }
 
 func TestProducerGone(t *testing.T) {
-	name := channel(t)
+	name := testkit.Channel(t)
 	fs := newFake(t, name, 4)
-	r := attach(t, name, reader.Options{})
+	r := testkit.Attach(t, name, reader.Options{})
 	for k := 0; k < 3; k++ {
 		fs.publish(t, ring.Tensor{Dtype: ring.DtypeUint8, Shape: []int64{int64(k + 1)}}, 4096, 4096)
 	}
@@ -414,7 +389,7 @@ func TestBadSegments(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			name := channel(t)
+			name := testkit.Channel(t)
 			fs := newFake(t, name, 4)
 			img := make([]byte, g.TotalBytes)
 			n, err := fs.f.ReadAt(img, 0)
