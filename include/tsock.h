@@ -261,6 +261,18 @@ int tsock_reader_release(tsock_reader_t *r, const tsock_batch_t *batch);
  * pointer lies inside it). One thread at a time per reader. */
 int tsock_reader_payload_range(tsock_reader_t *r, const void **base, uint64_t *len);
 
+/* ---- DLPack export (both libraries) ------------------------------------- */
+
+/* Describes tensor `i` of an acquired batch as a DLPack managed tensor
+ * (https://dmlc.github.io/dlpack): a DLManagedTensorVersioned (DLPack 1.0)
+ * with DLPACK_FLAG_BITMASK_READ_ONLY set when `versioned` is non-zero, else
+ * a legacy DLManagedTensor. Device kDLCPU (pinned host memory is kDLCPU
+ * too). The struct is allocated by the library; its deleter only frees it,
+ * never needs the GIL and may run on any thread. It does not extend the
+ * batch's lifetime: the data stay valid until the batch is released.
+ * Booleans are kDLBool, 8 bits. Thread-safe. */
+int tsock_batch_dlpack(const tsock_batch_t *batch, uint32_t i, int versioned, void **out);
+
 /* Releases everything, frees the reader record and the handle. Thread-safe
  * against other readers; a second detach returns TSOCK_EHANDLE. */
 int tsock_reader_detach(tsock_reader_t *r);
