@@ -76,7 +76,10 @@ func duration(ns C.int64_t) time.Duration {
 func tsockgo_producer_create(name *C.char, o *C.tsock_producer_options_t, out *C.uintptr_t) C.int {
 	opts := producer.Options{Slots: uint32(o.slot_count), SlotBytes: uint64(o.slot_bytes),
 		MaxReaders: uint32(o.max_readers), Mode: fileMode(uint32(o.mode)), Gid: int(o.gid),
-		EvictAfter: time.Duration(o.evict_after_ns)}
+		EvictAfter: time.Duration(o.evict_after_ns), JoinWindow: uint32(o.join_window)}
+	if o.reserved != 0 {
+		return fail(ring.Errorf(ring.StatusInval, "producer options: reserved must be 0"))
+	}
 	if o.evict_after_ns < 0 || uint32(o.mode)&^0o777 != 0 || o.mode == 0 {
 		return fail(ring.Errorf(ring.StatusInval, "producer options: mode %o or evict_after_ns %d out of range",
 			uint32(o.mode), int64(o.evict_after_ns)))

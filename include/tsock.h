@@ -143,6 +143,12 @@ typedef struct tsock_producer_options {
   int64_t evict_after_ns;  /* evict a reader that holds the producer back this
                               long; 0 (default) never evicts: slow readers
                               apply back-pressure */
+  uint32_t join_window;    /* late-join window: a reader that attaches while
+                              at most this many batches of the current epoch
+                              are published still gets the whole epoch (the
+                              producer keeps them); 0 (default) = none;
+                              less than slot_count */
+  uint32_t reserved;       /* must be 0 */
 } tsock_producer_options_t;
 
 /* Thread-safe. */
@@ -203,8 +209,11 @@ typedef struct tsock_reader tsock_reader_t;
 
 /* Where a reader that attaches to a running channel starts. */
 typedef enum tsock_start {
-  TSOCK_START_NEXT_EPOCH = 0, /* first batch of the next epoch to start (default);
-                                 a reader attached before any batch gets epoch 0 */
+  TSOCK_START_NEXT_EPOCH = 0, /* the current epoch from its first batch if the
+                                 reader attaches inside the producer's join
+                                 window, else the first batch of the next epoch
+                                 (default); a reader attached before any batch
+                                 gets epoch 0 */
   TSOCK_START_NOW = 1         /* the next batch published after attaching */
 } tsock_start;
 

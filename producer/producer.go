@@ -29,6 +29,11 @@ type Options struct {
 	Mode       os.FileMode   // permission bits; default 0600 (user only)
 	Gid        int           // group of the segment; -1 or 0 keeps the default
 	EvictAfter time.Duration // evict a reader that gates this long; 0 never
+	// JoinWindow keeps the first JoinWindow batches of each epoch in the
+	// ring while no more of the epoch is published, so that a reader
+	// attaching that early still gets the whole epoch. 0: none. Must be
+	// less than Slots.
+	JoinWindow uint32
 }
 
 // Defaults of Options.
@@ -100,6 +105,9 @@ func (o *Options) fill() error {
 	if o.EvictAfter < 0 {
 		return ring.Errorf(ring.StatusInval, "negative EvictAfter")
 	}
+	if o.JoinWindow >= o.Slots {
+		return ring.Errorf(ring.StatusInval, "join window of %d batches needs more than %d slots", o.JoinWindow, o.Slots)
+	}
 	return nil
 }
 
@@ -162,6 +170,7 @@ func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, er
 	if err != nil {
 		return fail(sysError(err, "map %s", tmp))
 	}
+	seg.SetJoinWindow(uint64(opts.JoinWindow))
 	seg.InitHeader(name, os.Getpid(), uint64(time.Now().UnixNano()))
 	if err := ring.LockByte(f, ring.LockProducer); err != nil {
 		seg.Unmap()
@@ -349,6 +358,7 @@ func (p *Producer) EndEpoch(timeout time.Duration) error {
 	p.epoch++
 	p.index = 0
 	p.seg.SetEpoch(p.epoch)
+	p.seg.SetEpochStart(p.next)
 	return nil
 }
 
@@ -419,6 +429,11 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 // come from other processes: a cursor outside [seq-slots, seq] is clamped.
 func (p *Producer) scan(seq uint64, checkLive bool) uint64 {
 	least := seq
+	// Late-join window: keep the epoch's first batch (and so every later
+	// one) while no more than JoinWindow batches of the epoch are out.
+	if start := p.seg.EpochStart(); p.opts.JoinWindow > 0 && seq-start <= uint64(p.opts.JoinWindow) {
+		least = min(least, start)
+	}
 	for i := uint32(0); i < p.seg.Readers; i++ {
 		c := p.seg.Claim(i)
 		st := ring.ClaimState(c)

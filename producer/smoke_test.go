@@ -86,3 +86,49 @@ func TestLateJoinSkipsEmptyEpochMarker(t *testing.T) {
 	require.Equal(t, uint64(2), b.Epoch)
 	require.Equal(t, uint64(0), b.Index)
 }
+
+// A reader that attaches while no more than JoinWindow batches of the
+// current epoch are published gets the whole epoch; later, the next epoch.
+func TestLateJoinWindow(t *testing.T) {
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 8, SlotBytes: 4096, JoinWindow: 3})
+	publish := func() {
+		_, err := p.Reserve(8, 0) // never blocks: the window is smaller than the ring
+		require.NoError(t, err)
+		require.NoError(t, p.Publish([]producer.Tensor{{Dtype: ring.DtypeUint64, Shape: []int64{1}}}, nil))
+	}
+	first := func(r *reader.Reader) *reader.Batch {
+		b, err := r.Acquire(time.Second)
+		require.NoError(t, err)
+		require.NotNil(t, b)
+		require.NoError(t, r.Release(b))
+		return b
+	}
+	for i := 0; i < 3; i++ {
+		publish()
+	}
+	inside := testkit.Attach(t, name, reader.Options{}) // 3 of the epoch out: inside the window
+	publish()                                           // 4: outside
+	late := testkit.Attach(t, name, reader.Options{})
+	now := testkit.Attach(t, name, reader.Options{Start: reader.StartNow})
+	publish()
+	require.NoError(t, p.EndEpoch(0))
+	publish() // epoch 1, index 0
+
+	b := first(inside)
+	require.Equal(t, [2]uint64{0, 0}, [2]uint64{b.Epoch, b.Index}, "inside the window: the whole epoch")
+	b = first(late)
+	require.Equal(t, [2]uint64{1, 0}, [2]uint64{b.Epoch, b.Index}, "outside the window: next epoch")
+	b = first(now)
+	require.Equal(t, [2]uint64{0, 4}, [2]uint64{b.Epoch, b.Index}, "StartNow ignores the window")
+
+	// The window never blocks the producer with no reader behind.
+	for _, r := range []*reader.Reader{inside, late, now} {
+		require.NoError(t, r.Detach())
+	}
+	for i := 0; i < 20; i++ {
+		publish()
+	}
+	_, err := producer.Create(name+"x", producer.Options{Slots: 4, JoinWindow: 4})
+	require.ErrorIs(t, err, producer.ErrInvalid)
+}

@@ -230,6 +230,27 @@ static int producer_alive(struct reader_impl *r) {
   return tsock__byte_locked(r->fd, TSOCK_LOCK_PRODUCER) != 0; /* error: assume alive */
 }
 
+/* Inside the producer's join window, moves a new reader back to the first
+ * batch of the current epoch. The producer keeps that batch while no more
+ * than join_window batches of the epoch are published; we gate it from the
+ * moment our cursor is stored, so the check after the store decides (see
+ * docs/ARCHITECTURE.md, "Late join window"). */
+static void join_in_window(struct reader_impl *r, uint64_t p2) {
+  uint64_t window = __atomic_load_n(&r->hdr->join_window, __ATOMIC_SEQ_CST);
+  uint64_t start = __atomic_load_n(&r->hdr->epoch_start, __ATOMIC_SEQ_CST);
+  if (window == 0 || start > p2 || p2 - start > window || start == p2) return;
+  __atomic_store_n(&r->rec->cursor, start, __ATOMIC_SEQ_CST);
+  uint64_t p3 = __atomic_load_n(&r->hdr->published, __ATOMIC_SEQ_CST);
+  uint64_t start2 = __atomic_load_n(&r->hdr->epoch_start, __ATOMIC_SEQ_CST);
+  if (start2 == start && p3 - start <= window) {
+    __atomic_store_n(&r->rec->acquired, start, __ATOMIC_SEQ_CST);
+    r->next = r->released = start;
+    r->skipping = 0;
+    return;
+  }
+  __atomic_store_n(&r->rec->cursor, p2, __ATOMIC_SEQ_CST); /* too late: next epoch */
+}
+
 /* Claims a free reader record: the kernel arbitrates through the OFD lock on
  * the record's byte, the claim word's generation guards against the
  * producer reclaiming the record at the same moment. */
@@ -274,6 +295,7 @@ static int claim_record(struct reader_impl *r, const char *name, int start_mode)
     r->claim = active;
     r->next = r->released = p2;
     r->skipping = start_mode == TSOCK_START_NEXT_EPOCH;
+    if (r->skipping) join_in_window(r, p2);
     return TSOCK_OK;
   }
   return tsock__fail(TSOCK_EFULL, "channel '%s': all %u reader records are taken", name, cap);

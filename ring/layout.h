@@ -94,7 +94,9 @@ typedef struct tsock_header {
   uint32_t producer_waiting;     /* 1 while reserve sleeps; readers wake it */
   uint64_t heartbeat_ns;         /* CLOCK_MONOTONIC, informational only */
   uint64_t epoch;                /* current epoch (informational) */
-  uint8_t pad1[104];
+  uint64_t epoch_start;          /* seq of the current epoch's first batch */
+  uint64_t join_window;          /* batches of each epoch kept for late joiners */
+  uint8_t pad1[88];
   /* lines 4-5: the published sequence, alone on its own two cache lines
    * (adjacent-line prefetch pairs lines) */
   uint64_t published;            /* batches published; seq < published are readable.

@@ -211,3 +211,15 @@ func (s *Segment) AddEvicted()   { atomic.AddUint64(u64(&s.Header().stat_readers
 
 // SetHeartbeat stores the producer's last activity (CLOCK_MONOTONIC).
 func (s *Segment) SetHeartbeat(ns uint64) { atomic.StoreUint64(u64(&s.Header().heartbeat_ns), ns) }
+
+// EpochStart is the seq of the current epoch's first batch.
+func (s *Segment) EpochStart() uint64 { return atomic.LoadUint64(u64(&s.Header().epoch_start)) }
+
+// SetEpochStart stores the seq of the current epoch's first batch.
+func (s *Segment) SetEpochStart(v uint64) { atomic.StoreUint64(u64(&s.Header().epoch_start), v) }
+
+// JoinWindow is how many batches of each epoch are kept for late joiners.
+func (s *Segment) JoinWindow() uint64 { return atomic.LoadUint64(u64(&s.Header().join_window)) }
+
+// SetJoinWindow stores the late-join window (set once, before readers).
+func (s *Segment) SetJoinWindow(v uint64) { atomic.StoreUint64(u64(&s.Header().join_window), v) }

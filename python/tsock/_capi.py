@@ -71,6 +71,8 @@ class ProducerOptions(ctypes.Structure):
         ("mode", ctypes.c_uint32),
         ("gid", ctypes.c_int64),
         ("evict_after_ns", ctypes.c_int64),
+        ("join_window", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
     ]
 
 
