@@ -1,8 +1,10 @@
 # tsock: `make demo` runs the main job, `make test` runs every test.
 BUILD ?= build
+VENV ?= .venv
+PY = $(VENV)/bin/python
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
-.PHONY: all build lint go-test c-test py-test test demo bench-latency clean
+.PHONY: all build lint go-test c-test py-env py-test test demo bench-latency clean
 
 all: build
 
@@ -22,11 +24,16 @@ go-test:
 c-test: build
 	ctest --test-dir $(BUILD) --output-on-failure --timeout 300
 
-# Python tests through ctypes against the built libraries.
-py-test: build
-	python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore ruff pytest
-	python3 -m ruff check python tests/python
-	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) python3 -m pytest -q tests/python
+# Python: Debian's CPU PyTorch and NumPy plus JAX from PyPI, in $(VENV).
+py-env: $(VENV)/.ready
+$(VENV)/.ready: scripts/py-env.sh
+	bash scripts/py-env.sh $(VENV)
+
+# Python tests (real numpy, torch and JAX on the CPU) against the built libraries.
+py-test: build py-env
+	$(PY) -m ruff check python tests/python examples
+	$(PY) -m ruff format --check python tests/python examples
+	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) -m pytest -q tests/python
 
 test: lint go-test c-test py-test
 
@@ -37,4 +44,4 @@ bench-latency:
 	go run ./bench/latency
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(VENV)
