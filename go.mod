@@ -3,6 +3,7 @@ module github.com/tsock/tsock
 go 1.26.0
 
 require (
+	github.com/NVIDIA/go-nvml v0.13.0-1
 	github.com/edsrzf/mmap-go v1.2.0
 	github.com/stretchr/testify v1.12.1
 	golang.org/x/sys v0.49.0

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"sync/atomic"
+	"syscall"
 	"unsafe"
 )
 
@@ -78,9 +79,14 @@ func CheckHeader(buf []byte, fileSize uint64) (int, error) {
 }
 
 // OpenSegment opens channel name read-only for inspection and checks its
-// header. It takes no lock and claims no reader record.
+// header. It takes no lock and claims no reader record. Like the reader, it
+// never follows a symbolic link planted at the channel's path, and it does
+// not block on a FIFO planted there.
 func OpenSegment(name string) (*Segment, error) {
-	f, err := os.Open(ChannelPath(name))
+	if !NameOK(name) {
+		return nil, Errorf(StatusName, "channel name %q is not 1..%d of [A-Za-z0-9._-]", name, NameMax)
+	}
+	f, err := os.OpenFile(ChannelPath(name), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -96,6 +102,9 @@ func openChecked(f *os.File) (*Segment, error) {
 	st, err := f.Stat()
 	if err != nil {
 		return nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%w: %s is not a regular file", ErrNotSegment, f.Name())
 	}
 	buf := make([]byte, HeaderSize)
 	if n, _ := f.ReadAt(buf, 0); n < len(buf) {

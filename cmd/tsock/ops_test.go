@@ -1,0 +1,449 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tsock/tsock/producer"
+	"github.com/tsock/tsock/reader"
+	"github.com/tsock/tsock/ring"
+)
+
+func lsJSON(t *testing.T, args ...string) (lsResult, int) {
+	t.Helper()
+	rc, out, errs := runInProcess(t, append([]string{"ls", "--json"}, args...)...)
+	var res lsResult
+	require.NoError(t, json.Unmarshal([]byte(out), &res), "ls output:\n%s\nstderr:\n%s", out, errs)
+	return res, rc
+}
+
+func findChannel(res lsResult, name string) *channelInfo {
+	for i := range res.Channels {
+		if res.Channels[i].Name == name {
+			return &res.Channels[i]
+		}
+	}
+	return nil
+}
+
+// TestLs lists a live channel with readers (one of them killed), a dead
+// channel, a foreign file and a planted symbolic link.
+func TestLs(t *testing.T) {
+	live := chanName(t, "live")
+	prod := startChild(t, "producer", live, "8", "-1") // idle: nothing reclaims the killed reader's record
+	r1 := startChild(t, "reader", live)
+	r2 := startChild(t, "reader", live)
+	startChild(t, "reader", live)
+	r2.kill() // its record stays ACTIVE until the producer needs it: "dead record"
+	dead := deadChannel(t, "dead")
+	foreign := chanName(t, "foreign")
+	require.NoError(t, os.WriteFile(ring.ChannelPath(foreign), []byte("hello"), 0o600))
+	link := chanName(t, "link")
+	target := filepath.Join(t.TempDir(), "target")
+	require.NoError(t, os.WriteFile(target, []byte("do not touch"), 0o600))
+	require.NoError(t, os.Symlink(target, ring.ChannelPath(link)))
+
+	res, rc := lsJSON(t, live, dead, foreign, link)
+	require.Equal(t, exitOK, rc)
+	require.Len(t, res.Channels, 4)
+
+	c := findChannel(res, live)
+	require.NotNil(t, c)
+	assert.Equal(t, stateOpen, c.State)
+	assert.Equal(t, int32(prod.pid()), c.ProducerPid)
+	assert.Equal(t, 2, c.Readers)
+	assert.Equal(t, 1, c.DeadRecords)
+	assert.Equal(t, uint32(8), c.Slots)
+	assert.Equal(t, uint32(8), c.ReaderCapacity)
+	assert.Equal(t, uint64(60<<10), c.SlotBytes) // batchgen.MaxPayload in pages
+	assert.Equal(t, "0600", c.Mode)
+	pids := map[int32]bool{}
+	for _, r := range c.ReaderList {
+		pids[r.Pid] = r.Alive
+	}
+	assert.True(t, pids[int32(r1.pid())], "live reader shown alive")
+	alive, listed := pids[int32(r2.pid())]
+	assert.True(t, listed, "killed reader's record listed")
+	assert.False(t, alive, "killed reader shown dead")
+
+	d := findChannel(res, dead)
+	require.NotNil(t, d)
+	assert.Equal(t, stateDead, d.State)
+	f := findChannel(res, foreign)
+	require.NotNil(t, f)
+	assert.Equal(t, stateInvalid, f.State)
+	assert.Contains(t, f.Error, "truncated")
+	l := findChannel(res, link)
+	require.NotNil(t, l)
+	assert.Equal(t, stateInvalid, l.State)
+	assert.Contains(t, l.Error, "symbolic link")
+
+	// Table output and the full listing (the channels above are in it).
+	rc, out, _ := runInProcess(t, "ls", "--readers")
+	require.Equal(t, exitOK, rc)
+	for _, want := range []string{"NAME", live, dead, "open", "dead", "2 +1 dead", "60 KiB"} {
+		assert.Contains(t, out, want)
+	}
+	rc, out, _ = runInProcess(t, "ls", "--match", "clitest-"+strconv.Itoa(os.Getpid())+"-dead-*")
+	require.Equal(t, exitOK, rc)
+	assert.Contains(t, out, dead)
+	assert.NotContains(t, out, live)
+
+	// A name that does not exist, an invalid one.
+	rc, _, errs := runInProcess(t, "ls", "no-such-channel-"+strconv.Itoa(os.Getpid()))
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, errs, "no such channel")
+	rc, _, _ = runInProcess(t, "ls", "--match", "[")
+	assert.Equal(t, exitUsage, rc)
+
+	b, err := os.ReadFile(target)
+	require.NoError(t, err)
+	assert.Equal(t, "do not touch", string(b))
+}
+
+// TestStat samples a channel with a producer publishing at a fixed rate
+// and a fast reader, then adds a reader that never releases: the producer
+// becomes back-pressured, the new reader lags by the whole ring, the fast
+// reader waits for data all the time.
+func TestStat(t *testing.T) {
+	name := chanName(t, "stat")
+	prod := startChild(t, "producer", name, "8", "400")
+	fast := startChild(t, "reader", name)
+
+	samples := statRun(t, name, 3)
+	s := samples[len(samples)-1]
+	assert.Equal(t, stateOpen, s.State)
+	assert.Equal(t, int32(prod.pid()), s.ProducerPid)
+	assert.Greater(t, s.PublishRate, 50.0, "publish rate")
+	assert.Less(t, s.PublishRate, 1000.0, "publish rate")
+	fr := statReaderByPid(t, s, fast.pid())
+	assert.Greater(t, fr.BatchRate, 50.0)
+	assert.LessOrEqual(t, fr.Lag, uint64(8))
+	// Throttled producer, fast reader: most of the time is spent waiting.
+	assert.Greater(t, fr.Stall, 0.3, "fast reader's stall")
+	assert.LessOrEqual(t, fr.Stall, 1.0)
+
+	// A reader that holds what it acquires (here: acquires nothing, never
+	// releases) gates the producer once the ring is full.
+	slow, err := reader.Attach(name, reader.Options{Start: reader.StartNow})
+	require.NoError(t, err)
+	defer slow.Detach()
+	time.Sleep(200 * time.Millisecond)
+	samples = statRun(t, name, 2)
+	s = samples[len(samples)-1]
+	assert.Less(t, s.PublishRate, 20.0, "a full ring stops the producer")
+	assert.Greater(t, s.Backpressure, 0.5, "producer back-pressured")
+	var sr *statReader
+	for i := range s.Readers {
+		if s.Readers[i].Pid == int32(os.Getpid()) {
+			sr = &s.Readers[i]
+		}
+	}
+	require.NotNil(t, sr, "in-process reader listed")
+	assert.Equal(t, uint64(8), sr.Lag, "the holding reader lags by the whole ring")
+	fr = statReaderByPid(t, s, fast.pid())
+	assert.Equal(t, 1.0, fr.Stall, "the caught-up reader waits all the time")
+
+	// Human output.
+	rc, out, errs := runInProcess(t, "stat", name, "--interval", "100ms", "--count", "1")
+	require.Equal(t, exitOK, rc, errs)
+	for _, want := range []string{"channel " + name, "READER", "LAG", "STALL", strconv.Itoa(fast.pid())} {
+		assert.Contains(t, out, want)
+	}
+
+	// Follows a new producer of the same name; stops when the name is gone.
+	cmd, lines := statProcess(t, name)
+	<-lines // one sample of the first producer
+	prod.kill()
+	slow.Detach()
+	prod2 := startChild(t, "producer", name, "8", "400")
+	var sawNew bool
+	deadline := time.After(20 * time.Second)
+	for !sawNew {
+		select {
+		case l, ok := <-lines:
+			require.True(t, ok, "stat ended early")
+			var smp statSample
+			if json.Unmarshal([]byte(l), &smp) == nil && smp.ProducerPid == int32(prod2.pid()) {
+				sawNew = true
+			}
+		case <-deadline:
+			t.Fatal("stat did not follow the new producer")
+		}
+	}
+	prod2.kill()
+	require.NoError(t, os.Remove(ring.ChannelPath(name)))
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		var ee *exec.ExitError
+		require.ErrorAs(t, err, &ee)
+		assert.Equal(t, exitFail, ee.ExitCode())
+	case <-time.After(20 * time.Second):
+		cmd.Process.Kill()
+		t.Fatal("stat kept running after the channel was removed")
+	}
+
+	rc, _, errs = runInProcess(t, "stat", "no-such-"+strconv.Itoa(os.Getpid()), "--count", "1")
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, errs, "no channel")
+	rc, _, _ = runInProcess(t, "stat", "../x")
+	assert.Equal(t, exitUsage, rc)
+	rc, _, _ = runInProcess(t, "stat")
+	assert.Equal(t, exitUsage, rc)
+}
+
+// statRun runs `tsock stat --json` for n samples of 300 ms.
+func statRun(t *testing.T, name string, n int) []statSample {
+	t.Helper()
+	rc, out, errs := runInProcess(t, "stat", name, "--interval", "300ms", "--count", strconv.Itoa(n), "--json")
+	require.Equal(t, exitOK, rc, errs)
+	var res []statSample
+	sc := bufio.NewScanner(strings.NewReader(out))
+	for sc.Scan() {
+		var s statSample
+		require.NoError(t, json.Unmarshal(sc.Bytes(), &s), "line %q", sc.Text())
+		res = append(res, s)
+	}
+	require.Len(t, res, n, out)
+	return res
+}
+
+// statProcess runs `tsock stat --json` with a short interval in a child
+// process and returns its output lines.
+func statProcess(t *testing.T, name string) (*exec.Cmd, <-chan string) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "stat", name, "--interval", "50ms", "--json")
+	cmd.Env = append(os.Environ(), asMainEnv+"=1")
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { cmd.Process.Kill() })
+	lines := make(chan string, 1000)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+		close(lines)
+	}()
+	return cmd, lines
+}
+
+func statReaderByPid(t *testing.T, s statSample, pid int) statReader {
+	t.Helper()
+	for _, r := range s.Readers {
+		if r.Pid == int32(pid) {
+			return r
+		}
+	}
+	t.Fatalf("reader pid %d not in sample %+v", pid, s)
+	return statReader{}
+}
+
+func TestRm(t *testing.T) {
+	// A live channel is refused and left alone.
+	live := chanName(t, "rmlive")
+	startChild(t, "producer", live, "4", "100")
+	rc, _, errs := runInProcess(t, "rm", live)
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, errs, "live producer")
+	_, err := os.Stat(ring.ChannelPath(live))
+	require.NoError(t, err, "live channel kept")
+
+	// A dead channel goes, readers that were attached notice.
+	dead := chanName(t, "rmdead")
+	prod := startChild(t, "producer", dead, "4", "100")
+	rd, err := reader.Attach(dead, reader.Options{Start: reader.StartNow})
+	require.NoError(t, err)
+	defer rd.Detach()
+	prod.kill()
+	rc, out, errs := runInProcess(t, "rm", dead)
+	require.Equal(t, exitOK, rc, errs)
+	assert.Contains(t, out, "removed "+dead)
+	assert.Contains(t, out, "dead")
+	_, err = os.Stat(ring.ChannelPath(dead))
+	assert.ErrorIs(t, err, os.ErrNotExist)
+	for {
+		b, err := rd.Acquire(2 * time.Second)
+		if err != nil {
+			require.ErrorIs(t, err, reader.ErrProducerGone)
+			break
+		}
+		require.NotNil(t, b, "no batch and no end")
+		rd.Release(b)
+	}
+
+	// Temporary files: the dead creator's goes, the live one's stays.
+	gone := exec.Command("true")
+	require.NoError(t, gone.Run())
+	deadTmp := fmt.Sprintf("%s/%s%d.clitest%d", ring.ShmDir, tmpPrefix, gone.Process.Pid, os.Getpid())
+	liveTmp := fmt.Sprintf("%s/%s%d.clitest%d", ring.ShmDir, tmpPrefix, os.Getpid(), os.Getpid())
+	for _, p := range []string{deadTmp, liveTmp} {
+		require.NoError(t, os.WriteFile(p, nil, 0o600))
+		t.Cleanup(func() { os.Remove(p) })
+	}
+	dead2 := deadChannel(t, "rmdead2")
+	rc, out, errs = runInProcess(t, "rm", "--json", dead2)
+	require.Equal(t, exitOK, rc, errs)
+	var res rmResult
+	require.NoError(t, json.Unmarshal([]byte(out), &res), out)
+	assert.Equal(t, []string{dead2}, res.Removed)
+	assert.Contains(t, res.TempRemoved, deadTmp)
+	assert.Contains(t, res.TempKept, liveTmp)
+	_, err = os.Stat(deadTmp)
+	assert.ErrorIs(t, err, os.ErrNotExist)
+	_, err = os.Stat(liveTmp)
+	assert.NoError(t, err)
+
+	// A foreign file needs --force; a symbolic link is never followed or removed.
+	foreign := chanName(t, "rmforeign")
+	require.NoError(t, os.WriteFile(ring.ChannelPath(foreign), []byte("not a segment"), 0o600))
+	rc, _, errs = runInProcess(t, "rm", foreign)
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, errs, "--force")
+	rc, _, errs = runInProcess(t, "rm", "--force", foreign)
+	assert.Equal(t, exitOK, rc, errs)
+	_, err = os.Stat(ring.ChannelPath(foreign))
+	assert.ErrorIs(t, err, os.ErrNotExist)
+
+	link := chanName(t, "rmlink")
+	victim := deadChannel(t, "rmvictim") // a real dead segment behind the link
+	require.NoError(t, os.Symlink(ring.ChannelPath(victim), ring.ChannelPath(link)))
+	rc, _, errs = runInProcess(t, "rm", "--force", link)
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, errs, "symbolic link")
+	_, err = os.Lstat(ring.ChannelPath(link))
+	assert.NoError(t, err, "link kept")
+	_, err = os.Stat(ring.ChannelPath(victim))
+	assert.NoError(t, err, "link target kept")
+
+	// --all-dead, limited to this test's names.
+	d3, d4 := deadChannel(t, "rmall-a"), deadChannel(t, "rmall-b")
+	live2 := chanName(t, "rmall-live")
+	startChild(t, "producer", live2, "4", "100")
+	rc, out, errs = runInProcess(t, "rm", "--all-dead", "--json", "--match", fmt.Sprintf("clitest-%d-rmall-*", os.Getpid()))
+	require.Equal(t, exitOK, rc, errs)
+	res = rmResult{}
+	require.NoError(t, json.Unmarshal([]byte(out), &res), out)
+	assert.ElementsMatch(t, []string{d3, d4}, res.Removed)
+	_, err = os.Stat(ring.ChannelPath(live2))
+	assert.NoError(t, err)
+
+	// Bad names and usage.
+	for _, bad := range []string{"..", "../tsock.x", "a/b", "/etc/passwd", ""} {
+		rc, _, errs = runInProcess(t, "rm", bad)
+		assert.Equal(t, exitFail, rc, "rm %q", bad)
+		assert.Contains(t, errs, "invalid channel name", "rm %q", bad)
+	}
+	rc, _, _ = runInProcess(t, "rm")
+	assert.Equal(t, exitUsage, rc)
+	rc, _, _ = runInProcess(t, "rm", "--all-dead", "x")
+	assert.Equal(t, exitUsage, rc)
+	rc, _, errs = runInProcess(t, "rm", "no-such-"+strconv.Itoa(os.Getpid()))
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, errs, "no channel")
+}
+
+// TestRmInProcessProducer: rm names the live producer it refuses to
+// disturb; after a clean close the name is already gone.
+func TestRmInProcessProducer(t *testing.T) {
+	name := chanName(t, "rminproc")
+	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.NoError(t, err)
+	rc, _, errs := runInProcess(t, "rm", name)
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, errs, fmt.Sprintf("pid %d", os.Getpid()))
+	require.NoError(t, p.Close())
+	rc, _, _ = runInProcess(t, "rm", name)
+	assert.Equal(t, exitFail, rc, "a closed channel's name is already gone")
+}
+
+func TestGpusWithoutDriver(t *testing.T) {
+	if _, err := os.Stat("/proc/driver/nvidia"); err == nil {
+		t.Skip("an NVIDIA driver is present")
+	}
+	rc, out, errs := runInProcess(t, "gpus")
+	assert.Equal(t, exitOK, rc, errs)
+	assert.Equal(t, msgNoDriver+"\n", out)
+	rc, out, _ = runInProcess(t, "gpus", "--json")
+	assert.Equal(t, exitOK, rc)
+	var rep gpuReport
+	require.NoError(t, json.Unmarshal([]byte(out), &rep), out)
+	assert.False(t, rep.DriverLoaded)
+	assert.Equal(t, msgNoDriver, rep.Error)
+	assert.Empty(t, rep.GPUs)
+	assert.NotNil(t, rep.GPUs, "gpus is [] in JSON, not null")
+	rc, _, _ = runInProcess(t, "gpus", "extra")
+	assert.Equal(t, exitUsage, rc)
+}
+
+func TestGpusFakeTopology(t *testing.T) {
+	saved := gpuQuery
+	t.Cleanup(func() { gpuQuery = saved })
+	gpuQuery = func() gpuReport {
+		return gpuReport{DriverLoaded: true, DriverVersion: "550.54.15", NVMLVersion: "12.550.54.15", CUDAVersion: "12.4",
+			GPUs: []gpuInfo{
+				{Index: 0, Name: "NVIDIA H100 80GB HBM3", UUID: "GPU-aaaa", PCIBusID: "00000000:18:00.0",
+					MemoryBytes: 80 << 30, MIG: "enabled", MIGDevices: []migInfo{
+						{Index: 0, Name: "NVIDIA H100 80GB HBM3 MIG 3g.40gb", UUID: "MIG-1111", GPUInstance: 1, ComputeInstance: 0, MemoryBytes: 40 << 30},
+						{Index: 1, UUID: "MIG-2222", GPUInstance: 2, ComputeInstance: 0, MemoryBytes: 20 << 30},
+					}},
+				{Index: 1, Name: "NVIDIA H100 80GB HBM3", UUID: "GPU-bbbb", MemoryBytes: 80 << 30, MIG: "disabled",
+					MIGPending: "enabled", MIGDevices: []migInfo{}},
+			}}
+	}
+	rc, out, _ := runInProcess(t, "gpus")
+	require.Equal(t, exitOK, rc)
+	for _, want := range []string{"NVIDIA driver 550.54.15", "CUDA 12.4", "2 GPUs", "GPU 0", "GPU-aaaa", "80 GiB", "MIG enabled",
+		"MIG 0  MIG-1111  GPU instance 1  compute instance 0  40 GiB", "MIG 1  MIG-2222", "GPU 1", "MIG disabled (enabled after reset)",
+		"CUDA IPC does not cross MIG instances"} {
+		assert.Contains(t, out, want)
+	}
+	rc, out, _ = runInProcess(t, "gpus", "--json")
+	require.Equal(t, exitOK, rc)
+	var rep gpuReport
+	require.NoError(t, json.Unmarshal([]byte(out), &rep))
+	require.Len(t, rep.GPUs, 2)
+	assert.Len(t, rep.GPUs[0].MIGDevices, 2)
+	assert.Equal(t, 2, rep.GPUs[0].MIGDevices[1].GPUInstance)
+
+	gpuQuery = func() gpuReport {
+		return gpuReport{Error: "NVML initialisation failed: Insufficient Permissions", failed: true}
+	}
+	rc, _, errs := runInProcess(t, "gpus")
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, errs, "Insufficient Permissions")
+}
+
+// TestNVMLStaysOutOfLibraries: go-nvml links into the tsock command only;
+// libtsock.so (cabi) and the Go packages never depend on it.
+func TestNVMLStaysOutOfLibraries(t *testing.T) {
+	gobin, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("go tool not found")
+	}
+	const nvmlPkg = "github.com/NVIDIA/go-nvml"
+	deps := func(pkgs ...string) string {
+		out, err := exec.Command(gobin, append([]string{"list", "-deps"}, pkgs...)...).CombinedOutput()
+		require.NoError(t, err, "%s", out)
+		return string(out)
+	}
+	lib := deps("github.com/tsock/tsock/cabi", "github.com/tsock/tsock/producer", "github.com/tsock/tsock/reader",
+		"github.com/tsock/tsock/ring")
+	assert.NotContains(t, lib, nvmlPkg, "a library package depends on NVML")
+	assert.Contains(t, deps("github.com/tsock/tsock/cmd/tsock"), nvmlPkg)
+}
