@@ -1,0 +1,48 @@
+"""tsock: one producer loads and batches the data once; any number of trainer
+processes on the same node read every batch zero-copy from shared memory.
+
+    # the loader process
+    with tsock.Producer(loader, name="sweep") as p:
+        p.run(epochs=3)
+
+    # each trainer process
+    with tsock.Consumer("sweep", output="torch") as c:
+        for epoch in range(3):
+            for x, y in c:
+                ...
+
+The producer loads libtsock.so (Go runtime inside); consumers load only
+libtsock_reader.so (plain C), so trainers stay fork-safe. Both are found
+through TSOCK_LIBRARY_DIR, the package's _lib folder, or the repository's
+build folder (see tsock._capi).
+"""
+
+from .consumer import Consumer
+from .errors import (
+    BatchTooLarge,
+    ChannelClosed,
+    ChannelNotFound,
+    CorruptSegment,
+    Evicted,
+    LayoutMismatch,
+    ProducerGone,
+    ReadOnlyBatchError,
+    TsockError,
+    UnsupportedDtype,
+)
+from .producer import Producer
+
+__all__ = [
+    "Producer",
+    "Consumer",
+    "TsockError",
+    "ProducerGone",
+    "ChannelNotFound",
+    "LayoutMismatch",
+    "CorruptSegment",
+    "Evicted",
+    "BatchTooLarge",
+    "UnsupportedDtype",
+    "ChannelClosed",
+    "ReadOnlyBatchError",
+]

@@ -22,6 +22,41 @@ START_NOW = 1
 # Status codes (tsock_status).
 OK = 0
 EAGAIN = -1
+EINVAL = -2
+EHANDLE = -3
+ENAME = -4
+ENOENT = -5
+EEXIST = -6
+EVERSION = -7
+ECORRUPT = -8
+EPRODUCER_GONE = -9
+ECLOSED = -10
+EFULL = -11
+EBACKPRESSURE = -12
+ETIMEDOUT = -13
+ETOOBIG = -14
+EDTYPE = -15
+EEVICTED = -16
+ESTATE = -17
+EPERM = -18
+ESYS = -19
+EFORKED = -20
+ENOMEM = -21
+
+# Dtypes (tsock_dtype).
+DTYPE_BOOL = 1
+DTYPE_INT8 = 2
+DTYPE_INT16 = 3
+DTYPE_INT32 = 4
+DTYPE_INT64 = 5
+DTYPE_UINT8 = 6
+DTYPE_UINT16 = 7
+DTYPE_UINT32 = 8
+DTYPE_UINT64 = 9
+DTYPE_FLOAT16 = 10
+DTYPE_BFLOAT16 = 11
+DTYPE_FLOAT32 = 12
+DTYPE_FLOAT64 = 13
 
 
 class Tensor(ctypes.Structure):
@@ -101,6 +136,7 @@ _COMMON = {
     "tsock_reader_release": (_I, [_P, ctypes.POINTER(Batch)]),
     "tsock_reader_payload_range": (_I, [_P, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint64)]),
     "tsock_reader_detach": (_I, [_P]),
+    "tsock_batch_dlpack": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, _I, ctypes.POINTER(_P)]),
 }
 
 _PRODUCER = {

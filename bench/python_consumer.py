@@ -1,0 +1,142 @@
+"""Python consumer cost per batch, against iterating an in-process list.
+
+A producer process publishes small batches (by default 2 float32 tensors of
+256 elements) as fast as it can into a deep ring. This process reads them
+through tsock.Consumer with numpy, torch and JAX outputs. Each round waits
+until the producer has filled the ring, then times draining it, so the figure
+is the consumer's own cost per batch (acquire, descriptors, zero-copy arrays
+or DLPack, release), not the producer's speed. The baseline iterates a Python
+list holding the same arrays (numpy arrays, torch tensors, JAX arrays), in the
+same run. A last line gives the streaming rate with producer and consumer
+running flat out together (bounded by the Python producer on small batches).
+
+    python bench/python_consumer.py [--quick] [--tensors 2] [--elems 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+
+import numpy as np  # noqa: E402
+import tsock  # noqa: E402
+
+# The producer never blocks on a full ring (timeout=0, then a nap): a blocked
+# producer is woken by every release, which would charge its wake-ups to the
+# consumer being measured.
+PRODUCER = """
+import sys, time, numpy as np, tsock
+name, slots, tensors, elems = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+batches = [tuple(np.full(elems, i * tensors + k, np.float32) for k in range(tensors)) for i in range(64)]
+with tsock.Producer(None, name, slots=slots, timeout=0) as p:
+    i = 0
+    while True:
+        try:
+            p.publish(batches[i % 64])
+            i += 1
+        except tsock.TsockError as e:
+            if e.status != -12:  # TSOCK_EBACKPRESSURE: the ring is full
+                raise
+            time.sleep(0.005)
+"""
+
+
+def _time_list(items, repeat: int) -> float:
+    """Seconds per item to iterate `items`, unpacking each batch."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for batch in items:
+            a, b = batch[0], batch[-1]  # noqa: F841 - the work a training loop does with a batch
+        best = min(best, (time.perf_counter() - t0) / len(items))
+    return best
+
+
+def _time_consumer(c: tsock.Consumer, per_round: int, rounds: int, settle: float) -> float:
+    """Seconds per batch to drain a ring the producer has just filled."""
+    it = iter(c)
+    best = float("inf")
+    for _ in range(rounds):
+        time.sleep(settle)  # let the producer fill the ring
+        n = 0
+        t0 = time.perf_counter()
+        while n < per_round:
+            try:
+                batch = next(it)
+            except StopIteration:
+                continue
+            a, b = batch[0], batch[-1]  # noqa: F841
+            n += 1
+        best = min(best, (time.perf_counter() - t0) / per_round)
+    return best
+
+
+def _streaming(c: tsock.Consumer, seconds: float) -> float:
+    it = iter(c)
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        try:
+            next(it)
+        except StopIteration:
+            continue
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (a few seconds)")
+    ap.add_argument("--tensors", type=int, default=2)
+    ap.add_argument("--elems", type=int, default=256)
+    ap.add_argument("--outputs", default="numpy,torch,jax")
+    args = ap.parse_args()
+    slots = 1024 if args.quick else 4096
+    rounds = 3 if args.quick else 10
+    per_round = slots - 8
+    name = f"bench-py-{os.getpid()}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + env.get("PYTHONPATH", "")
+    prod = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, name, str(slots), str(args.tensors), str(args.elems)], env=env
+    )
+    rows = []
+    try:
+        arrays = [tuple(np.full(args.elems, i, np.float32) for _ in range(args.tensors)) for i in range(per_round)]
+        for output in args.outputs.split(","):
+            if output == "numpy":
+                items = arrays
+            elif output == "torch":
+                import torch
+
+                items = [tuple(torch.from_numpy(a) for a in b) for b in arrays]
+            else:
+                import jax.numpy as jnp
+
+                items = [tuple(jnp.asarray(a) for a in b) for b in arrays]
+            base = _time_list(items, rounds)
+            with tsock.Consumer(name, output=output, start="now", timeout=30) as c:
+                next(iter(c))  # attached and warmed up
+                per = _time_consumer(c, per_round, rounds, settle=0.3 if args.quick else 0.5)
+            rows.append((output, per, base))
+        with tsock.Consumer(name, start="now", timeout=30) as c:
+            stream = _streaming(c, 1.0 if args.quick else 3.0)
+    finally:
+        prod.terminate()
+        prod.wait()
+    print(f"tsock Python consumer, batches of {args.tensors} x float32[{args.elems}], ring of {slots} slots")
+    print(f"{'output':8} {'tsock us/batch':>15} {'tsock batches/s':>16} {'list us/batch':>14} {'ratio':>8}")
+    for output, per, base in rows:
+        print(f"{output:8} {per * 1e6:15.2f} {1 / per:16,.0f} {base * 1e6:14.3f} {per / base:7.0f}x")
+    print(f"streaming, numpy output, producer and consumer together: {stream:,.0f} batches/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""DLPack export of batch tensors, through tsock_batch_dlpack and PyCapsules
+made with ctypes (no compiled extension).
+
+A DLPackTensor is the object a framework's from_dlpack() takes: it hands out
+a capsule named "dltensor_versioned" (DLPack 1.0, read-only flag set) to
+consumers that ask with max_version >= (1, 0), else a legacy "dltensor". The
+capsule does not extend the batch's lifetime: the data stay valid until the
+reader releases the batch (when the next batch is taken).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from .errors import check
+
+LEGACY = b"dltensor"
+VERSIONED = b"dltensor_versioned"
+
+# Byte offsets inside the DLPack structs (dlpack.h, pinned by static asserts
+# in reader/dlpack.c): DLManagedTensor puts the DLTensor first and the deleter
+# at 56; DLManagedTensorVersioned has the deleter at 16 and the DLTensor at
+# 32. Inside a DLTensor: data at 0, dtype code and bits at 20 and 21, the
+# shape and strides pointers at 24 and 32.
+_LEGACY_DELETER = 56
+_VERSIONED_DELETER = 16
+_VERSIONED_TENSOR = 32
+_DATA = 0
+_DTYPE_CODE = 20
+_SHAPE = 24
+_STRIDES = 32
+DL_UINT = 1
+DL_BOOL = 6
+KDL_CPU = 1
+
+_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+_api = ctypes.pythonapi
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor]
+_api.PyCapsule_IsValid.restype = ctypes.c_int
+_api.PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_api.PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+
+
+def _destructor(name: bytes, deleter_offset: int):
+    # A consumer that takes the tensor renames the capsule ("used_dltensor")
+    # and owns the struct from then on; only a capsule that was never
+    # consumed still names our struct, which its deleter must free.
+    def destroy(capsule: int) -> None:
+        try:
+            if _api.PyCapsule_IsValid(capsule, name):
+                ptr = _api.PyCapsule_GetPointer(capsule, name)
+                fn = ctypes.c_void_p.from_address(ptr + deleter_offset).value
+                if fn:
+                    _Deleter(fn)(ptr)
+        except Exception:  # noqa: BLE001 - a destructor must not raise (interpreter shutdown)
+            pass
+
+    return _CapsuleDestructor(destroy)
+
+
+# Module-level so the callbacks outlive every capsule.
+_DESTROY_LEGACY = _destructor(LEGACY, _LEGACY_DELETER)
+_DESTROY_VERSIONED = _destructor(VERSIONED, _VERSIONED_DELETER)
+
+
+class Lease:
+    """One acquired batch of a reader. `valid` turns False when the reader
+    releases it; exporters refuse to hand out a released batch."""
+
+    __slots__ = ("batch", "valid", "seq")
+
+    def __init__(self, batch: int, seq: int):
+        self.batch = batch  # address of the reader's tsock_batch_t
+        self.seq = seq
+        self.valid = True
+
+
+def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool = False, rows=None):
+    """A new PyCapsule holding the DLPack form of tensor `index` of a held
+    batch. bool_as_uint8 describes booleans as uint8 (for consumers that
+    predate kDLBool; view the result as bool). rows=(start, stop) narrows the
+    tensor to those rows of its first dimension, still without a copy."""
+    if not lease.valid:
+        raise BufferError("this tsock batch was released (the next batch was taken); use copy=True to keep batches")
+    out = ctypes.c_void_p()
+    check(lib, lib.dlpack(lease.batch, index, 1 if versioned else 0, ctypes.byref(out)), "DLPack export")
+    ptr = out.value
+    # The struct is ours until the capsule is consumed: adjust it in place.
+    tensor = ptr + (_VERSIONED_TENSOR if versioned else 0)
+    if bool_as_uint8 and ctypes.c_uint8.from_address(tensor + _DTYPE_CODE).value == DL_BOOL:
+        ctypes.c_uint8.from_address(tensor + _DTYPE_CODE).value = DL_UINT
+    if rows is not None:
+        start, stop = rows
+        bits = ctypes.c_uint8.from_address(tensor + _DTYPE_CODE + 1).value
+        shape = ctypes.c_void_p.from_address(tensor + _SHAPE).value
+        strides = ctypes.c_void_p.from_address(tensor + _STRIDES).value
+        data = ctypes.c_void_p.from_address(tensor + _DATA)
+        data.value += start * ctypes.c_int64.from_address(strides).value * (bits // 8)
+        ctypes.c_int64.from_address(shape).value = stop - start
+    if versioned:
+        return _api.PyCapsule_New(ptr, VERSIONED, _DESTROY_VERSIONED)
+    return _api.PyCapsule_New(ptr, LEGACY, _DESTROY_LEGACY)
+
+
+class DLPackTensor:
+    """Tensor `index` of a held batch, as a DLPack producer (the Python array
+    API's __dlpack__ protocol): np.from_dlpack, torch.from_dlpack and
+    jax.dlpack.from_dlpack take it without a copy. Valid until the batch is
+    released, which happens when the consumer takes its next batch."""
+
+    __slots__ = ("_lib", "_lease", "_index")
+
+    def __init__(self, lib, lease: Lease, index: int):
+        self._lib = lib
+        self._lease = lease
+        self._index = index
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule: versioned (read-only flag set) when the caller
+        accepts DLPack >= 1.0, else legacy. No copy is ever made: copy=True
+        raises BufferError, as the protocol asks."""
+        if copy:
+            raise BufferError("tsock exports shared memory without copying; copy the result instead")
+        if dl_device is not None and tuple(dl_device) != (KDL_CPU, 0):
+            raise BufferError(f"tsock batches live in host memory (kDLCPU), not on device {dl_device}")
+        versioned = max_version is not None and tuple(max_version) >= (1, 0)
+        return capsule(self._lib, self._lease, self._index, versioned)
+
+    def __dlpack_device__(self):
+        """(kDLCPU, 0): batches live in (shared) host memory."""
+        return (KDL_CPU, 0)

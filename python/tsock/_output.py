@@ -1,0 +1,179 @@
+"""Turning batch leaves into numpy arrays, torch tensors or JAX arrays.
+
+Each output kind makes two things:
+  view(reader, raw, i, start, stop)  rows [start, stop) of leaf i of a held
+                                     batch, zero-copy (copy=True: a copy);
+  owned(array, code)                 an array the consumer assembled (rows
+                                     gathered across batches), as the output.
+Assembling happens in numpy, in storage_dtype(code).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _capi, _dtypes
+from ._dlpack import capsule
+from ._reader import CODE, DATA, SHAPE, STRIDES
+
+# (shape, strides) -> whether C-contiguous; batches repeat their shapes.
+_contiguous: dict[tuple, bool] = {}
+
+
+def _is_contiguous(shape: tuple, strides: tuple) -> bool:
+    key = (shape, strides)
+    c = _contiguous.get(key)
+    if c is None:
+        expect = 1
+        c = True
+        for n, s in zip(reversed(shape), reversed(strides)):
+            if n != 1 and s != expect:
+                c = False
+                break
+            expect *= n
+        if len(_contiguous) < 4096:
+            _contiguous[key] = c
+    return c
+
+
+def numpy_view(reader, leaf, dtype: np.dtype, start=None, stop=None) -> np.ndarray:
+    """A read-only numpy array over rows [start, stop) of a leaf, in place.
+    Its base is a read-only buffer, so flags.writeable cannot be set."""
+    item = dtype.itemsize
+    offset = leaf[DATA] - reader.base
+    shape = leaf[SHAPE]
+    strides = leaf[STRIDES]
+    if start is not None:
+        offset += start * strides[0] * item
+        shape = (stop - start,) + shape[1:]
+    if _is_contiguous(shape, strides):
+        count = 1
+        for n in shape:
+            count *= n
+        return np.frombuffer(reader.payload, dtype, count, offset).reshape(shape)
+    return np.ndarray(shape, dtype, buffer=reader.payload_array, offset=offset, strides=[s * item for s in strides])
+
+
+class NumpyOutput:
+    """numpy arrays, built straight from the descriptors over a read-only
+    view of the mapping (flags.writeable is False and cannot be set)."""
+
+    name = "numpy"
+
+    def __init__(self, copy: bool):
+        self.copy = copy
+
+    def storage_dtype(self, code: int) -> np.dtype:
+        return _dtypes.numpy_dtype(code)
+
+    def view(self, reader, raw, i: int, start=None, stop=None):
+        leaf = raw.leaves[i]
+        arr = numpy_view(reader, leaf, _dtypes.numpy_dtype(leaf[CODE]), start, stop)
+        return arr.copy() if self.copy else arr
+
+    def owned(self, arr: np.ndarray, code: int):
+        if not self.copy:
+            # Read-only like every other batch, so code that writes to a
+            # batch fails the same way whatever the batch boundaries.
+            arr.flags.writeable = False
+        return arr
+
+
+class TorchOutput:
+    """torch tensors through DLPack (torch.utils.dlpack.from_dlpack), wrapped
+    in ReadOnlyTensor unless copy=True."""
+
+    name = "torch"
+
+    def __init__(self, copy: bool):
+        import torch
+        import torch.utils.dlpack
+
+        from . import _torch
+
+        self.copy = copy
+        self._torch = torch
+        # The C function under torch.utils.dlpack.from_dlpack, for capsules.
+        self._from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
+        self._mod = _torch
+
+    def storage_dtype(self, code: int) -> np.dtype:
+        self._mod.torch_dtype(code, _dtypes.NAMES)  # fails early if torch lacks it
+        return _dtypes.numpy_storage_dtype(code)
+
+    def view(self, reader, raw, i: int, start=None, stop=None):
+        code = raw.leaves[i][CODE]
+        if code not in self._mod.TO_TORCH:
+            self._mod.torch_dtype(code, _dtypes.NAMES)  # raises UnsupportedDtype
+        # torch 1.13 knows no kDLBool: booleans travel as uint8, viewed back.
+        rows = None if start is None else (start, stop)
+        t = self._from_dlpack(capsule(reader.lib, raw.lease, i, False, True, rows))
+        if code == _capi.DTYPE_BOOL:
+            t = t.view(self._torch.bool)
+        if self.copy:
+            return t.clone()
+        return t.as_subclass(self._mod.ReadOnlyTensor)
+
+    def owned(self, arr: np.ndarray, code: int):
+        t = self._torch.from_numpy(arr)
+        if code == _capi.DTYPE_BFLOAT16:
+            t = t.view(self._torch.bfloat16)
+        # Already a private copy: copy=True needs no second one.
+        return t if self.copy else self._mod.protect(t)
+
+
+class JaxOutput:
+    """JAX arrays through DLPack (zero-copy when the data are aligned as XLA
+    wants; XLA copies otherwise). JAX without jax_enable_x64 turns 64-bit
+    dtypes into 32-bit ones (a copy), as jnp.asarray does."""
+
+    name = "jax"
+    _WIDE = frozenset([_capi.DTYPE_INT64, _capi.DTYPE_UINT64, _capi.DTYPE_FLOAT64])
+
+    def __init__(self, copy: bool):
+        import jax
+        import jax.dlpack
+        import jax.numpy as jnp
+
+        self.copy = copy
+        self._jax = jax
+        self._jnp = jnp
+        self._from_dlpack = jax.dlpack.from_dlpack
+        # jax.dlpack.from_dlpack spends ~20 us a call probing for GPU
+        # backends and re-wrapping the result; the XLA call underneath takes
+        # ~2 us and already returns a jax.Array. Use it when it is there and
+        # answers as expected, else the public function.
+        self._direct = None
+        try:
+            from jax._src.lib import xla_client
+
+            self._direct = xla_client._xla.dlpack_managed_tensor_to_buffer
+            self._device = jax.devices("cpu")[0]
+        except Exception:  # noqa: BLE001 - any change in JAX's internals: use the public API
+            self._direct = None
+
+    def storage_dtype(self, code: int) -> np.dtype:
+        return _dtypes.numpy_dtype(code)  # JAX depends on ml_dtypes: bfloat16 is there
+
+    def view(self, reader, raw, i: int, start=None, stop=None):
+        leaf = raw.leaves[i]
+        if self.copy:
+            return self._jnp.array(numpy_view(reader, leaf, _dtypes.numpy_dtype(leaf[CODE]), start, stop))
+        rows = None if start is None else (start, stop)
+        cap = capsule(reader.lib, raw.lease, i, False, False, rows)
+        direct = self._direct
+        # 64-bit data without jax_enable_x64 must go through JAX's own
+        # conversion to 32 bits.
+        if direct is not None and (leaf[CODE] not in self._WIDE or self._jax.config.jax_enable_x64):
+            try:
+                return direct(cap, self._device, None)
+            except TypeError:
+                self._direct = None  # another signature: fall back for good
+                cap = capsule(reader.lib, raw.lease, i, False, False, rows)
+        return self._from_dlpack(cap)
+
+    def owned(self, arr: np.ndarray, code: int):
+        return self._jnp.asarray(arr)
+
+
+OUTPUTS = {"numpy": NumpyOutput, "torch": TorchOutput, "jax": JaxOutput}

@@ -1,0 +1,166 @@
+"""PyTorch support: dtype tables and ReadOnlyTensor, the guard that turns an
+in-place write to a batch into an exception instead of a crash.
+
+Batches live in shared memory that readers map read-only. numpy has a
+writeable flag for that; torch tensors do not, and a write would SIGSEGV the
+trainer. ReadOnlyTensor intercepts every torch operation through
+__torch_function__, raises ReadOnlyBatchError for the ones that would write
+into a protected tensor, and returns plain tensors from the others unless
+they share the protected memory (views stay protected).
+
+Imported only when torch is used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _capi
+from .errors import ReadOnlyBatchError, UnsupportedDtype
+
+FROM_TORCH = {
+    torch.bool: _capi.DTYPE_BOOL,
+    torch.int8: _capi.DTYPE_INT8,
+    torch.int16: _capi.DTYPE_INT16,
+    torch.int32: _capi.DTYPE_INT32,
+    torch.int64: _capi.DTYPE_INT64,
+    torch.uint8: _capi.DTYPE_UINT8,
+    torch.float16: _capi.DTYPE_FLOAT16,
+    torch.bfloat16: _capi.DTYPE_BFLOAT16,
+    torch.float32: _capi.DTYPE_FLOAT32,
+    torch.float64: _capi.DTYPE_FLOAT64,
+}
+# Unsigned types wider than 8 bits exist only in newer torch releases.
+for _name, _code in (("uint16", _capi.DTYPE_UINT16), ("uint32", _capi.DTYPE_UINT32), ("uint64", _capi.DTYPE_UINT64)):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        FROM_TORCH[getattr(torch, _name)] = _code
+TO_TORCH = {code: dt for dt, code in FROM_TORCH.items()}
+
+
+def torch_dtype(code: int, names: dict) -> torch.dtype:
+    """The torch dtype of a wire code; UnsupportedDtype if this torch lacks it."""
+    dt = TO_TORCH.get(code)
+    if dt is None:
+        raise UnsupportedDtype(
+            f"the channel carries {names.get(code, code)}, which torch {torch.__version__} has no dtype for; "
+            "use output='numpy' or 'jax', or publish a signed or wider type",
+            _capi.EDTYPE,
+        )
+    return dt
+
+
+# [start, end) of the read-only payload mappings of this process's open
+# consumers: any tensor whose data lies there must never be written.
+_ranges: list[tuple[int, int]] = []
+
+
+def add_range(start: int, length: int) -> None:
+    _ranges.append((start, start + length))
+
+
+def remove_range(start: int, length: int) -> None:
+    try:
+        _ranges.remove((start, start + length))
+    except ValueError:
+        pass
+
+
+def _in_mapping(t: torch.Tensor) -> bool:
+    p = t.data_ptr()
+    for start, end in _ranges:
+        if start <= p < end:
+            return True
+    return False
+
+
+def _protected(t) -> bool:
+    return isinstance(t, ReadOnlyTensor) or (isinstance(t, torch.Tensor) and _ranges and _in_mapping(t))
+
+
+# In-place operators whose names do not end in "_".
+_INPLACE_DUNDERS = frozenset(
+    "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ __imatmul__ "
+    "__iand__ __ior__ __ixor__ __ilshift__ __irshift__ __idiv__ __setstate__ __set__".split()
+)
+# In-place by name but never write the tensor's elements.
+_METADATA_ONLY = frozenset(["requires_grad_", "retain_grad"])
+# Results that hand the protected memory to numpy: make them read-only.
+_TO_NUMPY = frozenset(["numpy", "__array__"])
+
+
+def _write_target(name: str, args, kwargs):
+    """The tensor an operation writes in place, or None."""
+    if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__") and name not in _METADATA_ONLY):
+        if args:
+            return args[0]
+        return kwargs.get("input", kwargs.get("self"))
+    if kwargs.get("inplace") is True:
+        return args[0] if args else kwargs.get("input")
+    return None
+
+
+def _writes_protected(name: str, args, kwargs) -> bool:
+    if _protected(_write_target(name, args, kwargs)):
+        return True
+    out = kwargs.get("out")
+    if out is not None:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        return any(_protected(o) for o in outs)
+    return False
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.storage().data_ptr()
+
+
+class ReadOnlyTensor(torch.Tensor):
+    """A tensor whose memory must not be written: a batch in read-only shared
+    memory (or, for consistency, a batch the consumer assembled). In-place
+    operations on it (add_, copy_, zero_, x[i] = v, x += 1, out=x,
+    inplace=True) raise ReadOnlyBatchError; other operations work as usual and
+    return plain tensors, except views, which stay read-only. Use .clone()
+    for a writable copy. `.numpy()` gives a read-only array."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        name = getattr(func, "__name__", "")
+        if _writes_protected(name, args, kwargs):
+            raise ReadOnlyBatchError(
+                f"{name}: this tensor is a tsock batch in read-only shared memory; "
+                "write to a copy (x.clone()) or create the Consumer with copy=True"
+            )
+        with torch._C.DisableTorchFunction():
+            ret = func(*args, **kwargs)
+            if name in _TO_NUMPY and args and _protected(args[0]):
+                ret.setflags(write=False)
+                return ret
+            return _wrap(ret, args, cls)
+
+
+def _wrap(ret, args, cls):
+    if isinstance(ret, torch.Tensor):
+        if type(ret) is not torch.Tensor:
+            return ret  # an input handed back (x.contiguous()), already guarded
+        if _shares_protected(ret, args):
+            return ret.as_subclass(cls)
+        return ret
+    if isinstance(ret, (tuple, list)) and ret and isinstance(ret[0], torch.Tensor):
+        return type(ret)([_wrap(r, args, cls) for r in ret])
+    return ret
+
+
+def _shares_protected(ret: torch.Tensor, args) -> bool:
+    if _ranges and _in_mapping(ret):
+        return True
+    owned = [a for a in args if isinstance(a, ReadOnlyTensor) and not (_ranges and _in_mapping(a))]
+    if not owned:
+        return False
+    p = _storage_ptr(ret)
+    return any(_storage_ptr(a) == p for a in owned)
+
+
+def protect(t: torch.Tensor) -> ReadOnlyTensor:
+    """`t` as a ReadOnlyTensor (same memory, no copy)."""
+    return t.as_subclass(ReadOnlyTensor)

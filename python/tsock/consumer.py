@@ -1,0 +1,335 @@
+"""Consumer: a trainer's drop-in replacement for its DataLoader."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import weakref
+
+import numpy as np
+
+from . import _capi
+from ._output import numpy_view
+from ._reader import CODE, SHAPE, Raw, Reader
+from .errors import ChannelClosed, TsockError
+
+_START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW}
+
+
+def _close_reader(reader: Reader, unprotect) -> None:
+    try:
+        reader.detach()
+    finally:
+        if unprotect is not None:
+            unprotect(reader.base, reader.length)
+
+
+class Consumer:
+    """Reads the batches a Producer publishes on channel `name`, zero-copy.
+
+    Iterate it like a DataLoader: each for-loop yields the batches of one
+    epoch, in the producer's structure (tuples, lists, dicts of tensors), then
+    stops::
+
+        with tsock.Consumer("sweep", output="torch") as c:
+            for epoch in range(3):
+                for x, y in c:
+                    ...
+
+    A batch is a view of shared memory: it stays valid until the next batch
+    is taken (the next step of the loop), after which the producer may reuse
+    its memory. Keep nothing from it across steps, or pass copy=True to get
+    private copies. Batches are read-only: numpy arrays have
+    flags.writeable False, torch tensors are ReadOnlyTensor and raise
+    ReadOnlyBatchError on in-place writes; x.clone() (torch) or x.copy()
+    (numpy) gives a writable copy. JAX arrays are immutable anyway; with JAX's
+    asynchronous dispatch, make sure work on a batch is finished
+    (block_until_ready) before taking the next one, or use copy=True.
+
+    Args:
+      name: the channel name.
+      batch_size: re-batch to this many samples per batch (every leaf is cut
+        along its first dimension; leaves must share it). None keeps the
+        producer's batches. Every sample is delivered exactly once per epoch,
+        in order; batches within one producer batch are zero-copy slices,
+        batches that straddle two are copies.
+      drop_last: with batch_size, drop an epoch's last, incomplete batch (as
+        DataLoader does).
+      output: "numpy", "torch" or "jax".
+      copy: deliver private, writable copies instead of shared-memory views.
+      start: "epoch" (default): start with the producer's current epoch if
+        this consumer attaches within the producer's join_window, else with
+        the next epoch; "now": with the next batch published.
+      timeout: seconds to wait for the channel to appear (None: forever; 0:
+        fail at once with ChannelNotFound). Waiting for batches has no limit:
+        a dead producer ends it (ProducerGone) within about 50 ms, and
+        Ctrl-C interrupts it.
+
+    Raises ProducerGone when the producer dies (after every batch it
+    published), ChannelClosed when an epoch is asked for after the producer
+    closed the channel, Evicted when the producer's eviction policy dropped
+    this reader.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        output: str = "numpy",
+        copy: bool = False,
+        start: str = "epoch",
+        timeout: float | None = 30.0,
+    ):
+        if not isinstance(name, str):
+            raise TypeError(f"channel name must be str, got {type(name).__name__}")
+        if batch_size is not None:
+            if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+                raise TypeError(f"batch_size must be a positive int or None, got {batch_size!r}")
+            if batch_size < 1:
+                raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+            batch_size = int(batch_size)
+        if start not in _START:
+            raise ValueError(f"start must be 'epoch' or 'now', got {start!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        from ._output import OUTPUTS
+
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {sorted(OUTPUTS)}, got {output!r}")
+        self.name = name
+        self.batch_size = batch_size
+        self.drop_last = bool(drop_last)
+        self.copy = bool(copy)
+        self._out = OUTPUTS[output](self.copy)
+        #: epochs completed by this consumer; during an epoch, its number (from 0)
+        self.epoch = 0
+        #: the producer's number of the epoch of the last batch read (None before any)
+        self.producer_epoch = None
+        self._pending: list[Raw] = []  # acquired ahead (len() peeks), not yet used
+        self._cur: Raw | None = None  # batch the last delivered rows came from
+        self._off = 0  # rows of _cur already delivered
+        self._layout = None
+        self._rows_in_epoch = 0
+        self._end_pending = False  # an epoch ended after a partial batch was delivered
+        self._closed_seen = False
+        self._started = False  # a batch was taken
+        # Re-batching holds the batch being cut and the next one at most.
+        self._reader = Reader(name, _START[start], timeout, max_held=2)
+        unprotect = None
+        if output == "torch":
+            from . import _torch
+
+            _torch.add_range(self._reader.base, self._reader.length)
+            unprotect = _torch.remove_range
+        self._finalizer = weakref.finalize(self, _close_reader, self._reader, unprotect)
+
+    # ---- lifecycle ----
+
+    def close(self) -> None:
+        """Detaches from the channel (the producer stops waiting for this
+        reader). Batches still referenced become invalid. Idempotent."""
+        self._pending = []
+        self._cur = None
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"epoch {self.epoch}"
+        return f"<tsock.Consumer {self.name!r} output={self._out.name} batch_size={self.batch_size} {state}>"
+
+    # ---- iteration ----
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        """The next batch of the current epoch; StopIteration at its end
+        (the following call starts the next epoch)."""
+        if self.closed:
+            raise TsockError("consumer is closed", _capi.EHANDLE)
+        batch = self._next_whole() if self.batch_size is None else self._next_rebatched()
+        if batch is None:
+            self.epoch += 1
+            self._rows_in_epoch = 0
+            raise StopIteration
+        return batch
+
+    def __len__(self) -> int:
+        """Batches per epoch, after re-batching. Before the first batch this
+        waits for it (the producer's sizes travel with every batch). TypeError
+        if the producer's loader has no length."""
+        layout = self._layout or self._peek_layout()
+        if self.batch_size is None:
+            if layout.batches is None:
+                raise TypeError("the producer's loader has no len(), so neither has this consumer")
+            return layout.batches
+        if layout.samples is None:
+            raise TypeError(
+                "the producer's loader does not tell its number of samples, so a re-batching consumer has no len()"
+            )
+        if self.drop_last:
+            return layout.samples // self.batch_size
+        return math.ceil(layout.samples / self.batch_size)
+
+    def _peek_layout(self):
+        while True:
+            raw = self._reader.acquire()
+            self._pending.append(raw)
+            if not raw.end:
+                self._layout = raw.layout
+                return raw.layout
+            # A marker first (started with "now" at an epoch end): its lease
+            # may go, the record of it stays pending.
+            self._reader.release(raw.lease)
+
+    def _take(self, rows_so_far: int) -> Raw | None:
+        """The next producer batch of this epoch, or None at its end."""
+        if self._pending:
+            raw = self._pending.pop(0)
+        else:
+            try:
+                raw = self._reader.acquire()
+            except ChannelClosed:
+                # Closed without an epoch-end marker: what was read is an
+                # epoch. Asking for another raises.
+                if self._closed_seen or (self._rows_in_epoch == 0 and rows_so_far == 0):
+                    raise
+                self._closed_seen = True
+                return None
+        self.producer_epoch = raw.epoch
+        if raw.end:
+            if raw.lease.valid:
+                self._reader.release(raw.lease)
+            if not self._started:
+                # Joined ("now") just before an epoch-end marker: the first
+                # epoch starts after it, not empty.
+                return self._take(rows_so_far)
+            return None
+        self._started = True
+        self._layout = raw.layout
+        return raw
+
+    def _release(self, raw: Raw | None) -> None:
+        if raw is not None and raw.lease.valid:
+            self._reader.release(raw.lease)
+
+    def _next_whole(self):
+        # The previous batch is the caller's no longer: free its slot first.
+        self._release(self._cur)
+        self._cur = None
+        raw = self._take(0)
+        if raw is None:
+            return None
+        self._cur = raw
+        out, reader = self._out, self._reader
+        leaves = [out.view(reader, raw, i) for i in range(len(raw.leaves))]
+        self._rows_in_epoch += 1
+        return raw.layout.build(leaves)
+
+    def _rows(self, raw: Raw) -> int:
+        """Rows (samples) of a producer batch: the shared first dimension."""
+        leaves = raw.leaves
+        if not leaves:
+            return 0
+        n = None
+        for i, leaf in enumerate(leaves):
+            if not leaf[SHAPE]:
+                raise ValueError(
+                    f"batch_size={self.batch_size} needs tensors with a batch dimension; tensor {i} is 0-d"
+                )
+            if n is None:
+                n = leaf[SHAPE][0]
+            elif leaf[SHAPE][0] != n:
+                raise ValueError(
+                    f"batch_size={self.batch_size} cuts every tensor along its first dimension, but tensor {i} "
+                    f"has {leaf[SHAPE][0]} rows and tensor 0 has {n}"
+                )
+        return n
+
+    def _next_rebatched(self):
+        if self._end_pending:
+            self._end_pending = False
+            return None
+        size = self.batch_size
+        out, reader = self._out, self._reader
+        cur = self._cur
+        if cur is not None and self._off >= self._rows(cur):
+            self._release(cur)
+            cur = self._cur = None
+        if cur is None:
+            cur = self._take(0)
+            if cur is None:
+                return None
+            self._cur, self._off = cur, 0
+        avail = self._rows(cur) - self._off
+        if avail >= size:
+            # Inside one producer batch: zero-copy slices.
+            start = self._off
+            self._off += size
+            leaves = [out.view(reader, cur, i, start, start + size) for i in range(len(cur.leaves))]
+            self._rows_in_epoch += size
+            return cur.layout.build(leaves)
+        return self._gather(cur, avail, size)
+
+    def _gather(self, cur: Raw, avail: int, size: int):
+        """A batch that straddles producer batches: copied, piece by piece,
+        releasing each producer batch once copied."""
+        layout = cur.layout
+        bufs = []
+        for leaf in cur.leaves:
+            bufs.append(np.empty((size,) + tuple(leaf[SHAPE][1:]), self._out.storage_dtype(leaf[CODE])))
+        codes = [leaf[CODE] for leaf in cur.leaves]
+        self._copy_rows(cur, self._off, self._off + avail, bufs, codes, 0)
+        filled = avail
+        self._release(cur)
+        self._cur = None
+        while filled < size:
+            raw = self._take(filled)
+            if raw is None:
+                break
+            if raw.layout.spec != layout.spec or len(raw.leaves) != len(bufs):
+                raise ValueError(
+                    "cannot re-batch across producer batches of different structure "
+                    f"({layout.spec} vs {raw.layout.spec})"
+                )
+            n = self._rows(raw)
+            take = min(n, size - filled)
+            self._copy_rows(raw, 0, take, bufs, codes, filled)
+            filled += take
+            if take < n:
+                self._cur, self._off = raw, take
+            else:
+                self._release(raw)
+        if filled < size:
+            # The epoch ended inside this batch.
+            self._end_pending = True
+            if self.drop_last or filled == 0:
+                self._end_pending = False
+                return None
+            bufs = [b[:filled] for b in bufs]
+        self._rows_in_epoch += filled
+        return layout.build([self._out.owned(b, leaf[CODE]) for b, leaf in zip(bufs, cur.leaves)])
+
+    def _copy_rows(self, raw: Raw, start: int, stop: int, bufs: list, codes: list, at: int) -> None:
+        reader = self._reader
+        for i, (leaf, buf, code) in enumerate(zip(raw.leaves, bufs, codes)):
+            if leaf[CODE] != code:
+                raise ValueError(f"cannot re-batch tensor {i}: its dtype changes between producer batches")
+            if tuple(leaf[SHAPE][1:]) != buf.shape[1:]:
+                raise ValueError(
+                    f"cannot re-batch tensor {i}: its rows have shape {tuple(leaf[SHAPE][1:])} in one producer batch "
+                    f"and {buf.shape[1:]} in another"
+                )
+            src = numpy_view(reader, leaf, buf.dtype, start, stop)
+            buf[at : at + stop - start] = src

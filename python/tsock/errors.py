@@ -1,0 +1,86 @@
+"""tsock's exceptions.
+
+Every exception tsock raises for a failure of the channel or of the data is a
+TsockError (or a subclass) carrying `.status`, the C ABI's negative status
+code (see include/tsock.h). Where a builtin exception means the same thing, the
+class derives from it too, so existing handlers keep working (a BatchTooLarge
+is a ValueError, an UnsupportedDtype a TypeError).
+"""
+
+from __future__ import annotations
+
+from . import _capi
+
+
+class TsockError(Exception):
+    """A tsock failure. `.status` is the C status code (a negative int)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class ProducerGone(TsockError):
+    """The producer process died; everything it published was delivered."""
+
+
+class ChannelNotFound(TsockError):
+    """No channel of that name appeared within the timeout."""
+
+
+class LayoutMismatch(TsockError):
+    """The channel's shared-memory layout version differs from this library's."""
+
+
+class CorruptSegment(TsockError):
+    """The channel's segment is truncated, foreign or inconsistent."""
+
+
+class Evicted(TsockError):
+    """The producer evicted this reader (it held the ring back too long)."""
+
+
+class BatchTooLarge(TsockError, ValueError):
+    """A batch (or its tensor count, or its structure) does not fit the channel."""
+
+
+class UnsupportedDtype(TsockError, TypeError):
+    """A leaf of a batch has a dtype or type tsock cannot carry or deliver."""
+
+
+class ChannelClosed(TsockError):
+    """The producer closed the channel and every batch was read."""
+
+
+class ReadOnlyBatchError(TsockError, RuntimeError):
+    """An in-place write to a batch that lives in read-only shared memory."""
+
+    def __init__(self, message: str):
+        super().__init__(message, _capi.EPERM)
+
+
+_BY_STATUS = {
+    _capi.EPRODUCER_GONE: ProducerGone,
+    _capi.ENOENT: ChannelNotFound,
+    _capi.EVERSION: LayoutMismatch,
+    _capi.ECORRUPT: CorruptSegment,
+    _capi.EEVICTED: Evicted,
+    _capi.ETOOBIG: BatchTooLarge,
+    _capi.EDTYPE: UnsupportedDtype,
+    _capi.ECLOSED: ChannelClosed,
+}
+
+
+def error_for(status: int, message: str) -> TsockError:
+    """The exception for a C status code, with a message."""
+    return _BY_STATUS.get(status, TsockError)(message, status)
+
+
+def check(lib, status: int, what: str) -> int:
+    """Raises the exception for a failed C call (status < 0), with the C
+    library's detailed message for this thread; returns status otherwise."""
+    if status >= 0:
+        return status
+    detail = lib.tsock_last_error().decode(errors="replace")
+    text = lib.tsock_status_str(status).decode(errors="replace")
+    raise error_for(status, f"{what}: {detail or text}")

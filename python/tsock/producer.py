@@ -1,0 +1,414 @@
+"""Producer: publishes the batches of one loader to every Consumer of a
+channel."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import re
+import struct
+import sys
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from . import _capi, _dtypes, _structure
+from ._reader import SLICE_NS
+from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
+
+ALIGN = 64  # every tensor starts on a cache line (and suits any dtype, DLPack and XLA)
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_TENSOR = struct.Struct("<ii8q8qQQQ")  # tsock_tensor_t
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def library():
+    """libtsock.so (producer and reader; it carries a Go runtime), loaded once."""
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            _lib = _capi.load(reader_only=False)
+        return _lib
+
+
+def check_name(name) -> str:
+    """Validates a channel name as the C library does: 1..64 of
+    [A-Za-z0-9._-], not "." or "..". TsockError (status ENAME) otherwise."""
+    if not isinstance(name, str):
+        raise TypeError(f"channel name must be str, got {type(name).__name__}")
+    if not _NAME.fullmatch(name) or name in (".", ".."):
+        raise TsockError(f"channel name {name!r} is not 1..64 of [A-Za-z0-9._-]", _capi.ENAME)
+    return name
+
+
+def epoch_sizes(loader) -> tuple[int | None, int | None]:
+    """(batches, samples) per epoch of a loader, None where it cannot tell.
+    Knows torch DataLoaders (batches from len(), samples from the sampler and
+    drop_last) and in-memory sequences of batches."""
+    try:
+        batches = len(loader)
+    except TypeError:
+        return None, None
+    samples = None
+    batch_size = getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(batch_size, int) and sampler is not None and hasattr(loader, "drop_last"):
+        try:
+            n = len(sampler)
+        except TypeError:
+            n = None
+        if n is not None:
+            samples = n - n % batch_size if loader.drop_last else n
+    elif isinstance(loader, (list, tuple)):
+        try:
+            samples = sum(_rows(b) for b in loader)
+        except (TypeError, ValueError, IndexError):
+            samples = None
+    return batches, samples
+
+
+def _rows(batch) -> int:
+    _, leaves = _structure.flatten(batch)
+    return int(leaves[0].shape[0])
+
+
+class _Source:
+    """A leaf ready to copy: wire dtype, shape, bytes, and either a numpy
+    array (any strides; copied with numpy) or a torch tensor not on the CPU
+    (copied by torch, straight into shared memory)."""
+
+    __slots__ = ("code", "shape", "nbytes", "array", "tensor")
+
+    def __init__(self, code, shape, array=None, tensor=None):
+        self.code = code
+        self.shape = tuple(int(s) for s in shape)
+        self.nbytes = math.prod(self.shape) * _dtypes.ITEMSIZE[code]
+        self.array = array
+        self.tensor = tensor
+
+
+def _source(leaf, batch, i: int) -> _Source:
+    if isinstance(leaf, np.ndarray):
+        return _Source(_dtypes.code_of_numpy(leaf.dtype, _structure.leaf_path(batch, i)), leaf.shape, array=leaf)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(leaf, torch.Tensor):
+        from ._torch import FROM_TORCH
+
+        code = FROM_TORCH.get(leaf.dtype)
+        if code is None:
+            raise UnsupportedDtype(
+                f"{_structure.leaf_path(batch, i)} has dtype {leaf.dtype}, which tsock cannot carry; "
+                f"supported: {_dtypes.SUPPORTED}",
+                _capi.EDTYPE,
+            )
+        if leaf.device.type != "cpu":
+            return _Source(code, leaf.shape, tensor=leaf)
+        t = leaf.detach()
+        if t.is_neg():
+            t = t.resolve_neg()
+        if code == _capi.DTYPE_BFLOAT16:
+            t = t.view(torch.int16)  # numpy has no bfloat16: move the bits
+        return _Source(code, leaf.shape, array=t.numpy())
+    if isinstance(leaf, np.generic) or (
+        hasattr(leaf, "__array__") and hasattr(leaf, "dtype") and hasattr(leaf, "shape") and not isinstance(leaf, type)
+    ):
+        # JAX arrays (np.asarray is a view on the CPU) and numpy scalars.
+        arr = np.asarray(leaf)
+        return _Source(_dtypes.code_of_numpy(arr.dtype, _structure.leaf_path(batch, i)), arr.shape, array=arr)
+    raise UnsupportedDtype(
+        f"{_structure.leaf_path(batch, i)} is a {type(leaf).__name__}: tsock carries numpy arrays, torch tensors "
+        "and JAX arrays (in tuples, lists and dicts); convert other values to arrays",
+        _capi.EDTYPE,
+    )
+
+
+def _close_handle(lib, handle, pid: int) -> None:
+    # Only the creating process closes: a forked child (DataLoader worker)
+    # must not remove its parent's channel, and the library refuses anyway.
+    if handle.value is not None and os.getpid() == pid:
+        lib.tsock_producer_close(handle)
+        handle.value = None
+
+
+class Producer:
+    """Publishes every batch of `loader` to the consumers of channel `name`.
+
+    The loader is any iterable of batches: a torch DataLoader (worker
+    processes included), a generator of numpy arrays, a JAX pipeline. A batch
+    is an array or tensor (numpy, torch on any device, JAX), or tuples, lists
+    and dicts of them (at most 16 tensors, 8 dimensions each). Each batch is
+    copied once, straight into shared memory; consumers read it in place.
+
+    The channel is created at the first batch, sized from it: each of the
+    `slots` ring slots holds first-batch bytes x `headroom` (or `slot_bytes`).
+    A later batch that does not fit raises BatchTooLarge.
+
+    Args:
+      loader: the iterable run() publishes (None: publish() by hand).
+      name: channel name, 1..64 of [A-Za-z0-9._-].
+      slots: ring depth, a power of two (2..65536): how far the producer may
+        run ahead of the slowest consumer.
+      slot_bytes: payload bytes per batch; default first batch x headroom.
+      headroom: margin over the first batch's size for later, larger batches.
+      join_window: a consumer that attaches while at most this many batches
+        of the current epoch are published still gets the whole epoch
+        (the producer keeps them); must be less than slots.
+      max_readers: consumers that may attach at once.
+      wait_readers: before the first batch, wait for this many consumers.
+      timeout: seconds to wait for a free slot or for wait_readers (None:
+        forever; a dead consumer never blocks, it is dropped within ~10 ms).
+
+    Use it as a context manager or call close(): consumers then read what was
+    published and get ChannelClosed. The producer is used by one thread.
+    """
+
+    def __init__(
+        self,
+        loader=None,
+        name: str = "sweep",
+        *,
+        slots: int = 16,
+        slot_bytes: int | None = None,
+        headroom: float = 1.25,
+        join_window: int = 0,
+        max_readers: int = 64,
+        wait_readers: int = 0,
+        timeout: float | None = None,
+    ):
+        self.name = check_name(name)
+        if not isinstance(slots, int) or slots < 2 or slots > 65536 or slots & (slots - 1):
+            raise ValueError(f"slots must be a power of two in 2..65536, got {slots!r}")
+        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes < 1):
+            raise ValueError(f"slot_bytes must be a positive int or None, got {slot_bytes!r}")
+        if not isinstance(headroom, (int, float)) or headroom < 1:
+            raise ValueError(f"headroom must be a number >= 1, got {headroom!r}")
+        if not isinstance(join_window, int) or join_window < 0 or join_window >= slots:
+            raise ValueError(f"join_window must be in 0..slots-1 ({slots - 1}), got {join_window!r}")
+        if not isinstance(max_readers, int) or not 1 <= max_readers <= 1024:
+            raise ValueError(f"max_readers must be in 1..1024, got {max_readers!r}")
+        if not isinstance(wait_readers, int) or wait_readers < 0:
+            raise ValueError(f"wait_readers must be an int >= 0, got {wait_readers!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        self.loader = loader
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.headroom = float(headroom)
+        self.join_window = join_window
+        self.max_readers = max_readers
+        self.wait_readers = wait_readers
+        self.timeout = timeout
+        # Loaded now, so that a loader's worker processes are forked from a
+        # process that already carries the Go runtime (they never call it).
+        self._lib = library()
+        self._handle = ctypes.c_void_p()
+        self._pid = os.getpid()
+        self._sizes = None  # (batches, samples) per epoch of the loader
+        self._meta: dict[str, bytes] = {}
+        self._tensors = (_capi.Tensor * _capi.MAX_TENSORS)()
+        self._slot_views: dict[int, memoryview] = {}
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_handle, self._lib, self._handle, self._pid)
+
+    # ---- channel ----
+
+    def _create(self, batch_bytes: int) -> None:
+        lib = self._lib
+        nbytes = self.slot_bytes
+        if nbytes is None:
+            nbytes = max(4096, -(-math.ceil(batch_bytes * self.headroom) // 4096) * 4096)
+        opts = _capi.ProducerOptions()
+        lib.tsock_producer_options_init(ctypes.byref(opts))
+        opts.slot_count = self.slots
+        opts.slot_bytes = nbytes
+        opts.max_readers = self.max_readers
+        opts.join_window = self.join_window
+        check(
+            lib,
+            lib.tsock_producer_create(self.name.encode(), ctypes.byref(opts), ctypes.byref(self._handle)),
+            f"create channel '{self.name}'",
+        )
+        self.slot_bytes = nbytes
+        if self.wait_readers:
+            self._wait(
+                lambda ns: lib.tsock_producer_wait_readers(self._handle, self.wait_readers, ns),
+                f"waiting for {self.wait_readers} readers on '{self.name}'",
+            )
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise TsockError(f"producer of '{self.name}' is closed", _capi.EHANDLE)
+        if os.getpid() != self._pid:
+            raise TsockError("a Producer cannot be used in a forked child process", _capi.EFORKED)
+
+    def _wait(self, call, what: str) -> None:
+        """Runs a waiting C call in slices, so Ctrl-C gets through, until it
+        succeeds or self.timeout passes."""
+        if self.timeout == 0:
+            check(self._lib, call(0), what)
+            return
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            ns = SLICE_NS
+            if deadline is not None:
+                ns = max(1, min(ns, int((deadline - time.monotonic()) * 1e9)))
+            rc = call(ns)
+            if rc == _capi.OK:
+                return
+            if rc != _capi.ETIMEDOUT:
+                check(self._lib, rc, what)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TsockError(f"{what}: timed out after {self.timeout:g} s", _capi.ETIMEDOUT)
+
+    # ---- publishing ----
+
+    def publish(self, batch) -> None:
+        """Publishes one batch (copied once into shared memory). Waits while
+        the ring is full (the slowest consumer is `slots` batches behind)."""
+        self._usable()
+        spec, leaves = _structure.flatten(batch)
+        if len(leaves) > _capi.MAX_TENSORS:
+            raise BatchTooLarge(
+                f"batch has {len(leaves)} tensors, a batch carries at most {_capi.MAX_TENSORS}: "
+                "stack or concatenate some of them",
+                _capi.ETOOBIG,
+            )
+        sources = [_source(leaf, batch, i) for i, leaf in enumerate(leaves)]
+        offsets = []
+        total = 0
+        for i, src in enumerate(sources):
+            if len(src.shape) > _capi.MAX_DIMS:
+                raise UnsupportedDtype(
+                    f"{_structure.leaf_path(batch, i)} has {len(src.shape)} dimensions, at most {_capi.MAX_DIMS}",
+                    _capi.EDTYPE,
+                )
+            total = -(-total // ALIGN) * ALIGN
+            offsets.append(total)
+            total += src.nbytes
+        meta = self._meta.get(spec)
+        if meta is None:
+            if self._sizes is None:
+                self._sizes = epoch_sizes(self.loader) if self.loader is not None else (None, None)
+            meta = self._meta[spec] = _structure.encode(spec, *self._sizes)
+        if self._handle.value is None:
+            self._create(total)
+        if total > self.slot_bytes:
+            raise BatchTooLarge(
+                f"batch of {total} bytes does not fit channel '{self.name}', whose slots hold {self.slot_bytes} bytes "
+                f"(sized from the first batch x headroom {self.headroom:g}); pass slot_bytes >= {total} "
+                "or a larger headroom to Producer",
+                _capi.ETOOBIG,
+            )
+        lib, handle = self._lib, self._handle
+        payload = ctypes.c_void_p()
+        self._wait(
+            lambda ns: lib.tsock_producer_reserve(handle, total, ns, ctypes.byref(payload)),
+            f"reserve a slot on '{self.name}' (the slowest reader holds the ring)",
+        )
+        try:
+            slot = self._slot_view(payload.value)
+            tensors = self._tensors
+            for i, (src, off) in enumerate(zip(sources, offsets)):
+                self._copy(src, slot, off)
+                nd = len(src.shape)
+                strides = [1] * nd
+                for d in range(nd - 2, -1, -1):
+                    strides[d] = strides[d + 1] * src.shape[d + 1]
+                pad = [0] * (_capi.MAX_DIMS - nd)
+                _TENSOR.pack_into(
+                    tensors, i * _TENSOR.size, src.code, nd, *src.shape, *pad, *strides, *pad, off, src.nbytes, 0
+                )
+            check(lib, lib.tsock_producer_publish(handle, tensors, len(sources), meta, len(meta)), "publish")
+        except BaseException:
+            lib.tsock_producer_abort(handle)
+            raise
+
+    def _slot_view(self, addr: int) -> memoryview:
+        view = self._slot_views.get(addr)
+        if view is None:
+            view = memoryview((ctypes.c_char * self.slot_bytes).from_address(addr)).cast("B")
+            self._slot_views[addr] = view
+        return view
+
+    @staticmethod
+    def _copy(src: _Source, slot: memoryview, off: int) -> None:
+        if src.array is not None:
+            arr = src.array
+            dtype = arr.dtype if arr.dtype.isnative else arr.dtype.newbyteorder("=")
+            dst = np.ndarray(src.shape, dtype, buffer=slot, offset=off)
+            np.copyto(dst, arr)
+            return
+        import torch
+
+        from ._torch import TO_TORCH
+
+        storage = _dtypes.numpy_storage_dtype(src.code)
+        dst = torch.from_numpy(np.ndarray(src.shape, storage, buffer=slot, offset=off))
+        if src.code == _capi.DTYPE_BFLOAT16:
+            dst = dst.view(torch.bfloat16)
+        elif dst.dtype != TO_TORCH[src.code]:
+            dst = dst.view(TO_TORCH[src.code])
+        dst.copy_(src.tensor)  # device to shared host memory, one copy
+
+    def end_epoch(self) -> None:
+        """Publishes an epoch-end marker: consumers' for-loops end there."""
+        self._usable()
+        if self._handle.value is None:
+            self._create(0)  # an empty first epoch: default-sized slots
+        lib, handle = self._lib, self._handle
+        self._wait(lambda ns: lib.tsock_producer_end_epoch(handle, ns), f"end epoch on '{self.name}'")
+
+    def run(self, epochs: int | None = 1) -> None:
+        """For each epoch, publishes every batch of iter(loader), then an
+        epoch-end marker. epochs=None runs until interrupted."""
+        if self.loader is None:
+            raise ValueError("Producer.run needs a loader; with loader=None use publish() and end_epoch()")
+        e = 0
+        while epochs is None or e < epochs:
+            for batch in self.loader:
+                self.publish(batch)
+            self.end_epoch()
+            e += 1
+
+    # ---- state ----
+
+    def stats(self) -> dict:
+        """Counters: readers attached now, batches published (epoch markers
+        included), current epoch, seconds spent waiting for slow readers,
+        readers reclaimed after dying and evicted, slot geometry."""
+        out = {"name": self.name, "slots": self.slots, "slot_bytes": self.slot_bytes}
+        if self._handle.value is None or self._closed:
+            out.update(readers=0, published=0, epoch=0, backpressure_s=0.0, readers_reclaimed=0, readers_evicted=0)
+            return out
+        st = _capi.ProducerStats()
+        st.size = ctypes.sizeof(st)
+        check(self._lib, self._lib.tsock_producer_stats(self._handle, ctypes.byref(st)), "stats")
+        out.update(
+            readers=st.readers,
+            published=st.published,
+            epoch=st.epoch,
+            backpressure_s=st.backpressure_ns / 1e9,
+            readers_reclaimed=st.readers_reclaimed,
+            readers_evicted=st.readers_evicted,
+        )
+        return out
+
+    def close(self) -> None:
+        """Closes the channel: consumers read what was published, then get
+        ChannelClosed. Idempotent."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<tsock.Producer {self.name!r} slots={self.slots} slot_bytes={self.slot_bytes}>"

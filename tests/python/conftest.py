@@ -1,0 +1,107 @@
+"""Shared fixtures: unique channel names, /dev/shm clean-up, producers run in
+a thread, helper processes started with sys.executable."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "python") not in sys.path:
+    sys.path.insert(0, str(ROOT / "python"))
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def channel():
+    """A channel name unique to this process and test; its segment is
+    removed afterwards whatever happened."""
+    name = f"pt-{os.getpid()}-{next(_counter)}"
+    yield name
+    path = Path("/dev/shm") / f"tsock.{name}"
+    if path.exists():
+        path.unlink()
+
+
+class ProducerThread:
+    """Runs producer.run(epochs) in a thread; join() re-raises its error."""
+
+    def __init__(self, producer, epochs=1, close=True):
+        self.producer = producer
+        self.error = None
+        self._close = close
+        self._thread = threading.Thread(target=self._run, args=(epochs,), daemon=True)
+        self._thread.start()
+
+    def _run(self, epochs):
+        try:
+            self.producer.run(epochs=epochs)
+        except BaseException as e:  # noqa: BLE001 - reported by join()
+            self.error = e
+        finally:
+            if self._close:
+                self.producer.close()
+
+    def join(self, timeout=30):
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "producer thread did not finish"
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def run_producer():
+    """run_producer(producer, epochs=1) starts producer.run in a thread and
+    closes the producer when it is done (or at the end of the test)."""
+    started = []
+
+    def start(producer, epochs=1, close=True):
+        t = ProducerThread(producer, epochs, close)
+        started.append(t)
+        return t
+
+    yield start
+    for t in started:
+        t.producer.close()
+        t._thread.join(10)
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), env.get("PYTHONPATH")] if p)
+    env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
+    return env
+
+
+@pytest.fixture
+def spawn():
+    """spawn(code, *args) starts `python -c code args...` (code dedented) with
+    the package on its path; every process still running at the end of the
+    test is killed."""
+    procs = []
+
+    def start(code, *args, **kw):
+        p = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **kw,
+        )
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
