@@ -112,12 +112,13 @@ class DLPackTensor:
     jax.dlpack.from_dlpack take it without a copy. Valid until the batch is
     released, which happens when the consumer takes its next batch."""
 
-    __slots__ = ("_lib", "_lease", "_index")
+    __slots__ = ("_lib", "_lease", "_index", "_rows")
 
-    def __init__(self, lib, lease: Lease, index: int):
+    def __init__(self, lib, lease: Lease, index: int, rows=None):
         self._lib = lib
         self._lease = lease
         self._index = index
+        self._rows = rows
 
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
         """A DLPack capsule: versioned (read-only flag set) when the caller
@@ -128,8 +129,12 @@ class DLPackTensor:
         if dl_device is not None and tuple(dl_device) != (KDL_CPU, 0):
             raise BufferError(f"tsock batches live in host memory (kDLCPU), not on device {dl_device}")
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
-        return capsule(self._lib, self._lease, self._index, versioned)
+        return capsule(self._lib, self._lease, self._index, versioned, rows=self._rows)
 
     def __dlpack_device__(self):
         """(kDLCPU, 0): batches live in (shared) host memory."""
         return (KDL_CPU, 0)
+
+    def __repr__(self):
+        state = "valid" if self._lease.valid else "released"
+        return f"<tsock.DLPackTensor tensor {self._index} of batch {self._lease.seq}, {state}>"

@@ -100,8 +100,9 @@ def numpy_dtype(code: int) -> np.dtype:
 
 
 def numpy_storage_dtype(code: int) -> np.dtype:
-    """A numpy dtype of the same size to move a tensor's bytes (bfloat16 as
-    uint16), for code that only copies bytes."""
+    """A numpy dtype of the same size to move a tensor's bytes, for code that
+    only copies bytes: bfloat16 as int16, which torch.from_numpy takes (old
+    torch has no uint16) and .view(torch.bfloat16) turns back."""
     if code == _capi.DTYPE_BFLOAT16:
-        return np.dtype(np.uint16)
+        return np.dtype(np.int16)
     return _TO_NUMPY[code]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _capi, _dtypes
-from ._dlpack import capsule
+from ._dlpack import DLPackTensor, capsule
 from ._reader import CODE, DATA, SHAPE, STRIDES
 
 # (shape, strides) -> whether C-contiguous; batches repeat their shapes.
@@ -176,4 +176,27 @@ class JaxOutput:
         return self._jnp.asarray(arr)
 
 
-OUTPUTS = {"numpy": NumpyOutput, "torch": TorchOutput, "jax": JaxOutput}
+class DLPackOutput:
+    """DLPackTensor objects: the batch for any framework with from_dlpack
+    (cupy, numpy, torch, JAX, ...). Batches assembled across producer
+    batches are read-only numpy arrays, which speak DLPack too."""
+
+    name = "dlpack"
+
+    def __init__(self, copy: bool):
+        if copy:
+            raise ValueError("output='dlpack' exports shared memory; copy=True is for numpy, torch and jax outputs")
+        self.copy = False
+
+    def storage_dtype(self, code: int) -> np.dtype:
+        return _dtypes.numpy_dtype(code)
+
+    def view(self, reader, raw, i: int, start=None, stop=None):
+        return DLPackTensor(reader.lib, raw.lease, i, None if start is None else (start, stop))
+
+    def owned(self, arr: np.ndarray, code: int):
+        arr.flags.writeable = False
+        return arr
+
+
+OUTPUTS = {"numpy": NumpyOutput, "torch": TorchOutput, "jax": JaxOutput, "dlpack": DLPackOutput}

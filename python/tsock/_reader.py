@@ -26,6 +26,7 @@ _BATCH = struct.Struct("<QQQIIQQIIQ")  # tsock_batch_t
 _TENSOR = struct.Struct("<ii8q8qQQQ")  # tsock_tensor_t
 assert _BATCH.size == ctypes.sizeof(_capi.Batch) and _TENSOR.size == ctypes.sizeof(_capi.Tensor)
 
+_P = ctypes.c_void_p
 _lib = None
 _lib_lock = threading.Lock()
 
@@ -51,9 +52,6 @@ class _Lib:
         return getattr(self.cdll, name)
 
 
-_P = ctypes.c_void_p
-
-
 def library() -> _Lib:
     """libtsock_reader.so, loaded once per process."""
     global _lib
@@ -72,7 +70,7 @@ class Raw:
     """An acquired batch: its lease (for DLPack and release), its leaves and
     its layout; or an epoch-end marker (no leaves, `end` True)."""
 
-    __slots__ = ("lease", "epoch", "index", "end", "leaves", "layout")
+    __slots__ = ("lease", "epoch", "index", "end", "leaves", "layout", "rows")
 
     def __init__(self, lease: Lease, epoch: int, index: int, end: bool, leaves: list, layout):
         self.lease = lease
@@ -81,6 +79,7 @@ class Raw:
         self.end = end
         self.leaves = leaves
         self.layout = layout
+        self.rows = None  # shared first dimension, computed when re-batching
 
 
 class Reader:

@@ -55,7 +55,8 @@ class Consumer:
         batches that straddle two are copies.
       drop_last: with batch_size, drop an epoch's last, incomplete batch (as
         DataLoader does).
-      output: "numpy", "torch" or "jax".
+      output: "numpy", "torch" or "jax"; or "dlpack" for objects with
+        __dlpack__ that any framework's from_dlpack() takes.
       copy: deliver private, writable copies instead of shared-memory views.
       start: "epoch" (default): start with the producer's current epoch if
         this consumer attaches within the producer's join_window, else with
@@ -239,6 +240,8 @@ class Consumer:
 
     def _rows(self, raw: Raw) -> int:
         """Rows (samples) of a producer batch: the shared first dimension."""
+        if raw.rows is not None:
+            return raw.rows
         leaves = raw.leaves
         if not leaves:
             return 0
@@ -255,6 +258,7 @@ class Consumer:
                     f"batch_size={self.batch_size} cuts every tensor along its first dimension, but tensor {i} "
                     f"has {leaf[SHAPE][0]} rows and tensor 0 has {n}"
                 )
+        raw.rows = n
         return n
 
     def _next_rebatched(self):

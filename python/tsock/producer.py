@@ -162,6 +162,9 @@ class Producer:
       wait_readers: before the first batch, wait for this many consumers.
       timeout: seconds to wait for a free slot or for wait_readers (None:
         forever; a dead consumer never blocks, it is dropped within ~10 ms).
+      evict_after: evict a live consumer that holds the ring back this many
+        seconds (it then gets Evicted); None (default): slow consumers apply
+        back-pressure and are never evicted.
 
     Use it as a context manager or call close(): consumers then read what was
     published and get ChannelClosed. The producer is used by one thread.
@@ -179,6 +182,7 @@ class Producer:
         max_readers: int = 64,
         wait_readers: int = 0,
         timeout: float | None = None,
+        evict_after: float | None = None,
     ):
         self.name = check_name(name)
         if not isinstance(slots, int) or slots < 2 or slots > 65536 or slots & (slots - 1):
@@ -195,6 +199,9 @@ class Producer:
             raise ValueError(f"wait_readers must be an int >= 0, got {wait_readers!r}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        if evict_after is not None and (not isinstance(evict_after, (int, float)) or evict_after <= 0):
+            raise ValueError(f"evict_after must be None or seconds > 0, got {evict_after!r}")
+        self.evict_after = evict_after
         self.loader = loader
         self.slots = slots
         self.slot_bytes = slot_bytes
@@ -228,6 +235,8 @@ class Producer:
         opts.slot_bytes = nbytes
         opts.max_readers = self.max_readers
         opts.join_window = self.join_window
+        if self.evict_after is not None:
+            opts.evict_after_ns = int(self.evict_after * 1e9)
         check(
             lib,
             lib.tsock_producer_create(self.name.encode(), ctypes.byref(opts), ctypes.byref(self._handle)),

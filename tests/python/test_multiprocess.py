@@ -1,0 +1,176 @@
+"""Several processes: a killed producer is reported at once, a killed or
+interrupted trainer leaves the others running, and a producer whose torch
+DataLoader forks workers after loading libtsock.so (Go runtime inside)
+works and dies cleanly."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import tsock
+
+
+def wait_line(proc, want, timeout=30):
+    """Reads proc's stdout until a line starting with `want`; returns it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process exited ({proc.wait()}) before {want!r}: {proc.stderr.read()}")
+        if line.startswith(want):
+            return line.strip()
+    raise AssertionError(f"no {want!r} within {timeout} s")
+
+
+PRODUCER_FOREVER = """
+import sys, time, numpy as np, tsock
+p = tsock.Producer(None, sys.argv[1], slots=4)
+i = 0
+while True:
+    p.publish((np.full(4, i, np.int64),))
+    if i == 2:
+        print("published", flush=True)
+    i += 1
+    time.sleep(0.01)
+"""
+
+
+def test_killed_producer_raises_producer_gone_quickly(channel, spawn):
+    prod = spawn(PRODUCER_FOREVER, channel)
+    wait_line(prod, "published")
+    with tsock.Consumer(channel, start="now", timeout=10) as c:
+        it = iter(c)
+        first = int(next(it)[0][0])
+        assert int(next(it)[0][0]) == first + 1
+        os.kill(prod.pid, signal.SIGKILL)
+        prod.wait()
+        t0 = time.monotonic()
+        with pytest.raises(tsock.ProducerGone, match="died"):
+            for _ in it:  # what was published is still delivered, then the error
+                assert time.monotonic() - t0 < 1
+        assert time.monotonic() - t0 < 1.0
+
+
+TRAINER = """
+import sys, time, tsock
+name, mode = sys.argv[1], sys.argv[2]
+with tsock.Consumer(name, timeout=10) as c:
+    n = 0
+    try:
+        for (y,) in c:
+            n += 1
+            if n == 3:
+                print("ready", flush=True)
+                if mode == "stall":
+                    time.sleep(60)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(3)
+print("done", n, flush=True)
+"""
+
+
+def test_killed_trainer_leaves_the_others_running(channel, spawn, run_producer):
+    # 40 batches a epoch through a ring of 4: the producer must get past the
+    # dead trainer to finish.
+    data = [(np.full(3, i, np.int64),) for i in range(40)]
+    p = tsock.Producer(data, channel, slots=4, wait_readers=2)
+    done = run_producer(p, epochs=2, close=False)
+    victim = spawn(TRAINER, channel, "stall")
+    with tsock.Consumer(channel, timeout=10) as survivor:
+        it = iter(survivor)
+        seen = [int(next(it)[0][0]) for _ in range(2)]
+        wait_line(victim, "ready")  # mid-epoch, holding a batch
+        os.kill(victim.pid, signal.SIGKILL)
+        assert victim.wait(5) == -signal.SIGKILL
+        seen += [int(y[0]) for (y,) in it]
+        assert seen == list(range(40))  # epoch 0, whole
+        assert [int(y[0]) for (y,) in survivor] == list(range(40))  # epoch 1
+        done.join()
+        assert p.stats()["readers_reclaimed"] == 1
+    p.close()
+
+
+def test_sigint_in_one_trainer_leaves_the_others_running(channel, spawn):
+    with tsock.Producer(None, channel, slots=4) as p:
+        p.publish((np.full(2, -1),))
+        code = TRAINER.replace("tsock.Consumer(name, timeout=10)", "tsock.Consumer(name, start='now', timeout=10)")
+        victim = spawn(code, channel, "block")
+        survivor = tsock.Consumer(channel, start="now", timeout=10)
+        while p.stats()["readers"] < 2:
+            time.sleep(0.01)
+        it = iter(survivor)
+        for i in range(3):
+            p.publish((np.full(2, i),))
+            assert int(next(it)[0][0]) == i
+        wait_line(victim, "ready")
+        time.sleep(0.3)  # the victim now waits in the C reader for a 4th batch
+        t0 = time.monotonic()
+        victim.send_signal(signal.SIGINT)
+        wait_line(victim, "interrupted", timeout=5)
+        assert time.monotonic() - t0 < 1.0
+        assert victim.wait(5) == 3
+        # It detached cleanly (not reclaimed as dead); the others go on.
+        assert p.stats()["readers"] == 1
+        assert p.stats()["readers_reclaimed"] == 0
+        for i in range(3, 20):
+            p.publish((np.full(2, i),))
+            assert int(next(it)[0][0]) == i
+        survivor.close()
+
+
+FORK_PRODUCER = """
+import multiprocessing, sys, torch, tsock
+from torch.utils.data import DataLoader, Dataset
+
+class Ids(Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        # runs in a forked worker of a process that carries the Go runtime
+        return torch.tensor(i), torch.full((3,), float(i))
+
+name, epochs = sys.argv[1], sys.argv[2]
+assert multiprocessing.get_start_method() == "fork"
+loader = DataLoader(Ids(), batch_size=8, num_workers=2, persistent_workers=epochs == "forever")
+p = tsock.Producer(loader, name, slots=4, wait_readers=1)
+print("pid", p._pid, flush=True)
+p.run(epochs=None if epochs == "forever" else int(epochs))
+p.close()
+print("closed", flush=True)
+"""
+
+
+def test_dataloader_workers_forked_from_a_go_process(channel, spawn):
+    prod = spawn(FORK_PRODUCER, channel, 2)
+    with tsock.Consumer(channel, output="torch", batch_size=5, timeout=30) as c:
+        assert len(c) == 13
+        for _ in range(2):
+            ids = []
+            for i, x in c:
+                assert x[:, 0].tolist() == i.float().tolist()
+                ids += i.tolist()
+            assert ids == list(range(64))
+        with pytest.raises(tsock.ChannelClosed):
+            next(c)
+    assert prod.wait(30) == 0, prod.stderr.read()
+
+
+def test_killed_producer_with_live_workers_is_still_seen_dead(channel, spawn):
+    # Workers forked after the channel exists inherit its descriptor; the
+    # fork guard closes it in them, so they cannot keep the producer's lock
+    # (and with it, its liveness) after the producer is killed.
+    prod = spawn(FORK_PRODUCER, channel, "forever")
+    with tsock.Consumer(channel, timeout=30) as c:
+        it = iter(c)
+        for _ in range(20):  # into the second epoch: workers were forked after creation
+            next(it, None)
+        os.kill(prod.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(tsock.ProducerGone):
+            while True:
+                next(it, None)
+                assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 1.0

@@ -1,0 +1,158 @@
+"""Batches are read in place (their data lie inside the reader's payload
+mapping) and cannot be written: numpy arrays are read-only, torch tensors
+raise ReadOnlyBatchError on in-place operations, DLPack capsules follow the
+protocol."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+import tsock
+from tsock import _capi
+
+
+def payload_range(consumer):
+    """[start, end) of the consumer's mapping, asked from the C library."""
+    r = consumer._reader
+    base, length = ctypes.c_void_p(), ctypes.c_uint64()
+    assert r.lib.tsock_reader_payload_range(r.handle, ctypes.byref(base), ctypes.byref(length)) == 0
+    return base.value, base.value + length.value
+
+
+def data_ptr(x):
+    if isinstance(x, np.ndarray):
+        return x.__array_interface__["data"][0]
+    if isinstance(x, torch.Tensor):
+        return x.data_ptr()
+    return x.unsafe_buffer_pointer()  # jax
+
+
+def batches(n=6, rows=8):
+    return [
+        (np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + 100 * i, np.arange(rows, dtype=np.int32) + rows * i)
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("output", ["numpy", "torch", "jax"])
+def test_batches_lie_inside_the_mapping(channel, run_producer, output):
+    run_producer(tsock.Producer(batches(), channel, slots=4, wait_readers=1))
+    with tsock.Consumer(channel, output=output, timeout=10) as c:
+        start, end = payload_range(c)
+        n = 0
+        for i, (x, y) in enumerate(c):
+            for leaf in (x, y):
+                assert start <= data_ptr(leaf) < end
+            np.testing.assert_array_equal(np.asarray(x.numpy() if output == "torch" else x), batches()[i][0])
+            n += 1
+        assert n == 6
+
+
+@pytest.mark.parametrize("output", ["numpy", "torch", "jax"])
+def test_rebatched_slices_are_zero_copy_and_straddling_batches_are_copies(channel, run_producer, output):
+    # Producer batches of 8 rows, consumer batches of 3: [0:3] [3:6] inside
+    # batch 0, [6:9] straddles batches 0 and 1.
+    run_producer(tsock.Producer(batches(2), channel, slots=4, wait_readers=1))
+    with tsock.Consumer(channel, output=output, batch_size=3, timeout=10) as c:
+        start, end = payload_range(c)
+        it = iter(c)
+        for want_inside in (True, True, False):
+            x, y = next(it)
+            assert (start <= data_ptr(x) < end) == want_inside
+            assert (start <= data_ptr(y) < end) == want_inside
+
+
+def test_numpy_batches_are_read_only(channel, run_producer):
+    run_producer(tsock.Producer(batches(2), channel, slots=4, wait_readers=1))
+    with tsock.Consumer(channel, timeout=10) as c:
+        for x, y in c:
+            assert not x.flags.writeable
+            with pytest.raises(ValueError, match="read-only"):
+                x[0, 0] = 1
+            with pytest.raises(ValueError):
+                x.flags.writeable = True
+            y2 = y.copy()
+            y2[0] = -1  # a copy is the caller's
+
+
+def _inplace_writes():
+    return {
+        "add_": lambda x: x.add_(1),
+        "setitem": lambda x: x.__setitem__(0, 1),
+        "iadd": lambda x: x.__iadd__(1),
+        "zero_": lambda x: x.zero_(),
+        "copy_": lambda x: x.copy_(torch.zeros_like(x)),
+        "out=": lambda x: torch.add(torch.ones_like(x), 1, out=x),
+        "relu(inplace=True)": lambda x: torch.nn.functional.relu(x, inplace=True),
+        "init.zeros_": lambda x: torch.nn.init.zeros_(x),
+        "view then add_": lambda x: x[0].add_(1),
+        "reshape then fill_": lambda x: x.reshape(-1).fill_(0),
+    }
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_torch_batches_refuse_in_place_writes(channel, run_producer, copy):
+    data = batches(1)
+    run_producer(tsock.Producer(data, channel, slots=4, wait_readers=2))
+    with (
+        tsock.Consumer(channel, output="torch", copy=copy, timeout=10) as c,
+        tsock.Consumer(channel, timeout=10) as other,
+    ):
+        x, y = next(iter(c))
+        if copy:
+            assert type(x) is torch.Tensor
+            x.add_(1)  # a private copy
+        else:
+            assert isinstance(x, tsock._torch.ReadOnlyTensor)
+            for what, write in _inplace_writes().items():
+                with pytest.raises(tsock.ReadOnlyBatchError):
+                    write(x)
+                    pytest.fail(f"{what} did not raise")
+            # Reading works as usual, and results are ordinary tensors.
+            model = torch.nn.Linear(4, 2)
+            out = model(x)
+            assert out.shape == (8, 2) and type(out) is torch.Tensor
+            z = x + 1
+            assert type(z) is torch.Tensor
+            z.add_(1)
+            assert torch.equal(z, x + 2)
+            w = x.clone()
+            w[0] = 7
+            assert not x.numpy().flags.writeable
+            assert y.sum().item() == sum(range(8))
+            # the in-place attempts changed nothing, here or for other readers
+            assert torch.equal(x, torch.from_numpy(data[0][0]))
+        ox, oy = next(iter(other))
+        np.testing.assert_array_equal(ox, data[0][0])
+
+
+def test_dlpack_output_speaks_the_protocol(channel, run_producer):
+    data = batches(2)
+    run_producer(tsock.Producer(data, channel, slots=4, wait_readers=1))
+    name = ctypes.pythonapi.PyCapsule_GetName
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    with tsock.Consumer(channel, output="dlpack", timeout=10) as c:
+        it = iter(c)
+        x, y = next(it)
+        assert x.__dlpack_device__() == (1, 0)
+        assert name(x.__dlpack__()) == b"dltensor"
+        assert name(x.__dlpack__(max_version=(1, 0))) == b"dltensor_versioned"
+        # Unconsumed capsules free their struct through the capsule destructor.
+        for _ in range(1000):
+            x.__dlpack__(max_version=(1, 2))
+            x.__dlpack__()
+        a = np.from_dlpack(x)
+        assert not a.flags.writeable
+        np.testing.assert_array_equal(a, data[0][0])
+        t = torch.utils.dlpack.from_dlpack(y)
+        assert torch.equal(t, torch.from_numpy(data[0][1]))
+        with pytest.raises(BufferError):
+            x.__dlpack__(copy=True)
+        next(it)
+        with pytest.raises(BufferError, match="released"):
+            x.__dlpack__()  # the batch was released when the next one was taken
+
+
+def test_capsule_constants_match_the_header():
+    assert _capi.MAX_TENSORS == 16 and _capi.MAX_DIMS == 8 and _capi.META_MAX == 256
