@@ -47,9 +47,9 @@ ITEMSIZE = {
 SUPPORTED = ", ".join(NAMES.values())
 
 # numpy dtype -> wire code, native byte order. bfloat16 is added on demand.
-_FROM_NUMPY = {np.dtype(name): code for code, name in NAMES.items() if name != "bfloat16"}
+FROM_NUMPY = {np.dtype(name): code for code, name in NAMES.items() if name != "bfloat16"}
 # wire code -> numpy dtype; bfloat16 filled by _bfloat16().
-_TO_NUMPY = {code: dt for dt, code in _FROM_NUMPY.items()}
+_TO_NUMPY = {code: dt for dt, code in FROM_NUMPY.items()}
 
 
 def _bfloat16() -> np.dtype | None:
@@ -63,20 +63,20 @@ def _bfloat16() -> np.dtype | None:
         return None
     dt = np.dtype(ml_dtypes.bfloat16)
     _TO_NUMPY[_capi.DTYPE_BFLOAT16] = dt
-    _FROM_NUMPY[dt] = _capi.DTYPE_BFLOAT16
+    FROM_NUMPY[dt] = _capi.DTYPE_BFLOAT16
     return dt
 
 
 def code_of_numpy(dtype: np.dtype, where: str) -> int:
     """The wire code of a numpy dtype; UnsupportedDtype names the leaf."""
-    code = _FROM_NUMPY.get(dtype)
+    code = FROM_NUMPY.get(dtype)
     if code is not None:
         return code
     if dtype.name == "bfloat16" and "ml_dtypes" in sys.modules and _bfloat16() == dtype:
         return _capi.DTYPE_BFLOAT16
     if not dtype.isnative:
         # Big-endian data is converted while it is copied into the slot.
-        code = _FROM_NUMPY.get(dtype.newbyteorder("="))
+        code = FROM_NUMPY.get(dtype.newbyteorder("="))
         if code is not None:
             return code
     raise UnsupportedDtype(f"{where} has dtype {dtype}, which tsock cannot carry; supported: {SUPPORTED}", _capi.EDTYPE)

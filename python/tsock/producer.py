@@ -22,6 +22,7 @@ from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
 ALIGN = 64  # every tensor starts on a cache line (and suits any dtype, DLPack and XLA)
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _TENSOR = struct.Struct("<ii8q8qQQQ")  # tsock_tensor_t
+_SMALL_COPY = 1 << 20
 
 _lib = None
 _lib_lock = threading.Lock()
@@ -84,17 +85,24 @@ class _Source:
 
     __slots__ = ("code", "shape", "nbytes", "array", "tensor")
 
-    def __init__(self, code, shape, array=None, tensor=None):
+    def __init__(self, code, shape, nbytes, array=None, tensor=None):
         self.code = code
-        self.shape = tuple(int(s) for s in shape)
-        self.nbytes = math.prod(self.shape) * _dtypes.ITEMSIZE[code]
+        self.shape = shape
+        self.nbytes = nbytes
         self.array = array
         self.tensor = tensor
 
 
+def _numpy_source(arr: np.ndarray, batch, i: int) -> _Source:
+    code = _dtypes.FROM_NUMPY.get(arr.dtype)
+    if code is None:  # bfloat16, byte-swapped, or unsupported: the slow path names the leaf
+        code = _dtypes.code_of_numpy(arr.dtype, _structure.leaf_path(batch, i))
+    return _Source(code, arr.shape, arr.nbytes, array=arr)
+
+
 def _source(leaf, batch, i: int) -> _Source:
     if isinstance(leaf, np.ndarray):
-        return _Source(_dtypes.code_of_numpy(leaf.dtype, _structure.leaf_path(batch, i)), leaf.shape, array=leaf)
+        return _numpy_source(leaf, batch, i)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(leaf, torch.Tensor):
         from ._torch import FROM_TORCH
@@ -106,20 +114,21 @@ def _source(leaf, batch, i: int) -> _Source:
                 f"supported: {_dtypes.SUPPORTED}",
                 _capi.EDTYPE,
             )
+        shape = tuple(leaf.shape)
         if leaf.device.type != "cpu":
-            return _Source(code, leaf.shape, tensor=leaf)
+            return _Source(code, shape, leaf.numel() * _dtypes.ITEMSIZE[code], tensor=leaf)
         t = leaf.detach()
         if t.is_neg():
             t = t.resolve_neg()
         if code == _capi.DTYPE_BFLOAT16:
             t = t.view(torch.int16)  # numpy has no bfloat16: move the bits
-        return _Source(code, leaf.shape, array=t.numpy())
+        arr = t.numpy()
+        return _Source(code, shape, arr.nbytes, array=arr)
     if isinstance(leaf, np.generic) or (
         hasattr(leaf, "__array__") and hasattr(leaf, "dtype") and hasattr(leaf, "shape") and not isinstance(leaf, type)
     ):
         # JAX arrays (np.asarray is a view on the CPU) and numpy scalars.
-        arr = np.asarray(leaf)
-        return _Source(_dtypes.code_of_numpy(arr.dtype, _structure.leaf_path(batch, i)), arr.shape, array=arr)
+        return _numpy_source(np.asarray(leaf), batch, i)
     raise UnsupportedDtype(
         f"{_structure.leaf_path(batch, i)} is a {type(leaf).__name__}: tsock carries numpy arrays, torch tensors "
         "and JAX arrays (in tuples, lists and dicts); convert other values to arrays",
@@ -218,6 +227,8 @@ class Producer:
         self._sizes = None  # (batches, samples) per epoch of the loader
         self._meta: dict[str, bytes] = {}
         self._tensors = (_capi.Tensor * _capi.MAX_TENSORS)()
+        self._descs = memoryview(self._tensors).cast("B")  # packed in place with struct
+        self._packed: dict[tuple, bytes] = {}
         self._slot_views: dict[int, memoryview] = {}
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_handle, self._lib, self._handle, self._pid)
@@ -315,27 +326,68 @@ class Producer:
             )
         lib, handle = self._lib, self._handle
         payload = ctypes.c_void_p()
-        self._wait(
-            lambda ns: lib.tsock_producer_reserve(handle, total, ns, ctypes.byref(payload)),
-            f"reserve a slot on '{self.name}' (the slowest reader holds the ring)",
-        )
+        # Reserve inside the try: a KeyboardInterrupt right after a
+        # successful reserve must not leave the slot reserved (abort without
+        # a reservation is a harmless error).
         try:
-            slot = self._slot_view(payload.value)
-            tensors = self._tensors
+            self._wait(
+                lambda ns: lib.tsock_producer_reserve(handle, total, ns, ctypes.byref(payload)),
+                f"reserve a slot on '{self.name}' (the slowest reader holds the ring)",
+            )
+            addr = payload.value
+            descs = self._descs
             for i, (src, off) in enumerate(zip(sources, offsets)):
-                self._copy(src, slot, off)
-                nd = len(src.shape)
-                strides = [1] * nd
-                for d in range(nd - 2, -1, -1):
-                    strides[d] = strides[d + 1] * src.shape[d + 1]
-                pad = [0] * (_capi.MAX_DIMS - nd)
-                _TENSOR.pack_into(
-                    tensors, i * _TENSOR.size, src.code, nd, *src.shape, *pad, *strides, *pad, off, src.nbytes, 0
-                )
-            check(lib, lib.tsock_producer_publish(handle, tensors, len(sources), meta, len(meta)), "publish")
+                self._copy(src, addr, off)
+                key = (src.code, src.shape, off)
+                packed = self._packed.get(key)
+                if packed is None:
+                    packed = self._packed[key] = self._pack(src, off)
+                descs[i * _TENSOR.size : (i + 1) * _TENSOR.size] = packed
+            check(lib, lib.tsock_producer_publish(handle, self._tensors, len(sources), meta, len(meta)), "publish")
         except BaseException:
             lib.tsock_producer_abort(handle)
             raise
+
+    @staticmethod
+    def _pack(src: _Source, off: int) -> bytes:
+        """The tsock_tensor_t of a C-contiguous leaf at payload offset off."""
+        nd = len(src.shape)
+        strides = [1] * nd
+        for d in range(nd - 2, -1, -1):
+            strides[d] = strides[d + 1] * src.shape[d + 1]
+        pad = [0] * (_capi.MAX_DIMS - nd)
+        return _TENSOR.pack(src.code, nd, *src.shape, *pad, *strides, *pad, off, src.nbytes, 0)
+
+    def _copy(self, src: _Source, addr: int, off: int) -> None:
+        """Copies a leaf into the reserved slot at `addr`, C-contiguous at
+        offset `off`: the one copy a batch makes."""
+        if src.array is not None:
+            arr = src.array
+            slot = self._slot_view(addr)
+            n = src.nbytes
+            # Small contiguous leaves: a plain buffer copy costs a third of
+            # building a destination array. Large ones go through numpy,
+            # which releases the GIL while it copies.
+            if n < _SMALL_COPY and arr.flags.c_contiguous and arr.dtype.isnative:
+                try:
+                    slot[off : off + n] = memoryview(arr).cast("B")
+                    return
+                except (TypeError, ValueError, BufferError):
+                    pass  # a dtype the buffer protocol cannot describe (bfloat16): numpy copies it
+            dtype = arr.dtype if arr.dtype.isnative else arr.dtype.newbyteorder("=")
+            np.copyto(np.ndarray(src.shape, dtype, buffer=slot, offset=off), arr)
+            return
+        import torch
+
+        from ._torch import TO_TORCH
+
+        storage = _dtypes.numpy_storage_dtype(src.code)
+        dst = torch.from_numpy(np.ndarray(src.shape, storage, buffer=self._slot_view(addr), offset=off))
+        if src.code == _capi.DTYPE_BFLOAT16:
+            dst = dst.view(torch.bfloat16)
+        elif dst.dtype != TO_TORCH[src.code]:
+            dst = dst.view(TO_TORCH[src.code])
+        dst.copy_(src.tensor)  # device to shared host memory, one copy
 
     def _slot_view(self, addr: int) -> memoryview:
         view = self._slot_views.get(addr)
@@ -343,26 +395,6 @@ class Producer:
             view = memoryview((ctypes.c_char * self.slot_bytes).from_address(addr)).cast("B")
             self._slot_views[addr] = view
         return view
-
-    @staticmethod
-    def _copy(src: _Source, slot: memoryview, off: int) -> None:
-        if src.array is not None:
-            arr = src.array
-            dtype = arr.dtype if arr.dtype.isnative else arr.dtype.newbyteorder("=")
-            dst = np.ndarray(src.shape, dtype, buffer=slot, offset=off)
-            np.copyto(dst, arr)
-            return
-        import torch
-
-        from ._torch import TO_TORCH
-
-        storage = _dtypes.numpy_storage_dtype(src.code)
-        dst = torch.from_numpy(np.ndarray(src.shape, storage, buffer=slot, offset=off))
-        if src.code == _capi.DTYPE_BFLOAT16:
-            dst = dst.view(torch.bfloat16)
-        elif dst.dtype != TO_TORCH[src.code]:
-            dst = dst.view(TO_TORCH[src.code])
-        dst.copy_(src.tensor)  # device to shared host memory, one copy
 
     def end_epoch(self) -> None:
         """Publishes an epoch-end marker: consumers' for-loops end there."""
@@ -412,6 +444,7 @@ class Producer:
         ChannelClosed. Idempotent."""
         self._closed = True
         self._finalizer()
+        self._slot_views.clear()  # they point into the unmapped segment now
 
     def __enter__(self):
         return self
