@@ -29,6 +29,7 @@ typedef struct held_batch {
   tsock_batch_t batch;
   tsock_tensor_t tensors[TSOCK_MAX_TENSORS];
   uint8_t meta[TSOCK_META_MAX];
+  int handed; /* handed out to the caller (not skipped or rejected) */
 } held_batch;
 
 struct reader_impl {
@@ -535,11 +536,14 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
                (hb->batch.index != 0 || (hb->batch.flags & TSOCK_BATCH_EPOCH_END));
     if (rc == TSOCK_OK && !skip) r->skipping = 0;
     if (rc != TSOCK_OK || skip) {
-      /* Nothing handed out: release it at once if nothing older is held. */
+      /* Nothing handed out: release it at once if nothing older is held,
+       * else with the held batch before it (see tsock_reader_release). */
+      hb->handed = 0;
       if (r->released == seq) publish_cursor(r, seq + 1);
       if (rc != TSOCK_OK) return rc;
       continue;
     }
+    hb->handed = 1;
     tsock_reader_record *rec = r->rec;
     __atomic_store_n(&rec->acquired, seq + 1, __ATOMIC_RELAXED);
     rec->batches++;
@@ -559,9 +563,14 @@ int tsock_reader_release(tsock_reader_t *h, const tsock_batch_t *b) {
   if (r == NULL) return rc;
   if (b == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_release: batch is NULL");
   uint64_t seq = b->seq;
-  if (seq < r->released || seq >= r->next || b != &r->held[seq % r->max_held].batch)
+  if (seq < r->released || seq >= r->next || b != &r->held[seq % r->max_held].batch ||
+      !r->held[seq % r->max_held].handed)
     return tsock__fail(TSOCK_ESTATE, "tsock_reader_release: batch is not held by this reader");
-  publish_cursor(r, seq + 1);
+  /* Batches after it that were never handed out (rejected or skipped while
+   * it was held) go with it: nothing else would ever release them. */
+  uint64_t cursor = seq + 1;
+  while (cursor < r->next && !r->held[cursor % r->max_held].handed) cursor++;
+  publish_cursor(r, cursor);
   return check_claim(r);
 }
 

@@ -10,21 +10,37 @@ package reader
 #cgo CFLAGS: -I${SRCDIR}/../include -I${SRCDIR}/../ring -Wall -Wextra -Werror
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "tsock.h"
 
-static inline int rd_attach(const char *name, const tsock_reader_options_t *o, uintptr_t *out) {
+// The detailed message is per thread, and a goroutine may change threads
+// between two cgo calls: every wrapper copies it (on failure only) within
+// the same call, into *msg, which the Go side frees.
+static inline void rd_msg(int rc, char **msg) {
+	if (rc != 0 && rc != TSOCK_EAGAIN) *msg = strdup(tsock_last_error());
+}
+static inline int rd_attach(const char *name, const tsock_reader_options_t *o, uintptr_t *out, char **msg) {
 	tsock_reader_t *r;
 	int rc = tsock_reader_attach(name, o, &r);
 	if (rc == 0) *out = (uintptr_t)r;
+	rd_msg(rc, msg);
 	return rc;
 }
-static inline int rd_acquire(uintptr_t r, const tsock_batch_t **b, int64_t t) {
-	return tsock_reader_acquire((tsock_reader_t *)r, b, t);
+static inline int rd_acquire(uintptr_t r, const tsock_batch_t **b, int64_t t, char **msg) {
+	int rc = tsock_reader_acquire((tsock_reader_t *)r, b, t);
+	rd_msg(rc, msg);
+	return rc;
 }
-static inline int rd_release(uintptr_t r, const tsock_batch_t *b) {
-	return tsock_reader_release((tsock_reader_t *)r, b);
+static inline int rd_release(uintptr_t r, const tsock_batch_t *b, char **msg) {
+	int rc = tsock_reader_release((tsock_reader_t *)r, b);
+	rd_msg(rc, msg);
+	return rc;
 }
-static inline int rd_detach(uintptr_t r) { return tsock_reader_detach((tsock_reader_t *)r); }
+static inline int rd_detach(uintptr_t r, char **msg) {
+	int rc = tsock_reader_detach((tsock_reader_t *)r);
+	rd_msg(rc, msg);
+	return rc;
+}
 static inline const tsock_tensor_t *rd_tensor(const tsock_batch_t *b, uint32_t i) { return &b->tensors[i]; }
 */
 import "C"
@@ -92,8 +108,14 @@ type Batch struct {
 // EpochEnd reports whether the batch is an epoch-end marker.
 func (b *Batch) EpochEnd() bool { return b.Flags&ring.FlagEpochEnd != 0 }
 
-func lastError(rc C.int) error {
-	msg := C.GoString(C.tsock_last_error())
+// lastError builds the error of a failed call from the message its
+// wrapper copied (and frees the copy).
+func lastError(rc C.int, cmsg *C.char) error {
+	msg := ""
+	if cmsg != nil {
+		msg = C.GoString(cmsg)
+		C.free(unsafe.Pointer(cmsg))
+	}
 	if msg == "" {
 		msg = C.GoString(C.tsock_status_str(rc))
 	}
@@ -122,8 +144,9 @@ func Attach(name string, o Options) (*Reader, error) {
 	cs := C.CString(name)
 	defer C.free(unsafe.Pointer(cs))
 	var h C.uintptr_t
-	if rc := C.rd_attach(cs, &co, &h); rc != 0 {
-		return nil, lastError(rc)
+	var msg *C.char
+	if rc := C.rd_attach(cs, &co, &h, &msg); rc != 0 {
+		return nil, lastError(rc, msg)
 	}
 	return &Reader{h: uintptr(h)}, nil
 }
@@ -132,14 +155,18 @@ func Attach(name string, o Options) (*Reader, error) {
 // It returns (nil, nil) when no batch arrived in time; ErrProducerGone or
 // ErrClosed once the stream has ended and everything was read.
 func (r *Reader) Acquire(timeout time.Duration) (*Batch, error) {
-	var cb *C.tsock_batch_t
-	rc := C.rd_acquire(C.uintptr_t(r.h), &cb, nanos(timeout))
+	var out struct { // one allocation for both out-parameters
+		cb  *C.tsock_batch_t
+		msg *C.char
+	}
+	rc := C.rd_acquire(C.uintptr_t(r.h), &out.cb, nanos(timeout), &out.msg)
 	if rc == C.TSOCK_EAGAIN {
 		return nil, nil
 	}
 	if rc != 0 {
-		return nil, lastError(rc)
+		return nil, lastError(rc, out.msg)
 	}
+	cb := out.cb
 	b := &Batch{Seq: uint64(cb.seq), Epoch: uint64(cb.epoch), Index: uint64(cb.index),
 		Flags: uint32(cb.flags), PublishNs: uint64(cb.publish_ns), c: cb}
 	if cb.meta_len > 0 {
@@ -168,16 +195,18 @@ func (r *Reader) Release(b *Batch) error {
 	if b == nil || b.c == nil {
 		return ring.Errorf(ring.StatusInval, "release of a nil batch")
 	}
-	if rc := C.rd_release(C.uintptr_t(r.h), b.c); rc != 0 {
-		return lastError(rc)
+	var msg *C.char
+	if rc := C.rd_release(C.uintptr_t(r.h), b.c, &msg); rc != 0 {
+		return lastError(rc, msg)
 	}
 	return nil
 }
 
 // Detach frees the reader record; the Reader must not be used afterwards.
 func (r *Reader) Detach() error {
-	if rc := C.rd_detach(C.uintptr_t(r.h)); rc != 0 {
-		return lastError(rc)
+	var msg *C.char
+	if rc := C.rd_detach(C.uintptr_t(r.h), &msg); rc != 0 {
+		return lastError(rc, msg)
 	}
 	return nil
 }
