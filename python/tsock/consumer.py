@@ -44,7 +44,13 @@ class Consumer:
     ReadOnlyBatchError on in-place writes; x.clone() (torch) or x.copy()
     (numpy) gives a writable copy. JAX arrays are immutable anyway; with JAX's
     asynchronous dispatch, make sure work on a batch is finished
-    (block_until_ready) before taking the next one, or use copy=True.
+    (block_until_ready) before taking the next one, or use copy=True. After
+    close() (or once the Consumer is garbage-collected) the shared memory is
+    unmapped: batches must not be touched then at all.
+
+    Each for-loop runs to the end of the current epoch; a loop that breaks
+    off early leaves the rest of that epoch to the next loop. One thread at
+    a time may use a Consumer.
 
     Args:
       name: the channel name.

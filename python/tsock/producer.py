@@ -157,6 +157,12 @@ class Producer:
     `slots` ring slots holds first-batch bytes x `headroom` (or `slot_bytes`).
     A later batch that does not fit raises BatchTooLarge.
 
+    Trainers started before the producer wait for the channel; one that
+    attaches after the first batch of an epoch was published starts with the
+    next epoch, unless it comes within `join_window` batches. For a sweep,
+    pass wait_readers=<number of trainers> so that every trainer gets the
+    first epoch whole.
+
     Args:
       loader: the iterable run() publishes (None: publish() by hand).
       name: channel name, 1..64 of [A-Za-z0-9._-].

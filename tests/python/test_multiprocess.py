@@ -174,3 +174,37 @@ def test_killed_producer_with_live_workers_is_still_seen_dead(channel, spawn):
                 next(it, None)
                 assert time.monotonic() - t0 < 2
         assert time.monotonic() - t0 < 1.0
+
+
+TRAINER_FORKS = """
+import os, sys, tsock
+maps = lambda: open("/proc/self/maps").read()
+with tsock.Consumer(sys.argv[1], start="now", timeout=10) as c:
+    it = iter(c)
+    first = int(next(it)[0][0])
+    # The trainer carries the C reader only, never the Go runtime.
+    assert "libtsock_reader.so" in maps() and "libtsock.so" not in maps(), maps()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            next(it)
+            os._exit(1)
+        except tsock.TsockError as e:
+            os._exit(0 if e.status == -20 else 2)  # TSOCK_EFORKED: the handle is the parent's
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    print("ok", first, int(next(it)[0][0]), flush=True)
+"""
+
+
+def test_trainer_loads_no_go_runtime_and_survives_fork(channel, spawn):
+    with tsock.Producer(None, channel, slots=4) as p:
+        p.publish((np.full(2, -1),))
+        trainer = spawn(TRAINER_FORKS, channel)
+        while p.stats()["readers"] < 1:
+            assert trainer.poll() is None, trainer.stderr.read()
+            time.sleep(0.01)
+        p.publish((np.full(2, 1),))
+        p.publish((np.full(2, 2),))
+        assert wait_line(trainer, "ok") == "ok 1 2"
+        assert trainer.wait(10) == 0
