@@ -49,12 +49,12 @@ SUPPORTED = ", ".join(NAMES.values())
 # numpy dtype -> wire code, native byte order. bfloat16 is added on demand.
 FROM_NUMPY = {np.dtype(name): code for code, name in NAMES.items() if name != "bfloat16"}
 # wire code -> numpy dtype; bfloat16 filled by _bfloat16().
-_TO_NUMPY = {code: dt for dt, code in FROM_NUMPY.items()}
+TO_NUMPY = {code: dt for dt, code in FROM_NUMPY.items()}
 
 
 def _bfloat16() -> np.dtype | None:
     """numpy's bfloat16 from ml_dtypes, or None when it is not installed."""
-    dt = _TO_NUMPY.get(_capi.DTYPE_BFLOAT16)
+    dt = TO_NUMPY.get(_capi.DTYPE_BFLOAT16)
     if dt is not None:
         return dt
     try:
@@ -62,7 +62,7 @@ def _bfloat16() -> np.dtype | None:
     except ImportError:
         return None
     dt = np.dtype(ml_dtypes.bfloat16)
-    _TO_NUMPY[_capi.DTYPE_BFLOAT16] = dt
+    TO_NUMPY[_capi.DTYPE_BFLOAT16] = dt
     FROM_NUMPY[dt] = _capi.DTYPE_BFLOAT16
     return dt
 
@@ -84,7 +84,7 @@ def code_of_numpy(dtype: np.dtype, where: str) -> int:
 
 def numpy_dtype(code: int) -> np.dtype:
     """The numpy dtype of a wire code (bfloat16 needs ml_dtypes)."""
-    dt = _TO_NUMPY.get(code)
+    dt = TO_NUMPY.get(code)
     if dt is not None:
         return dt
     if code == _capi.DTYPE_BFLOAT16:
@@ -105,4 +105,4 @@ def numpy_storage_dtype(code: int) -> np.dtype:
     torch has no uint16) and .view(torch.bfloat16) turns back."""
     if code == _capi.DTYPE_BFLOAT16:
         return np.dtype(np.int16)
-    return _TO_NUMPY[code]
+    return TO_NUMPY[code]

@@ -16,41 +16,45 @@ from . import _capi, _dtypes
 from ._dlpack import DLPackTensor, capsule
 from ._reader import CODE, DATA, SHAPE, STRIDES
 
-# (shape, strides) -> whether C-contiguous; batches repeat their shapes.
-_contiguous: dict[tuple, bool] = {}
+_NUMPY = _dtypes.TO_NUMPY  # wire code -> numpy dtype, for the hot path
+
+# (shape, strides) -> element count if C-contiguous, else -1; batches repeat
+# their shapes, so this is a dict hit after the first batch.
+_counts: dict[tuple, int] = {}
 
 
-def _is_contiguous(shape: tuple, strides: tuple) -> bool:
+def _contiguous_count(shape: tuple, strides: tuple) -> int:
     key = (shape, strides)
-    c = _contiguous.get(key)
-    if c is None:
-        expect = 1
-        c = True
+    count = _counts.get(key)
+    if count is None:
+        count = 1
         for n, s in zip(reversed(shape), reversed(strides)):
-            if n != 1 and s != expect:
-                c = False
+            if n != 1 and s != count:
+                count = -1
                 break
-            expect *= n
-        if len(_contiguous) < 4096:
-            _contiguous[key] = c
-    return c
+            count *= n
+        if count != -1:
+            count = 1
+            for n in shape:
+                count *= n
+        if len(_counts) < 4096:
+            _counts[key] = count
+    return count
 
 
 def numpy_view(reader, leaf, dtype: np.dtype, start=None, stop=None) -> np.ndarray:
     """A read-only numpy array over rows [start, stop) of a leaf, in place.
     Its base is a read-only buffer, so flags.writeable cannot be set."""
-    item = dtype.itemsize
     offset = leaf[DATA] - reader.base
     shape = leaf[SHAPE]
     strides = leaf[STRIDES]
     if start is not None:
-        offset += start * strides[0] * item
+        offset += start * strides[0] * dtype.itemsize
         shape = (stop - start,) + shape[1:]
-    if _is_contiguous(shape, strides):
-        count = 1
-        for n in shape:
-            count *= n
+    count = _contiguous_count(shape, strides)
+    if count >= 0:
         return np.frombuffer(reader.payload, dtype, count, offset).reshape(shape)
+    item = dtype.itemsize
     return np.ndarray(shape, dtype, buffer=reader.payload_array, offset=offset, strides=[s * item for s in strides])
 
 
@@ -68,7 +72,8 @@ class NumpyOutput:
 
     def view(self, reader, raw, i: int, start=None, stop=None):
         leaf = raw.leaves[i]
-        arr = numpy_view(reader, leaf, _dtypes.numpy_dtype(leaf[CODE]), start, stop)
+        dtype = _NUMPY.get(leaf[CODE]) or _dtypes.numpy_dtype(leaf[CODE])
+        arr = numpy_view(reader, leaf, dtype, start, stop)
         return arr.copy() if self.copy else arr
 
     def owned(self, arr: np.ndarray, code: int):

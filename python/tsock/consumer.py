@@ -122,6 +122,7 @@ class Consumer:
         self._end_pending = False  # an epoch ended after a partial batch was delivered
         self._closed_seen = False
         self._started = False  # a batch was taken
+        self._closed = False
         # Re-batching holds the batch being cut and the next one at most.
         self._reader = Reader(name, _START[start], timeout, max_held=2)
         unprotect = None
@@ -137,13 +138,15 @@ class Consumer:
     def close(self) -> None:
         """Detaches from the channel (the producer stops waiting for this
         reader). Batches still referenced become invalid. Idempotent."""
+        self._closed = True
         self._pending = []
         self._cur = None
         self._finalizer()
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        """Whether close() was called."""
+        return self._closed
 
     def __enter__(self):
         return self
@@ -163,7 +166,7 @@ class Consumer:
     def __next__(self):
         """The next batch of the current epoch; StopIteration at its end
         (the following call starts the next epoch)."""
-        if self.closed:
+        if self._closed:
             raise TsockError("consumer is closed", _capi.EHANDLE)
         batch = self._next_whole() if self.batch_size is None else self._next_rebatched()
         if batch is None:
