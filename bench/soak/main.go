@@ -1,0 +1,978 @@
+// Command soak is tsock's chaos soak: one producer process and N reader
+// processes (C readers built from creader/soak_reader.c and Go readers,
+// this binary re-executed) on one channel while, every --chaos-every, at
+// random:
+//
+//   - a reader is SIGKILLed and restarted (it joins with StartNow);
+//   - a reader is SIGSTOPped for up to --stop-max, then SIGCONTed;
+//   - a reader is stopped until the producer is gated on it alone, then
+//     SIGKILLed, and the time from the kill to the next publish is measured
+//     (the liveness bound: the producer must notice the death at once);
+//
+// and every --producer-every the producer is SIGKILLed and restarted: the
+// readers must read everything the dead producer published, report
+// "producer gone", attach to the new producer (AttachTimeout) and go on.
+//
+// Every reader verifies every batch (content and checksum of the
+// internal/batchgen format, consecutive sequence numbers and batch
+// counters within an attachment, a later producer incarnation after a
+// re-attach). At the end the readers leave (half detach, half are killed),
+// the producer publishes two rings' worth (reclaiming dead readers'
+// records), every reader record must be free and unlocked, the producer
+// closes, and no file may be left in /dev/shm.
+//
+// Usage:
+//
+//	go run ./bench/soak [--duration 10m] [--readers 8] [--c-readers 4] [--json]
+//
+// Exit status 0 when every check passed, 1 otherwise, 2 for a bad command
+// line.
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/tsock/tsock/ring"
+)
+
+// asMainEnv makes a test binary behave as this command (see soak_test.go).
+const asMainEnv = "TSOCK_SOAK_AS_MAIN"
+
+func main() {
+	os.Exit(realMain(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+type config struct {
+	duration      time.Duration
+	readers       int
+	cReaders      int
+	slots         uint
+	rate          int
+	chaosEvery    time.Duration
+	producerEvery time.Duration
+	stopMax       time.Duration
+	livenessBound time.Duration
+	statusEvery   time.Duration
+	seed          uint64
+	name          string
+	cReader       string
+	repo          string
+	jsonOut       bool
+}
+
+func realMain(args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 {
+		switch args[0] {
+		case "producer":
+			return runProducerRole(args[1:])
+		case "reader":
+			return runReaderRole(args[1:])
+		}
+	}
+	cfg := config{}
+	fs := flag.NewFlagSet("soak", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.DurationVar(&cfg.duration, "duration", 10*time.Minute, "how long to run the chaos")
+	fs.IntVar(&cfg.readers, "readers", 8, "reader processes")
+	fs.IntVar(&cfg.cReaders, "c-readers", 4, "how many of the readers are C (the others are Go)")
+	fs.UintVar(&cfg.slots, "slots", 16, "ring depth")
+	fs.IntVar(&cfg.rate, "rate", 2000, "producer batches per second (0: as fast as the readers allow)")
+	fs.DurationVar(&cfg.chaosEvery, "chaos-every", 100*time.Millisecond, "mean time between reader kills/stops")
+	fs.DurationVar(&cfg.producerEvery, "producer-every", 30*time.Second, "mean time between producer kills (0: never)")
+	fs.DurationVar(&cfg.stopMax, "stop-max", 300*time.Millisecond, "longest SIGSTOP of a reader")
+	fs.DurationVar(&cfg.livenessBound, "liveness-bound", time.Second,
+		"longest allowed time from the death of the gating reader to the next publish")
+	fs.DurationVar(&cfg.statusEvery, "status-every", 10*time.Second, "print a status line this often")
+	fs.Uint64Var(&cfg.seed, "seed", 0, "random seed (0: from the clock)")
+	fs.StringVar(&cfg.name, "name", "", "channel name (default soak-<pid>)")
+	fs.StringVar(&cfg.cReader, "c-reader", "", "prebuilt creader/soak_reader (default: build it with cc)")
+	fs.StringVar(&cfg.repo, "repo", "", "repository root, to build the C reader (default: where this source is)")
+	fs.BoolVar(&cfg.jsonOut, "json", false, "print the result as JSON")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() != 0 || cfg.readers < 1 || cfg.cReaders < 0 || cfg.cReaders > cfg.readers || cfg.duration <= 0 ||
+		cfg.chaosEvery <= 0 || cfg.slots < 2 {
+		fmt.Fprintln(stderr, "soak: bad arguments (see -h)")
+		return 2
+	}
+	if cfg.seed == 0 {
+		cfg.seed = uint64(time.Now().UnixNano())
+	}
+	if cfg.name == "" {
+		cfg.name = fmt.Sprintf("soak-%d", os.Getpid())
+	}
+	res := runSoak(cfg, stderr)
+	if cfg.jsonOut {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(res)
+	} else {
+		printResult(stdout, cfg, res)
+	}
+	if !res.OK {
+		return 1
+	}
+	return 0
+}
+
+// Result is the outcome of a soak (also its --json output).
+type Result struct {
+	OK               bool     `json:"ok"`
+	Failures         []string `json:"failures,omitempty"`
+	Seconds          float64  `json:"seconds"`
+	Seed             uint64   `json:"seed"`
+	Readers          int      `json:"readers"`
+	CReaders         int      `json:"c_readers"`
+	Kills            int      `json:"reader_kills"`
+	GatingKills      int      `json:"gating_kills"` // kills of the reader the producer waited for, measured
+	Stops            int      `json:"reader_stops"`
+	Restarts         int      `json:"reader_restarts"`
+	ProducerRestarts int      `json:"producer_restarts"`
+	Published        uint64   `json:"batches_published"` // all incarnations, epoch markers included
+	Verified         uint64   `json:"batches_verified"`  // data batches checked by readers, all processes
+	GoneChecks       int      `json:"producer_gone_checks"`
+	Reattaches       int      `json:"reattaches"`
+	LatencyP50Ms     float64  `json:"kill_to_publish_p50_ms"`
+	LatencyP99Ms     float64  `json:"kill_to_publish_p99_ms"`
+	LatencyMaxMs     float64  `json:"kill_to_publish_max_ms"`
+	RecordsChecked   int      `json:"records_checked"`
+	CBuild           string   `json:"c_reader,omitempty"`
+}
+
+// child is one process of the soak.
+type child struct {
+	kind   string // "producer", "c", "go"
+	slot   int
+	slowUs int
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	done   chan struct{}
+	lines  chan string // producer: its replies
+
+	// set by the main loop only
+	killed    bool // by us: its exit is expected
+	stopped   bool
+	stopUntil time.Time
+
+	// set by the output reader, under soak.mu
+	n           uint64
+	lastMove    time.Time // when n last grew
+	attaches    int
+	fatal       string // MISMATCH or error line
+	finalLine   string
+	lastOutputs []string
+}
+
+func (c *child) pid() int { return c.cmd.Process.Pid }
+
+func (c *child) exited() bool {
+	select {
+	case <-c.done:
+		return true
+	default:
+		return false
+	}
+}
+
+type goneReport struct {
+	c       *child
+	inc     int64
+	lastSeq int64
+}
+
+type soak struct {
+	cfg     config
+	log     io.Writer
+	self    string
+	cReader string
+	rnd     *rand.Rand
+
+	mu        sync.Mutex
+	readers   []*child // current reader of each slot
+	history   []*child // every reader process started
+	pending   []goneReport
+	finals    map[int64]uint64 // incarnation -> batches it published
+	failures  []string
+	res       Result
+	latencies []time.Duration
+
+	prod      *child
+	inc       int64
+	prodPids  []int
+	seg       *ring.Segment
+	tmpDir    string
+	stopwatch time.Time
+}
+
+func (s *soak) fail(format string, args ...any) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.failures = append(s.failures, fmt.Sprintf(format, args...))
+}
+
+func (s *soak) failed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.failures) > 0
+}
+
+func runSoak(cfg config, log io.Writer) Result {
+	s := &soak{cfg: cfg, log: &lockedWriter{w: log}, rnd: rand.New(rand.NewPCG(cfg.seed, 0x50a4)),
+		finals: map[int64]uint64{}}
+	s.res = Result{Seed: cfg.seed, Readers: cfg.readers, CReaders: cfg.cReaders}
+	// Pdeathsig follows the thread that started a child: keep this
+	// goroutine, which starts them all, on one thread.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	s.stopwatch = time.Now()
+	defer s.cleanup()
+	if err := s.setup(); err != nil {
+		s.fail("setup: %v", err)
+		return s.result()
+	}
+	s.chaos()
+	s.finish()
+	return s.result()
+}
+
+func (s *soak) result() Result {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.res
+	r.Seconds = time.Since(s.stopwatch).Seconds()
+	r.Failures = s.failures
+	r.OK = len(s.failures) == 0
+	for _, c := range s.history {
+		r.Verified += c.n
+		if c.attaches > 1 {
+			r.Reattaches += c.attaches - 1
+		}
+	}
+	if n := len(s.latencies); n > 0 {
+		l := append([]time.Duration(nil), s.latencies...)
+		sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
+		ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+		r.LatencyP50Ms, r.LatencyP99Ms, r.LatencyMaxMs = ms(l[n/2]), ms(l[min(n-1, n*99/100)]), ms(l[n-1])
+	}
+	return r
+}
+
+// setup finds or builds the C reader, starts the producer and the readers.
+func (s *soak) setup() error {
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	s.self = self
+	if s.tmpDir, err = os.MkdirTemp("", "tsock-soak-"); err != nil {
+		return err
+	}
+	if s.cfg.cReaders > 0 {
+		s.cReader = s.cfg.cReader
+		if s.cReader == "" {
+			if s.cReader, err = s.buildCReader(); err != nil {
+				return err
+			}
+		}
+		s.res.CBuild = s.cReader
+	}
+	if err := s.startProducer(); err != nil {
+		return err
+	}
+	for k := 0; k < s.cfg.readers; k++ {
+		s.readers = append(s.readers, nil)
+		if err := s.startReader(k); err != nil {
+			return err
+		}
+	}
+	// Wait for every reader to attach.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		all := true
+		s.mu.Lock()
+		for _, c := range s.readers {
+			all = all && c.attaches > 0
+		}
+		s.mu.Unlock()
+		if all {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("readers did not attach within 60 s")
+		}
+		if err := s.checkChildren(); err != nil {
+			return err
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// buildCReader compiles creader/soak_reader.c with the C reader sources.
+func (s *soak) buildCReader() (string, error) {
+	repo := s.cfg.repo
+	if repo == "" {
+		_, file, _, _ := runtime.Caller(0)
+		repo = filepath.Join(filepath.Dir(file), "..", "..")
+	}
+	src := filepath.Join(repo, "bench", "soak", "creader", "soak_reader.c")
+	if _, err := os.Stat(src); err != nil {
+		return "", fmt.Errorf("C reader source not found (%v); pass --repo, --c-reader or --c-readers 0", err)
+	}
+	cc := os.Getenv("CC")
+	if cc == "" {
+		cc = "cc"
+	}
+	exe := filepath.Join(s.tmpDir, "soak_reader")
+	out, err := exec.Command(cc, "-O2", "-std=c11", "-Wall", "-Werror", "-I"+filepath.Join(repo, "include"),
+		"-I"+filepath.Join(repo, "ring"), src, filepath.Join(repo, "reader", "status.c"),
+		filepath.Join(repo, "reader", "platform.c"), filepath.Join(repo, "reader", "reader.c"),
+		"-lpthread", "-o", exe).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("building the C reader: %v\n%s", err, out)
+	}
+	return exe, nil
+}
+
+func (s *soak) start(c *child, name string, args ...string) error {
+	c.done = make(chan struct{})
+	c.cmd = exec.Command(name, args...)
+	c.cmd.Env = append(os.Environ(), asMainEnv+"=1")
+	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	c.cmd.Stderr = s.log
+	out, err := c.cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	if c.kind == "producer" {
+		if c.stdin, err = c.cmd.StdinPipe(); err != nil {
+			return err
+		}
+		c.lines = make(chan string, 64)
+	}
+	if err := c.cmd.Start(); err != nil {
+		return err
+	}
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			s.onLine(c, sc.Text())
+		}
+		io.Copy(io.Discard, out)
+		c.cmd.Wait()
+		close(c.done)
+	}()
+	return nil
+}
+
+// onLine handles one output line of a child (its output goroutine).
+func (s *soak) onLine(c *child, l string) {
+	if c.kind == "producer" {
+		select {
+		case c.lines <- l:
+		default:
+		}
+		if strings.HasPrefix(l, "error") {
+			s.mu.Lock()
+			c.fatal = l
+			s.mu.Unlock()
+		}
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c.lastOutputs = append(c.lastOutputs, l)
+	if len(c.lastOutputs) > 8 {
+		c.lastOutputs = c.lastOutputs[1:]
+	}
+	f := strings.Fields(l)
+	if len(f) == 0 {
+		return
+	}
+	val := func(key string) int64 {
+		for _, x := range f[1:] {
+			if v, ok := strings.CutPrefix(x, key+"="); ok {
+				n, _ := strconv.ParseInt(v, 10, 64)
+				return n
+			}
+		}
+		return -1
+	}
+	switch f[0] {
+	case "attached":
+		c.attaches++
+		c.lastMove = time.Now()
+	case "progress", "detached", "closed":
+		if n := val("n"); n >= 0 && uint64(n) > c.n {
+			c.n = uint64(n)
+			c.lastMove = time.Now()
+		}
+		if f[0] != "progress" {
+			c.finalLine = l
+		}
+	case "gone":
+		s.pending = append(s.pending, goneReport{c: c, inc: val("inc"), lastSeq: val("last_seq")})
+	case "MISMATCH", "error":
+		if c.fatal == "" {
+			c.fatal = l
+		}
+	}
+}
+
+func (s *soak) startProducer() error {
+	c := &child{kind: "producer"}
+	err := s.start(c, s.self, "producer", "--name", s.cfg.name, "--slots", strconv.Itoa(int(s.cfg.slots)),
+		"--rate", strconv.Itoa(s.cfg.rate), "--inc", strconv.FormatInt(s.inc, 10))
+	if err != nil {
+		return err
+	}
+	s.prod = c
+	s.prodPids = append(s.prodPids, c.pid())
+	if l, err := s.producerReply(c, 30*time.Second); err != nil || l != "created" {
+		return fmt.Errorf("producer incarnation %d: %q %v", s.inc, l, err)
+	}
+	seg, err := ring.OpenSegment(s.cfg.name)
+	if err != nil {
+		return fmt.Errorf("inspect the channel: %w", err)
+	}
+	if pid := seg.Info().ProducerPid; int(pid) != c.pid() {
+		seg.Close()
+		return fmt.Errorf("the channel names producer pid %d, started %d", pid, c.pid())
+	}
+	s.seg = seg
+	return nil
+}
+
+// producerReply waits for the producer's next output line.
+func (s *soak) producerReply(c *child, timeout time.Duration) (string, error) {
+	select {
+	case l := <-c.lines:
+		return l, nil
+	case <-c.done:
+		// drain what it printed before exiting
+		select {
+		case l := <-c.lines:
+			return l, nil
+		default:
+		}
+		return "", fmt.Errorf("producer exited (%v)", c.cmd.ProcessState)
+	case <-time.After(timeout):
+		return "", fmt.Errorf("no answer from the producer in %v", timeout)
+	}
+}
+
+func (s *soak) startReader(slot int) error {
+	c := &child{kind: "go", slot: slot}
+	if slot < s.cfg.cReaders {
+		c.kind = "c"
+	}
+	// Every fourth reader is slow: it holds each batch, so the ring fills
+	// and the producer is back-pressured by live readers too.
+	if slot%4 == 3 {
+		c.slowUs = 300
+	}
+	var err error
+	if c.kind == "c" {
+		err = s.start(c, s.cReader, s.cfg.name, strconv.Itoa(c.slowUs))
+	} else {
+		err = s.start(c, s.self, "reader", s.cfg.name, strconv.Itoa(c.slowUs))
+	}
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.readers[slot] = c
+	s.history = append(s.history, c)
+	c.lastMove = time.Now()
+	s.mu.Unlock()
+	return nil
+}
+
+// checkChildren reports a child that failed or ended on its own.
+func (s *soak) checkChildren() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, c := range append([]*child{s.prod}, s.readers...) {
+		if c == nil {
+			continue
+		}
+		if c.fatal != "" {
+			return fmt.Errorf("%s pid %d: %s", c.label(), c.pid(), c.fatal)
+		}
+		if !c.killed && c.exited() {
+			return fmt.Errorf("%s pid %d exited on its own (%v); last output %q", c.label(), c.pid(),
+				c.cmd.ProcessState, c.lastOutputs)
+		}
+	}
+	return nil
+}
+
+func (c *child) label() string {
+	if c.kind == "producer" {
+		return "producer"
+	}
+	return fmt.Sprintf("%s reader %d", c.kind, c.slot)
+}
+
+// validateGone checks "producer gone" reports against what each dead
+// incarnation published: a surviving reader read all of it.
+func (s *soak) validateGone() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	keep := s.pending[:0]
+	for _, g := range s.pending {
+		if g.inc < 0 || g.lastSeq < 0 {
+			continue // attached just before the death, read nothing
+		}
+		final, ok := s.finals[g.inc]
+		if !ok {
+			if g.inc >= s.inc { // the live incarnation: not dead
+				s.failures = append(s.failures, fmt.Sprintf("%s reported producer %d gone, but it lives",
+					g.c.label(), g.inc))
+				continue
+			}
+			keep = append(keep, g)
+			continue
+		}
+		if uint64(g.lastSeq)+1 != final {
+			s.failures = append(s.failures, fmt.Sprintf(
+				"%s: producer incarnation %d published %d batches, the reader's last was seq %d",
+				g.c.label(), g.inc, final, g.lastSeq))
+			continue
+		}
+		s.res.GoneChecks++
+	}
+	s.pending = keep
+}
+
+func (s *soak) chaos() {
+	cfg := s.cfg
+	end := time.Now().Add(cfg.duration)
+	jitter := func(d time.Duration) time.Duration {
+		return d/2 + time.Duration(s.rnd.Int64N(int64(d)+1))
+	}
+	nextProducer := time.Time{}
+	if cfg.producerEvery > 0 {
+		nextProducer = time.Now().Add(jitter(cfg.producerEvery))
+	}
+	nextStatus := time.Now().Add(cfg.statusEvery)
+	for time.Now().Before(end) && !s.failed() {
+		time.Sleep(jitter(cfg.chaosEvery))
+		now := time.Now()
+		for _, c := range s.readers {
+			if c.stopped && now.After(c.stopUntil) {
+				s.cont(c)
+			}
+		}
+		s.validateGone()
+		if err := s.checkChildren(); err != nil {
+			s.fail("%v", err)
+			break
+		}
+		s.checkStuck(15 * time.Second)
+		if now.After(nextStatus) {
+			nextStatus = now.Add(cfg.statusEvery)
+			s.status()
+		}
+		if !nextProducer.IsZero() && now.After(nextProducer) {
+			nextProducer = now.Add(jitter(cfg.producerEvery))
+			if err := s.restartProducer(); err != nil {
+				s.fail("restart producer: %v", err)
+				break
+			}
+			continue
+		}
+		slot := s.rnd.IntN(len(s.readers))
+		c := s.readers[slot]
+		switch x := s.rnd.Float64(); {
+		case x < 0.4:
+			s.killReader(c)
+		case x < 0.75:
+			if !c.stopped && s.stoppedCount() < 2 {
+				if syscall.Kill(c.pid(), syscall.SIGSTOP) == nil {
+					c.stopped, c.stopUntil = true, now.Add(time.Duration(s.rnd.Int64N(int64(cfg.stopMax)))+10*time.Millisecond)
+					s.res.Stops++
+				}
+			}
+		default:
+			s.gatingKill(c)
+		}
+	}
+}
+
+func (s *soak) stoppedCount() int {
+	n := 0
+	for _, c := range s.readers {
+		if c.stopped {
+			n++
+		}
+	}
+	return n
+}
+
+func (s *soak) cont(c *child) {
+	syscall.Kill(c.pid(), syscall.SIGCONT)
+	c.stopped = false
+	s.mu.Lock()
+	c.lastMove = time.Now()
+	s.mu.Unlock()
+}
+
+// checkStuck fails when a running reader has not verified a batch for d.
+func (s *soak) checkStuck(d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, c := range s.readers {
+		if !c.stopped && time.Since(c.lastMove) > d {
+			s.failures = append(s.failures, fmt.Sprintf("%s pid %d verified nothing for %v (last output %q)",
+				c.label(), c.pid(), d, c.lastOutputs))
+		}
+	}
+}
+
+func (s *soak) status() {
+	s.mu.Lock()
+	var verified uint64
+	for _, c := range s.history {
+		verified += c.n
+	}
+	r := s.res
+	s.mu.Unlock()
+	fmt.Fprintf(s.log, "soak %v: published %d (incarnation %d), verified %d, kills %d (gating %d), stops %d, producer restarts %d\n",
+		time.Since(s.stopwatch).Round(time.Second), r.Published+s.seg.Published(), s.inc, verified, r.Kills,
+		r.GatingKills, r.Stops, r.ProducerRestarts)
+}
+
+// killReader SIGKILLs c and starts a new reader in its slot.
+func (s *soak) killReader(c *child) {
+	c.killed = true
+	syscall.Kill(c.pid(), syscall.SIGKILL)
+	select {
+	case <-c.done:
+	case <-time.After(10 * time.Second):
+		s.fail("%s pid %d not reaped 10 s after SIGKILL", c.label(), c.pid())
+		return
+	}
+	s.res.Kills++
+	if err := s.startReader(c.slot); err != nil {
+		s.fail("restart %s: %v", c.label(), err)
+		return
+	}
+	s.res.Restarts++
+}
+
+// recordOf is the index of the live record of pid, or -1.
+func (s *soak) recordOf(pid int) int {
+	for i := uint32(0); i < s.seg.Readers; i++ {
+		snap := s.seg.Snapshot(i)
+		if int(snap.Pid) == pid && ring.ClaimState(snap.Claim) == ring.ReaderActive {
+			if locked, _ := s.seg.ReaderLocked(i); locked {
+				return int(i)
+			}
+		}
+	}
+	return -1
+}
+
+// gatingKill stops c until the producer waits for it alone, kills it and
+// measures how long the producer takes to publish again.
+func (s *soak) gatingKill(c *child) {
+	for _, o := range s.readers {
+		if o != c && o.stopped {
+			s.cont(o)
+		}
+	}
+	if !c.stopped {
+		syscall.Kill(c.pid(), syscall.SIGSTOP)
+		c.stopped = true
+	}
+	rec := s.recordOf(c.pid())
+	gating := false
+	var before uint64
+	for deadline := time.Now().Add(2 * time.Second); rec >= 0 && time.Now().Before(deadline); {
+		before = s.seg.Published()
+		cur := s.seg.Cursor(uint32(rec))
+		alone := true
+		for i := uint32(0); i < s.seg.Readers && alone; i++ {
+			if int(i) == rec {
+				continue
+			}
+			snap := s.seg.Snapshot(i)
+			if st := ring.ClaimState(snap.Claim); st == ring.ReaderActive || st == ring.ReaderJoining {
+				if locked, _ := s.seg.ReaderLocked(i); locked && snap.Cursor <= cur {
+					alone = false
+				}
+			}
+		}
+		if alone && s.seg.ProducerWaiting() && before >= cur+uint64(s.cfg.slots) && s.seg.Published() == before {
+			gating = true
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	killedAt := time.Now()
+	c.killed = true
+	syscall.Kill(c.pid(), syscall.SIGKILL)
+	if gating {
+		for s.seg.Published() == before {
+			if time.Since(killedAt) > 10*time.Second {
+				break
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+		lat := time.Since(killedAt)
+		s.mu.Lock()
+		s.latencies = append(s.latencies, lat)
+		s.mu.Unlock()
+		s.res.GatingKills++
+		if lat > s.cfg.livenessBound {
+			s.fail("the producer published again %v after the death of the reader it waited for (bound %v)",
+				lat.Round(time.Millisecond), s.cfg.livenessBound)
+		}
+	}
+	select {
+	case <-c.done:
+	case <-time.After(10 * time.Second):
+		s.fail("%s pid %d not reaped 10 s after SIGKILL", c.label(), c.pid())
+		return
+	}
+	s.res.Kills++
+	if err := s.startReader(c.slot); err != nil {
+		s.fail("restart %s: %v", c.label(), err)
+		return
+	}
+	s.res.Restarts++
+}
+
+// restartProducer SIGKILLs the producer, records what it published and
+// starts the next incarnation, which replaces the dead segment.
+func (s *soak) restartProducer() error {
+	old := s.prod
+	old.killed = true
+	syscall.Kill(old.pid(), syscall.SIGKILL)
+	select {
+	case <-old.done:
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("producer pid %d not reaped 10 s after SIGKILL", old.pid())
+	}
+	final := s.seg.Published()
+	s.seg.Close()
+	s.mu.Lock()
+	s.finals[s.inc] = final
+	s.res.Published += final
+	s.inc++
+	s.mu.Unlock()
+	if err := s.startProducer(); err != nil {
+		return err
+	}
+	s.res.ProducerRestarts++
+	return nil
+}
+
+// finish ends the run and checks for leaks.
+func (s *soak) finish() {
+	if s.prod == nil || s.seg == nil {
+		return
+	}
+	for _, c := range s.readers {
+		if c != nil && c.stopped {
+			s.cont(c)
+		}
+	}
+	if !s.failed() {
+		// Everyone still reads: each reader verifies batches within 5 s.
+		before := map[*child]uint64{}
+		s.mu.Lock()
+		for _, c := range s.readers {
+			before[c] = c.n
+		}
+		s.mu.Unlock()
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			moved := 0
+			s.mu.Lock()
+			for _, c := range s.readers {
+				if c.n > before[c] {
+					moved++
+				}
+			}
+			s.mu.Unlock()
+			if moved == len(s.readers) {
+				break
+			}
+			if time.Now().After(deadline) {
+				s.fail("at the end only %d of %d readers were still reading", moved, len(s.readers))
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	s.validateGone()
+	// The producer stops publishing; half the readers detach, half die.
+	fmt.Fprintln(s.prod.stdin, "pause")
+	if l, err := s.producerReply(s.prod, 30*time.Second); err != nil || l != "paused" {
+		s.fail("pause the producer: %q %v", l, err)
+		return
+	}
+	for _, c := range s.readers {
+		if c.slot%2 == 0 {
+			c.killed = true
+			syscall.Kill(c.pid(), syscall.SIGTERM)
+		} else {
+			s.killReaderForGood(c)
+		}
+	}
+	for _, c := range s.readers {
+		select {
+		case <-c.done:
+		case <-time.After(20 * time.Second):
+			s.fail("%s pid %d did not exit after SIGTERM", c.label(), c.pid())
+			syscall.Kill(c.pid(), syscall.SIGKILL)
+			<-c.done
+		}
+		if c.slot%2 == 0 {
+			s.mu.Lock()
+			if code := c.cmd.ProcessState.ExitCode(); code != 0 || !strings.HasPrefix(c.finalLine, "detached") {
+				s.failures = append(s.failures, fmt.Sprintf("%s did not detach cleanly on SIGTERM: exit %d, %q",
+					c.label(), code, c.lastOutputs))
+			}
+			s.mu.Unlock()
+		}
+	}
+	// Two rings' worth of batches: the producer gates on the dead readers'
+	// records and reclaims them.
+	fmt.Fprintf(s.prod.stdin, "drain %d\n", 2*s.cfg.slots)
+	if l, err := s.producerReply(s.prod, 60*time.Second); err != nil || l != "drained ok" {
+		s.fail("publish after the readers left: %q %v", l, err)
+	}
+	// No leaked record or lock.
+	for i := uint32(0); i < s.seg.Readers; i++ {
+		snap := s.seg.Snapshot(i)
+		locked, err := s.seg.ReaderLocked(i)
+		if err != nil || locked || ring.ClaimState(snap.Claim) != ring.ReaderFree {
+			s.fail("reader record %d left %s (locked %v, pid %d)", i, ring.StateName(ring.ClaimState(snap.Claim)),
+				locked, snap.Pid)
+		}
+		s.res.RecordsChecked++
+	}
+	final := s.seg.Published()
+	s.mu.Lock()
+	s.res.Published += final
+	s.mu.Unlock()
+	fmt.Fprintln(s.prod.stdin, "close")
+	if l, err := s.producerReply(s.prod, 30*time.Second); err != nil || l != "closed" {
+		s.fail("close the producer: %q %v", l, err)
+	}
+	select {
+	case <-s.prod.done:
+		if code := s.prod.cmd.ProcessState.ExitCode(); code != 0 {
+			s.fail("producer exited %d after close", code)
+		}
+	case <-time.After(20 * time.Second):
+		s.fail("producer did not exit after close")
+	}
+	s.prod.killed = true
+	s.seg.Close()
+	s.seg = nil
+	// No file left in /dev/shm.
+	if _, err := os.Lstat(ring.ChannelPath(s.cfg.name)); !errors.Is(err, os.ErrNotExist) {
+		s.fail("%s left behind (%v)", ring.ChannelPath(s.cfg.name), err)
+	}
+	ents, _ := os.ReadDir(ring.ShmDir)
+	for _, e := range ents {
+		for _, pid := range s.prodPids {
+			if strings.HasPrefix(e.Name(), fmt.Sprintf(".tsock-tmp.%d.", pid)) {
+				s.fail("temporary file %s/%s left behind", ring.ShmDir, e.Name())
+			}
+		}
+	}
+}
+
+func (s *soak) killReaderForGood(c *child) {
+	c.killed = true
+	syscall.Kill(c.pid(), syscall.SIGKILL)
+}
+
+// cleanup kills whatever still runs and removes the channel on failure.
+func (s *soak) cleanup() {
+	for _, c := range append([]*child{s.prod}, s.readers...) {
+		if c != nil && c.cmd != nil && !c.exited() {
+			c.killed = true
+			c.cmd.Process.Kill()
+			<-c.done
+		}
+	}
+	if s.seg != nil {
+		s.seg.Close()
+	}
+	if s.failed() {
+		if seg, err := ring.OpenSegment(s.cfg.name); err == nil {
+			pid := seg.Info().ProducerPid
+			seg.Close()
+			for _, p := range s.prodPids {
+				if int(pid) == p {
+					os.Remove(ring.ChannelPath(s.cfg.name))
+				}
+			}
+		}
+	}
+	if s.tmpDir != "" {
+		os.RemoveAll(s.tmpDir)
+	}
+}
+
+func printResult(w io.Writer, cfg config, r Result) {
+	fmt.Fprintf(w, "tsock soak: %.0f s, %d readers (%d C, %d Go), %d slots, producer at %d batches/s, seed %d\n",
+		r.Seconds, r.Readers, r.CReaders, r.Readers-r.CReaders, cfg.slots, cfg.rate, r.Seed)
+	fmt.Fprintf(w, "  reader kills (SIGKILL)      %d (%d while the producer waited for that reader alone)\n", r.Kills, r.GatingKills)
+	fmt.Fprintf(w, "  reader restarts             %d\n", r.Restarts)
+	fmt.Fprintf(w, "  reader stops (SIGSTOP/CONT) %d\n", r.Stops)
+	fmt.Fprintf(w, "  producer kills and restarts %d (readers re-attached %d times)\n", r.ProducerRestarts, r.Reattaches)
+	fmt.Fprintf(w, "  batches published           %d\n", r.Published)
+	fmt.Fprintf(w, "  batches verified            %d (content, checksum and order, by every reader)\n", r.Verified)
+	fmt.Fprintf(w, "  producer-gone checks        %d (a surviving reader read all the dead producer published)\n", r.GoneChecks)
+	if r.GatingKills > 0 {
+		fmt.Fprintf(w, "  kill -> next publish        p50 %.1f ms, p99 %.1f ms, max %.1f ms (bound %v)\n",
+			r.LatencyP50Ms, r.LatencyP99Ms, r.LatencyMaxMs, cfg.livenessBound)
+	}
+	fmt.Fprintf(w, "  reader records at the end   %d checked: free and unlocked\n", r.RecordsChecked)
+	if r.OK {
+		fmt.Fprintln(w, "OK: no batch missed or repeated, no stall beyond the bound, nothing leaked")
+		return
+	}
+	fmt.Fprintf(w, "FAILED (%d):\n", len(r.Failures))
+	for _, f := range r.Failures {
+		fmt.Fprintf(w, "  %s\n", f)
+	}
+}
+
+// lockedWriter serialises writes from the children's output copiers.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}

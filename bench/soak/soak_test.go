@@ -1,0 +1,59 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"testing"
+)
+
+// The soak starts its Go readers and its producer by re-executing
+// os.Executable(), the test binary under `go test`: with asMainEnv set
+// (the soak sets it for its children), TestMain runs the command instead
+// of the tests.
+func TestMain(m *testing.M) {
+	if os.Getenv(asMainEnv) == "1" {
+		os.Exit(realMain(os.Args[1:], os.Stdout, os.Stderr))
+	}
+	os.Exit(m.Run())
+}
+
+// TestSoakShort runs the chaos soak for 12 seconds: 8 readers (4 C, 4 Go)
+// killed, stopped and restarted every ~100 ms, the producer killed and
+// restarted every ~3 s. The long run is `go run ./bench/soak` (10 minutes).
+func TestSoakShort(t *testing.T) {
+	if testing.Short() {
+		t.Skip("12 s soak")
+	}
+	if _, err := exec.LookPath("cc"); err != nil && os.Getenv("CC") == "" {
+		t.Skip("no C compiler for the C readers")
+	}
+	var out, log bytes.Buffer
+	rc := realMain([]string{"--duration", "12s", "--producer-every", "3s", "--rate", "400", "--status-every", "1h",
+		"--json"}, &out, &log)
+	var res Result
+	if err := json.Unmarshal(out.Bytes(), &res); err != nil {
+		t.Fatalf("soak output is not JSON: %v\n%s\nlog:\n%s", err, out.String(), log.String())
+	}
+	t.Logf("soak: %+v", res)
+	if rc != 0 || !res.OK {
+		t.Fatalf("soak failed (exit %d): %v\nlog:\n%s", rc, res.Failures, log.String())
+	}
+	switch {
+	case res.Kills == 0 || res.Restarts != res.Kills:
+		t.Errorf("%d reader kills, %d restarts", res.Kills, res.Restarts)
+	case res.Stops == 0:
+		t.Errorf("no reader was stopped")
+	case res.ProducerRestarts < 2:
+		t.Errorf("%d producer restarts, want at least 2", res.ProducerRestarts)
+	case res.GoneChecks == 0:
+		t.Errorf("no reader reported a producer gone after reading everything")
+	case res.GatingKills == 0:
+		t.Errorf("no kill of the reader the producer waited for was measured")
+	case res.Verified == 0 || res.Published == 0:
+		t.Errorf("published %d, verified %d", res.Published, res.Verified)
+	case res.RecordsChecked == 0:
+		t.Errorf("reader records were not checked at the end")
+	}
+}
