@@ -81,18 +81,23 @@ class Lease:
 
 def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool = False, rows=None):
     """A new PyCapsule holding the DLPack form of tensor `index` of a held
-    batch. bool_as_uint8 describes booleans as uint8 (for consumers that
-    predate kDLBool; view the result as bool). rows=(start, stop) narrows the
+    batch. bool_as_uint8 (pass it only for boolean tensors) describes
+    booleans as uint8, for consumers that predate kDLBool; view the result
+    as bool. rows=(start, stop) narrows the
     tensor to those rows of its first dimension, still without a copy."""
     if not lease.valid:
         raise BufferError("this tsock batch was released (the next batch was taken); use copy=True to keep batches")
     out = ctypes.c_void_p()
-    check(lib, lib.dlpack(lease.batch, index, 1 if versioned else 0, ctypes.byref(out)), "DLPack export")
+    rc = lib.dlpack(lease.batch, index, 1 if versioned else 0, ctypes.byref(out))
+    if rc:
+        check(lib, rc, "DLPack export")
     ptr = out.value
     # The struct is ours until the capsule is consumed: adjust it in place.
     tensor = ptr + (_VERSIONED_TENSOR if versioned else 0)
-    if bool_as_uint8 and ctypes.c_uint8.from_address(tensor + _DTYPE_CODE).value == DL_BOOL:
-        ctypes.c_uint8.from_address(tensor + _DTYPE_CODE).value = DL_UINT
+    if bool_as_uint8:
+        code = ctypes.c_uint8.from_address(tensor + _DTYPE_CODE)
+        if code.value == DL_BOOL:
+            code.value = DL_UINT
     if rows is not None:
         start, stop = rows
         bits = ctypes.c_uint8.from_address(tensor + _DTYPE_CODE + 1).value

@@ -112,7 +112,7 @@ class TorchOutput:
             self._mod.torch_dtype(code, _dtypes.NAMES)  # raises UnsupportedDtype
         # torch 1.13 knows no kDLBool: booleans travel as uint8, viewed back.
         rows = None if start is None else (start, stop)
-        t = self._from_dlpack(capsule(reader.lib, raw.lease, i, False, True, rows))
+        t = self._from_dlpack(capsule(reader.lib, raw.lease, i, False, code == _capi.DTYPE_BOOL, rows))
         if code == _capi.DTYPE_BOOL:
             t = t.view(self._torch.bool)
         if self.copy:
