@@ -4,7 +4,7 @@ VENV ?= .venv
 PY = $(VENV)/bin/python
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
-.PHONY: all build lint go-test c-test py-env py-test test demo bench-latency clean
+.PHONY: all build lint go-test c-test py-env py-test test demo bench-latency soak fuzz clean
 
 all: build
 
@@ -42,6 +42,18 @@ demo:
 
 bench-latency:
 	go run ./bench/latency
+
+# Chaos soak (docs/OPERATIONS.md): SOAK_DURATION=10m by default.
+SOAK_DURATION ?= 10m
+soak:
+	go run ./bench/soak --duration $(SOAK_DURATION)
+
+# Every fuzz target for FUZZTIME each (the seed corpora run in go-test).
+FUZZTIME ?= 60s
+fuzz:
+	for t in ring:FuzzCheckHeader ring:FuzzCheckTensor ring:FuzzNameOK reader:FuzzAttachAcquire producer:FuzzBuggyReaderRecord; do \
+		go test -run '^$$' -fuzz "^$${t#*:}\$$" -fuzztime $(FUZZTIME) ./$${t%%:*} || exit 1; \
+	done
 
 clean:
 	rm -rf $(BUILD) $(VENV)
