@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -15,6 +16,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tsock/tsock/internal/testkit"
 	"github.com/tsock/tsock/producer"
 	"github.com/tsock/tsock/reader"
 	"github.com/tsock/tsock/ring"
@@ -446,4 +448,42 @@ func TestNVMLStaysOutOfLibraries(t *testing.T) {
 		"github.com/tsock/tsock/ring")
 	assert.NotContains(t, lib, nvmlPkg, "a library package depends on NVML")
 	assert.Contains(t, deps("github.com/tsock/tsock/cmd/tsock"), nvmlPkg)
+}
+
+// TestToolsAsOtherUser: another user sees a private channel as no-access
+// and cannot remove it.
+func TestToolsAsOtherUser(t *testing.T) {
+	testkit.NeedRoot(t)
+	exe := testkit.ExecutableForOthers(t)
+	name := chanName(t, "private")
+	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.NoError(t, err)
+	defer p.Close()
+	asNobody := func(args ...string) (int, string) {
+		cmd := exec.Command(exe, args...)
+		cmd.Env = append(os.Environ(), asMainEnv+"=1")
+		cmd.SysProcAttr = testkit.AsUser(testkit.Nobody, testkit.Nobody)
+		cmd.Dir = "/"
+		out, err := cmd.CombinedOutput()
+		var ee *exec.ExitError
+		if err != nil && !errors.As(err, &ee) {
+			t.Fatalf("tsock %v as nobody: %v", args, err)
+		}
+		return cmd.ProcessState.ExitCode(), string(out)
+	}
+	rc, out := asNobody("ls", "--json", name)
+	require.Equal(t, exitOK, rc, out)
+	var res lsResult
+	require.NoError(t, json.Unmarshal([]byte(out), &res), out)
+	require.Len(t, res.Channels, 1)
+	assert.Equal(t, stateNoAccess, res.Channels[0].State)
+	assert.Equal(t, "0600", res.Channels[0].Mode)
+	rc, out = asNobody("rm", name)
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, out, "only its owner (uid 0) or root may remove it")
+	rc, out = asNobody("stat", name, "--count", "1")
+	assert.Equal(t, exitFail, rc)
+	assert.Contains(t, out, "permission denied")
+	_, err = os.Stat(ring.ChannelPath(name))
+	assert.NoError(t, err, "still there")
 }

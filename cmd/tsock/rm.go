@@ -168,7 +168,10 @@ func removeChannel(name string, force bool) (string, error) {
 	// at: a file swapped in meanwhile is not removed.
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
-		return "", fmt.Errorf("open %s: %w", path, err)
+		if sys, ok := lst.Sys().(*syscall.Stat_t); ok && errors.Is(err, os.ErrPermission) {
+			return "", fmt.Errorf("%w: only its owner (uid %d) or root may remove it", err, sys.Uid)
+		}
+		return "", err
 	}
 	defer f.Close()
 	locked, err := ring.ByteLocked(f, ring.LockProducer)
