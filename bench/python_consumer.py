@@ -131,7 +131,14 @@ def main() -> None:
     finally:
         prod.terminate()
         prod.wait()
+    import platform
+
+    versions = [f"Python {platform.python_version()}", f"numpy {np.__version__}"]
+    for mod in ("torch", "jax"):
+        if mod in sys.modules:
+            versions.append(f"{mod} {sys.modules[mod].__version__}")
     print(f"tsock Python consumer, batches of {args.tensors} x float32[{args.elems}], ring of {slots} slots")
+    print(f"{os.cpu_count()} CPUs, {', '.join(versions)}; best of {rounds} rounds of {per_round} batches")
     print(f"{'output':8} {'tsock us/batch':>15} {'tsock batches/s':>16} {'list us/batch':>14} {'ratio':>8}")
     for output, per, base in rows:
         print(f"{output:8} {per * 1e6:15.2f} {1 / per:16,.0f} {base * 1e6:14.3f} {per / base:7.0f}x")
