@@ -12,7 +12,9 @@ package producer_test
 //     ErrBackpressure at once; Publish of a reserved batch never fails;
 //   - the good readers get every batch in order, intact, and end with
 //     ErrClosed (with the opt-in eviction policy they may be evicted as
-//     slow, but then what they got is still an in-order prefix);
+//     slow, but then what they got is still an in-order prefix, and a batch
+//     they held when evicted, which the producer may overwrite while it is
+//     read, is reported by its release: ErrEvicted);
 //   - once the buggy reader detaches, its record never stalls the producer
 //     again, whatever state it left there.
 //
@@ -95,6 +97,13 @@ func startGood(r *reader.Reader) *goodReader {
 			if b.EpochEnd() {
 				g.c.Marker()
 			} else if err := g.c.Data(tensors(b), b.Meta); err != nil {
+				// With the eviction policy a batch held when its reader is
+				// evicted may be overwritten while in use; the release
+				// says so (ErrEvicted), and then the content does not count.
+				if errors.Is(r.Release(b), reader.ErrEvicted) {
+					g.evicted = true
+					return
+				}
 				g.err = err
 				return
 			}
