@@ -59,6 +59,18 @@ def _time_list(items, repeat: int) -> float:
     return best
 
 
+def _time_iter(make, n: int, repeat: int) -> float:
+    """Seconds per item to iterate a fresh iterable from make()."""
+    best = float("inf")
+    for _ in range(repeat):
+        iterable = make()
+        t0 = time.perf_counter()
+        for batch in iterable:
+            a, b = batch[0], batch[-1]  # noqa: F841
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
 def _time_consumer(c: tsock.Consumer, per_round: int, rounds: int, settle: float) -> float:
     """Seconds per batch to drain a ring the producer has just filled."""
     it = iter(c)
@@ -128,6 +140,14 @@ def main() -> None:
             rows.append((output, per, base))
         with tsock.Consumer(name, start="now", timeout=30) as c:
             stream = _streaming(c, 1.0 if args.quick else 3.0)
+        loader = None
+        if "torch" in sys.modules:
+            # For scale: what a torch DataLoader costs per batch in-process,
+            # with no worker, no collate and no sampling of its own.
+            from torch.utils.data import DataLoader
+
+            items = [tuple(sys.modules["torch"].from_numpy(a) for a in b) for b in arrays]
+            loader = _time_iter(lambda: DataLoader(items, batch_size=None), len(items), rounds)
     finally:
         prod.terminate()
         prod.wait()
@@ -142,6 +162,8 @@ def main() -> None:
     print(f"{'output':8} {'tsock us/batch':>15} {'tsock batches/s':>16} {'list us/batch':>14} {'ratio':>8}")
     for output, per, base in rows:
         print(f"{output:8} {per * 1e6:15.2f} {1 / per:16,.0f} {base * 1e6:14.3f} {per / base:7.0f}x")
+    if loader is not None:
+        print(f"for scale, torch DataLoader(list of batches, batch_size=None), in-process: {loader * 1e6:.2f} us/batch")
     print(f"streaming, numpy output, producer and consumer together: {stream:,.0f} batches/s")
 
 
