@@ -36,7 +36,10 @@ KDL_CPU = 1
 _Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
-_api = ctypes.pythonapi
+# Our own handle on the Python C API (as ctypes.pythonapi is made), so the
+# prototypes declared here never clash with another library's declarations
+# on the shared ctypes.pythonapi.
+_api = ctypes.PyDLL(ctypes.pythonapi._name)
 _api.PyCapsule_New.restype = ctypes.py_object
 _api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor]
 _api.PyCapsule_IsValid.restype = ctypes.c_int
