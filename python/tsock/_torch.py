@@ -109,8 +109,15 @@ def _writes_protected(name: str, args, kwargs) -> bool:
     return False
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    return t.storage().data_ptr()
+if hasattr(torch.Tensor, "untyped_storage"):  # torch >= 2.0; storage() warns there
+
+    def _storage_ptr(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+else:
+
+    def _storage_ptr(t: torch.Tensor) -> int:
+        return t.storage().data_ptr()
 
 
 class ReadOnlyTensor(torch.Tensor):

@@ -156,3 +156,20 @@ def test_dlpack_output_speaks_the_protocol(channel, run_producer):
 
 def test_capsule_constants_match_the_header():
     assert _capi.MAX_TENSORS == 16 and _capi.MAX_DIMS == 8 and _capi.META_MAX == 256
+
+
+def test_assembled_torch_batches_are_guarded_too(channel, run_producer):
+    # Rows 6..8 straddle two producer batches: a private copy, but guarded
+    # like every other batch so code behaves the same at every step.
+    run_producer(tsock.Producer(batches(2), channel, slots=4, wait_readers=1))
+    with tsock.Consumer(channel, output="torch", batch_size=3, timeout=10) as c:
+        start, end = payload_range(c)
+        it = iter(c)
+        next(it), next(it)
+        x, y = next(it)
+        assert not start <= x.data_ptr() < end
+        for write in (lambda: x.add_(1), lambda: x[0].add_(1), lambda: y.__setitem__(0, 5)):
+            with pytest.raises(tsock.ReadOnlyBatchError):
+                write()
+        assert type(x + 1) is torch.Tensor
+        assert y.tolist() == [6, 7, 8]
