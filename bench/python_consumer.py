@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,14 +38,17 @@ name, slots, tensors, elems = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), i
 batches = [tuple(np.full(elems, i * tensors + k, np.float32) for k in range(tensors)) for i in range(64)]
 with tsock.Producer(None, name, slots=slots, timeout=0) as p:
     i = 0
-    while True:
-        try:
-            p.publish(batches[i % 64])
-            i += 1
-        except tsock.TsockError as e:
-            if e.status != -12:  # TSOCK_EBACKPRESSURE: the ring is full
-                raise
-            time.sleep(0.005)
+    try:
+        while True:  # until Ctrl-C (SIGINT from the benchmark)
+            try:
+                p.publish(batches[i % 64])
+                i += 1
+            except tsock.TsockError as e:
+                if e.status != -12:  # TSOCK_EBACKPRESSURE: the ring is full
+                    raise
+                time.sleep(0.005)
+    except KeyboardInterrupt:
+        pass
 """
 
 
@@ -149,8 +153,14 @@ def main() -> None:
             items = [tuple(sys.modules["torch"].from_numpy(a) for a in b) for b in arrays]
             loader = _time_iter(lambda: DataLoader(items, batch_size=None), len(items), rounds)
     finally:
-        prod.terminate()
-        prod.wait()
+        # Ctrl-C lets the producer close (and remove) its channel.
+        prod.send_signal(signal.SIGINT)
+        try:
+            prod.wait(10)
+        except subprocess.TimeoutExpired:
+            prod.kill()
+            prod.wait()
+        Path(f"/dev/shm/tsock.{name}").unlink(missing_ok=True)
     import platform
 
     versions = [f"Python {platform.python_version()}", f"numpy {np.__version__}"]
