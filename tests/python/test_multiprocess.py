@@ -172,8 +172,8 @@ def test_killed_producer_with_live_workers_is_still_seen_dead(channel, spawn):
         with pytest.raises(tsock.ProducerGone):
             while True:
                 next(it, None)
-                assert time.monotonic() - t0 < 2
-        assert time.monotonic() - t0 < 1.0
+                assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 2.0  # timing is tested above; here: seen dead at all
 
 
 TRAINER_FORKS = """
