@@ -17,6 +17,7 @@ through TSOCK_LIBRARY_DIR, the package's _lib folder, or the repository's
 build folder (see tsock._capi).
 """
 
+from ._dlpack import DLPackTensor
 from .consumer import Consumer
 from .errors import (
     BatchTooLarge,
@@ -45,4 +46,16 @@ __all__ = [
     "UnsupportedDtype",
     "ChannelClosed",
     "ReadOnlyBatchError",
+    "ReadOnlyTensor",
+    "DLPackTensor",
 ]
+
+
+def __getattr__(name):
+    # ReadOnlyTensor subclasses torch.Tensor: importing it imports torch, which
+    # `import tsock` alone must not do.
+    if name == "ReadOnlyTensor":
+        from ._torch import ReadOnlyTensor
+
+        return ReadOnlyTensor
+    raise AttributeError(f"module 'tsock' has no attribute {name!r}")

@@ -208,3 +208,15 @@ def test_trainer_loads_no_go_runtime_and_survives_fork(channel, spawn):
         p.publish((np.full(2, 2),))
         assert wait_line(trainer, "ok") == "ok 1 2"
         assert trainer.wait(10) == 0
+
+
+def test_import_loads_neither_frameworks_nor_libraries(spawn):
+    proc = spawn(
+        """
+        import sys, tsock
+        maps = open("/proc/self/maps").read()
+        print(sorted(m for m in ("torch", "jax") if m in sys.modules), "libtsock" in maps)
+        """
+    )
+    out, err = proc.communicate(timeout=30)
+    assert out.strip() == "[] False", err
