@@ -1,10 +1,10 @@
-# tsock: `make demo` runs the main job, `make test` runs every test.
+# tsock: `make sweep` runs the main job, `make test` runs every test.
 BUILD ?= build
 VENV ?= .venv
 PY = $(VENV)/bin/python
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
-.PHONY: all build lint go-test c-test py-env py-test test demo bench-latency soak fuzz clean
+.PHONY: all build lint go-test c-test py-env py-test test sweep demo bench-latency soak fuzz clean
 
 all: build
 
@@ -36,6 +36,13 @@ py-test: build py-env
 	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) -m pytest -q tests/python
 
 test: lint go-test c-test py-test
+
+# The main job: a hyper-parameter sweep, one producer (a PyTorch DataLoader
+# decoding and augmenting JPEGs) feeding 4 PyTorch trainers through tsock.
+# SWEEP_ARGS=--quick for a 20-second run; --help for the options.
+SWEEP_ARGS ?=
+sweep: build py-env
+	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) examples/python/sweep.py $(SWEEP_ARGS)
 
 demo:
 	go run ./cmd/tsock demo
