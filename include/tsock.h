@@ -270,6 +270,15 @@ int tsock_reader_release(tsock_reader_t *r, const tsock_batch_t *batch);
  * pointer lies inside it). One thread at a time per reader. */
 int tsock_reader_payload_range(tsock_reader_t *r, const void **base, uint64_t *len);
 
+/* Keeps the reader's read-only payload mapping in place until
+ * tsock_mapping_unpin(token), even after tsock_reader_detach(), so memory a
+ * caller still points into never becomes unmapped (its contents may change
+ * once the batch is released). One thread at a time per reader. */
+int tsock_reader_pin_mapping(tsock_reader_t *r, void **token);
+
+/* Drops a pin taken with tsock_reader_pin_mapping(). Thread-safe. */
+void tsock_mapping_unpin(void *token);
+
 /* ---- DLPack export (both libraries) ------------------------------------- */
 
 /* Describes tensor `i` of an acquired batch as a DLPack managed tensor
@@ -278,7 +287,9 @@ int tsock_reader_payload_range(tsock_reader_t *r, const void **base, uint64_t *l
  * a legacy DLManagedTensor. Device kDLCPU (pinned host memory is kDLCPU
  * too). The struct is allocated by the library; its deleter only frees it,
  * never needs the GIL and may run on any thread. It does not extend the
- * batch's lifetime: the data stay valid until the batch is released.
+ * batch's lifetime: the data stay valid until the batch is released; it
+ * does keep the memory mapped (even after the reader is detached), so a
+ * late access reads stale bytes instead of faulting.
  * Booleans are kDLBool, 8 bits. Thread-safe. */
 int tsock_batch_dlpack(const tsock_batch_t *batch, uint32_t i, int versioned, void **out);
 

@@ -45,10 +45,16 @@ typedef struct {
   union { dl_managed legacy; dl_managed_versioned versioned; } m;
   int64_t shape[TSOCK_MAX_DIMS];
   int64_t strides[TSOCK_MAX_DIMS];
+  tsock_map_ref *map; /* keeps the data mapped while the descriptor lives */
 } dl_block;
 
-static void delete_legacy(dl_managed *self) { free(self); }
-static void delete_versioned(dl_managed_versioned *self) { free(self); }
+static void delete_block(void *self) {
+  dl_block *blk = self;
+  tsock__map_unref(blk->map);
+  free(blk);
+}
+static void delete_legacy(dl_managed *self) { delete_block(self); }
+static void delete_versioned(dl_managed_versioned *self) { delete_block(self); }
 
 static int dl_dtype_of(int32_t dtype, dl_dtype *out) {
   uint32_t item = tsock_layout_dtype_size(dtype);
@@ -81,6 +87,9 @@ int tsock_batch_dlpack(const tsock_batch_t *b, uint32_t i, int versioned, void *
     return tsock__fail(TSOCK_EDTYPE, "tsock_batch_dlpack: dtype %d has no DLPack form", t->dtype);
   dl_block *blk = calloc(1, sizeof *blk);
   if (blk == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_batch_dlpack: out of memory");
+  /* The batch came from tsock_reader_acquire, so it heads a held batch. */
+  blk->map = ((const tsock_held_batch *)b)->map;
+  if (blk->map != NULL) tsock__map_ref(blk->map);
   memcpy(blk->shape, t->shape, sizeof blk->shape);
   memcpy(blk->strides, t->strides, sizeof blk->strides);
   dl_tensor dl = {

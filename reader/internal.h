@@ -5,6 +5,7 @@
 #ifndef TSOCK_READER_INTERNAL_H
 #define TSOCK_READER_INTERNAL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "layout.h"
@@ -43,5 +44,28 @@ TSOCK_INTERNAL uint64_t tsock__proc_start_time(int pid); /* 0 if unknown */
 TSOCK_INTERNAL void tsock__fork_track(int fd);
 TSOCK_INTERNAL void tsock__fork_untrack(int fd);
 TSOCK_INTERNAL uint64_t tsock__fork_generation(void);
+
+/* ---- the read-only mapping (reader.c) ----
+ * Tensor memory handed out (DLPack descriptors, pinned views) points into
+ * the reader's read-only mapping; each such holder keeps a reference, so the
+ * mapping outlives a detached reader until the last one is dropped. */
+typedef struct tsock_map_ref {
+  void *addr;
+  size_t len;
+  uint32_t refs;
+} tsock_map_ref;
+
+TSOCK_INTERNAL void tsock__map_ref(tsock_map_ref *m);
+TSOCK_INTERNAL void tsock__map_unref(tsock_map_ref *m);
+
+/* What a reader keeps per held batch; tsock_batch_t is its first member, so
+ * a batch pointer leads back to it. */
+typedef struct tsock_held_batch {
+  tsock_batch_t batch;
+  tsock_tensor_t tensors[TSOCK_MAX_TENSORS];
+  uint8_t meta[TSOCK_META_MAX];
+  int handed; /* handed out to the caller (not skipped or rejected) */
+  tsock_map_ref *map;
+} tsock_held_batch;
 
 #endif

@@ -25,18 +25,14 @@
 #define ATTACH_POLL_NS 5000000ll      /* retry period while waiting for a channel */
 #define MAX_HELD 64u
 
-typedef struct held_batch {
-  tsock_batch_t batch;
-  tsock_tensor_t tensors[TSOCK_MAX_TENSORS];
-  uint8_t meta[TSOCK_META_MAX];
-  int handed; /* handed out to the caller (not skipped or rejected) */
-} held_batch;
+typedef tsock_held_batch held_batch;
 
 struct reader_impl {
   int fd;
   uint64_t fork_gen;
   const uint8_t *map; /* whole segment, read-only */
   size_t map_len;
+  tsock_map_ref *map_ref; /* owns `map` once attached */
   tsock_reader_area *area; /* reader area, read-write */
   size_t area_len;
   const tsock_header *hdr;
@@ -152,9 +148,21 @@ static int options_read(const tsock_reader_options_t *in, tsock_reader_options_t
 
 /* ---- attach ---- */
 
+void tsock__map_ref(tsock_map_ref *m) { __atomic_add_fetch(&m->refs, 1, __ATOMIC_RELAXED); }
+
+void tsock__map_unref(tsock_map_ref *m) {
+  if (m != NULL && __atomic_sub_fetch(&m->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+    munmap(m->addr, m->len);
+    free(m);
+  }
+}
+
 static void impl_unmap(struct reader_impl *r) {
   if (r->area != NULL) munmap(r->area, r->area_len);
-  if (r->map != NULL) munmap((void *)r->map, r->map_len);
+  if (r->map_ref != NULL)
+    tsock__map_unref(r->map_ref);
+  else if (r->map != NULL)
+    munmap((void *)r->map, r->map_len);
   if (r->fd >= 0) {
     tsock__fork_untrack(r->fd);
     close(r->fd); /* drops our OFD lock, freeing the record's byte */
@@ -211,6 +219,9 @@ static int open_segment(const char *name, struct reader_impl *r) {
   void *m = mmap(NULL, r->map_len, PROT_READ, MAP_SHARED, r->fd, 0);
   if (m == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap %s", path);
   r->map = m;
+  r->map_ref = malloc(sizeof *r->map_ref);
+  if (r->map_ref == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
+  *r->map_ref = (tsock_map_ref){.addr = m, .len = r->map_len, .refs = 1};
   r->area_len = (size_t)(slots_off - readers_off);
   void *a = mmap(NULL, r->area_len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, (off_t)readers_off);
   if (a == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap reader area of %s", path);
@@ -544,6 +555,7 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
       continue;
     }
     hb->handed = 1;
+    hb->map = r->map_ref;
     tsock_reader_record *rec = r->rec;
     __atomic_store_n(&rec->acquired, seq + 1, __ATOMIC_RELAXED);
     rec->batches++;
@@ -584,6 +596,18 @@ int tsock_reader_payload_range(tsock_reader_t *h, const void **base, uint64_t *l
   *len = (r->mask + 1) * r->slot_payload_bytes;
   return TSOCK_OK;
 }
+
+int tsock_reader_pin_mapping(tsock_reader_t *h, void **token) {
+  int rc;
+  struct reader_impl *r = handle_get(h, &rc);
+  if (r == NULL) return rc;
+  if (token == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_pin_mapping: token is NULL");
+  tsock__map_ref(r->map_ref);
+  *token = r->map_ref;
+  return TSOCK_OK;
+}
+
+void tsock_mapping_unpin(void *token) { tsock__map_unref(token); }
 
 int tsock_reader_detach(tsock_reader_t *h) {
   int rc;

@@ -137,6 +137,8 @@ _COMMON = {
     "tsock_reader_payload_range": (_I, [_P, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint64)]),
     "tsock_reader_detach": (_I, [_P]),
     "tsock_batch_dlpack": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, _I, ctypes.POINTER(_P)]),
+    "tsock_reader_pin_mapping": (_I, [_P, ctypes.POINTER(_P)]),
+    "tsock_mapping_unpin": (None, [_P]),
 }
 
 _PRODUCER = {

@@ -82,6 +82,22 @@ class Raw:
         self.rows = None  # shared first dimension, computed when re-batching
 
 
+def _pinned_mapping(lib, handle, base: int, length: int):
+    """A ctypes array over the payload mapping that holds a pin on it
+    (tsock_reader_pin_mapping) until the array is garbage-collected."""
+    token = ctypes.c_void_p()
+    check(lib, lib.tsock_reader_pin_mapping(handle, ctypes.byref(token)), "pin mapping")
+    unpin = lib.tsock_mapping_unpin
+
+    class PinnedMapping(ctypes.c_char * length):
+        def __del__(self):
+            unpin(self.token)
+
+    mapping = PinnedMapping.from_address(base)
+    mapping.token = token
+    return mapping
+
+
 class Reader:
     """One attached reader handle. Not thread-safe: one thread at a time."""
 
@@ -124,8 +140,10 @@ class Reader:
         # A read-only view of the payload mapping, for numpy arrays built
         # straight from descriptors (no DLPack round trip for numpy). numpy
         # keeps the memoryview (not the ctypes array) as the arrays' base, so
-        # their writeable flag cannot be turned back on.
-        self.payload = memoryview((ctypes.c_char * self.length).from_address(self.base)).cast("B").toreadonly()
+        # their writeable flag cannot be turned back on. The view pins the
+        # mapping: an array kept after close() reads stale bytes instead of
+        # faulting, and the mapping goes when the last array does.
+        self.payload = memoryview(_pinned_mapping(lib, handle, self.base, self.length)).cast("B").toreadonly()
         self.payload_array = np.frombuffer(self.payload, np.uint8)
         self.held: deque[Lease] = deque()
         self._out = ctypes.c_void_p()

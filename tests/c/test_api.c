@@ -559,6 +559,48 @@ static void test_wait_readers(void) {
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
 
+/* Memory handed out past a batch's life (DLPack descriptors, pinned views)
+ * stays mapped after detach: reading it gives bytes, never a fault. */
+typedef struct {
+  void *data;
+  int32_t device_type, device_id, ndim;
+  uint8_t code, bits;
+  uint16_t lanes;
+  int64_t *shape, *strides;
+  uint64_t byte_offset;
+} dl_tensor_view;
+typedef struct dl_versioned_view {
+  uint32_t major, minor;
+  void *ctx;
+  void (*deleter)(struct dl_versioned_view *);
+  uint64_t flags;
+  dl_tensor_view t;
+} dl_versioned_view;
+
+static void test_mapping_outlives_detach(void) {
+  const char *name = test_name("api-pin", "");
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NOW);
+  publish_value(p, 0xC0FFEEu);
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b == NULL) return;
+  void *dl = NULL, *pin = NULL;
+  CHECK_RC(tsock_batch_dlpack(b, 0, 1, &dl), TSOCK_OK);
+  CHECK_RC(tsock_batch_dlpack(b, 1, 1, &dl), TSOCK_EINVAL); /* no tensor 1; dl untouched */
+  CHECK_RC(tsock_reader_pin_mapping(r, &pin), TSOCK_OK);
+  dl_versioned_view *v = dl;
+  CHECK(v != NULL && v->major == 1 && (v->flags & 1u) && v->t.device_type == 1 && v->t.ndim == 1 &&
+        v->t.shape[0] == 1 && v->t.code == 1 && v->t.bits == 32);
+  const uint32_t *data = v ? v->t.data : NULL;
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(data != NULL && *data == 0xC0FFEEu); /* still mapped after detach */
+  if (v) v->deleter(v);
+  CHECK(*data == 0xC0FFEEu); /* still pinned */
+  tsock_mapping_unpin(pin);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
 int main(void) {
   test_options_init();
   test_status_strings();
@@ -574,5 +616,6 @@ int main(void) {
   test_backpressure();
   test_late_join();
   test_wait_readers();
+  test_mapping_outlives_detach();
   return test_report("test_api");
 }

@@ -168,3 +168,32 @@ def test_assembled_torch_batches_are_guarded_too(channel, run_producer):
                 write()
         assert type(x + 1) is torch.Tensor
         assert y.tolist() == [6, 7, 8]
+
+
+@pytest.mark.parametrize("output", ["numpy", "torch", "jax"])
+def test_batches_kept_after_close_never_fault(spawn, channel, output):
+    """A trainer that keeps a batch past close() (against the docs) reads
+    stale bytes, it is not killed: the mapping stays until the last array
+    goes. Run in a child so that a fault would fail the test, not pytest."""
+    p = spawn(
+        """
+        import sys, threading
+        import numpy as np, tsock
+        name, output = sys.argv[1], sys.argv[2]
+        data = [(np.full((4, 4), i, np.float32),) for i in range(3)]
+        prod = tsock.Producer(data, name, slots=4, wait_readers=1)
+        t = threading.Thread(target=prod.run)
+        t.start()
+        c = tsock.Consumer(name, output=output, timeout=10)
+        kept = [b[0] for b in c]
+        c.close()
+        t.join()
+        prod.close()
+        print(float(np.asarray(kept[-1]).sum()))
+        """,
+        channel,
+        output,
+    )
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert float(out.strip()) == 2 * 16
