@@ -142,7 +142,10 @@ typedef struct tsock_producer_options {
   int64_t gid;             /* group for the segment, -1 keeps the default */
   int64_t evict_after_ns;  /* evict a reader that holds the producer back this
                               long; 0 (default) never evicts: slow readers
-                              apply back-pressure */
+                              apply back-pressure. With eviction on, a batch
+                              a reader held is only known intact if its
+                              release returns 0 (an evicted reader's batch
+                              may be overwritten while in use). */
   uint32_t join_window;    /* late-join window: a reader that attaches while
                               at most this many batches of the current epoch
                               are published still gets the whole epoch (the

@@ -208,6 +208,9 @@ func reclaimStale(path string) error {
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
+	if errors.Is(err, syscall.ELOOP) {
+		return ring.Errorf(ring.StatusCorrupt, "%s is a symbolic link; not followed (remove it by hand)", path)
+	}
 	if err != nil {
 		return sysError(err, "open existing %s", path)
 	}

@@ -199,6 +199,9 @@ static int open_segment(const char *name, struct reader_impl *r) {
   r->fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (r->fd < 0) {
     if (errno == ENOENT) return tsock__fail(TSOCK_ENOENT, "no channel '%s' (%s)", name, path);
+    if (errno == ELOOP)
+      return tsock__fail(TSOCK_ECORRUPT, "channel '%s': %s is a symbolic link; not followed", name,
+                         path);
     return tsock__fail_errno(TSOCK_ESYS, errno, "open %s", path);
   }
   struct stat st;
