@@ -20,5 +20,5 @@ if [ -n "$missing" ]; then
 fi
 /usr/bin/python3 -m venv --system-site-packages "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-  "jax[cpu]==0.4.30" "numpy<2" "pytest>=7" "ruff==0.17.6"
+  "jax[cpu]==0.4.30" "numpy<2" "pytest>=7" "pytest-timeout==2.3.1" "ruff==0.17.6"
 touch "$venv/.ready"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -81,6 +82,12 @@ def child_env() -> dict:
     return env
 
 
+def _default_sigint():
+    """Children get Ctrl-C back: a test run from a background job inherits
+    SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def spawn():
     """spawn(code, *args) starts `python -c code args...` (code dedented) with
@@ -89,6 +96,7 @@ def spawn():
     procs = []
 
     def start(code, *args, **kw):
+        kw.setdefault("preexec_fn", _default_sigint)
         p = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
             env=child_env(),

@@ -4,7 +4,9 @@ DataLoader forks workers after loading libtsock.so (Go runtime inside)
 works and dies cleanly."""
 
 import os
+import queue
 import signal
+import threading
 import time
 
 import numpy as np
@@ -13,15 +15,29 @@ import tsock
 
 
 def wait_line(proc, want, timeout=30):
-    """Reads proc's stdout until a line starting with `want`; returns it."""
+    """Reads proc's stdout until a line starting with `want`; returns it.
+    A reader thread feeds a queue, so a silent child fails the test at the
+    deadline instead of blocking it forever."""
+    lines = getattr(proc, "lines", None)
+    if lines is None:
+        lines = proc.lines = queue.Queue()
+
+        def pump():
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no {want!r} within {timeout} s") from None
+        if line is None:
             raise AssertionError(f"process exited ({proc.wait()}) before {want!r}: {proc.stderr.read()}")
         if line.startswith(want):
             return line.strip()
-    raise AssertionError(f"no {want!r} within {timeout} s")
 
 
 PRODUCER_FOREVER = """
