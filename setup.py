@@ -1,7 +1,7 @@
 """Build step of `pip install .`: compiles the two libraries into tsock/_lib.
 
     libtsock.so         go build -buildmode=c-shared ./cabi   (producer + reader)
-    libtsock_reader.so  cc reader/*.c                          (reader only, no Go runtime)
+    libtsock_reader.so  cc reader/*.c cuda/*.c                 (reader only, no Go runtime)
 
 The metadata is in pyproject.toml. The wheel holds native code but no Python
 extension module, so it is tagged py3-none-<platform>. Tools are found on PATH
@@ -28,7 +28,14 @@ except ImportError:  # older setuptools with the wheel package
     from wheel.bdist_wheel import bdist_wheel
 
 ROOT = Path(__file__).resolve().parent
-READER_SOURCES = ["reader/status.c", "reader/platform.c", "reader/reader.c", "reader/dlpack.c"]
+READER_SOURCES = [
+    "reader/status.c",
+    "reader/platform.c",
+    "reader/reader.c",
+    "reader/dlpack.c",
+    "cuda/driver.c",
+    "cuda/host.c",
+]
 LIBS = ["libtsock.so", "libtsock_reader.so"]
 
 
@@ -106,6 +113,7 @@ def build_libraries(out_dir: Path) -> list[Path]:
             str(reader),
             *READER_SOURCES,
             "-lpthread",
+            "-ldl",
         ]
     )
     return [lib, reader]

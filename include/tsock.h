@@ -70,7 +70,8 @@ typedef enum tsock_status {
   TSOCK_EPERM = -18,          /* permission denied on the segment */
   TSOCK_ESYS = -19,           /* a system call failed; see tsock_last_error() */
   TSOCK_EFORKED = -20,        /* handle used in a child after fork() */
-  TSOCK_ENOMEM = -21          /* out of memory */
+  TSOCK_ENOMEM = -21,         /* out of memory */
+  TSOCK_ENOCUDA = -22         /* no usable CUDA driver (libcuda.so.1 missing, or cuInit failed) */
 } tsock_status;
 
 /* Static, never-NULL description of a status ("unknown status" for others).
@@ -281,6 +282,31 @@ int tsock_reader_pin_mapping(tsock_reader_t *r, void **token);
 
 /* Drops a pin taken with tsock_reader_pin_mapping(). Thread-safe. */
 void tsock_mapping_unpin(void *token);
+
+/* Registers the reader's read-only payload mapping (the range
+ * tsock_reader_payload_range() returns) as pinned host memory with the CUDA
+ * driver, so host-to-device copies out of batches run at pinned speed and
+ * truly asynchronously (cudaMemcpyAsync, torch non_blocking=True).
+ *
+ * The driver is loaded at run time, on the first call: libcuda.so.1, or the
+ * file named by the environment variable TSOCK_LIBCUDA. Neither library
+ * links CUDA; without a driver this returns TSOCK_ENOCUDA ("CUDA driver not
+ * available"), also when cuInit fails (no device visible), and
+ * tsock_last_error() says why. Registration uses
+ * cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY)
+ * (the mapping is read-only; the device needs
+ * CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED) in the primary
+ * context of the device of the calling thread's current context, device 0
+ * if none is current; the calling thread's current context is left as it
+ * was. A failing CUDA call returns TSOCK_ESYS with the function's name and
+ * the driver's cuGetErrorName / cuGetErrorString text in tsock_last_error().
+ *
+ * Once per reader: a second call returns 0 and does nothing. The range is
+ * unregistered when the mapping is finally unmapped: at
+ * tsock_reader_detach(), or later when the last pin (tsock_mapping_unpin)
+ * or DLPack tensor of it is dropped; never in a forked child.
+ * One thread at a time per reader. */
+int tsock_reader_register_host(tsock_reader_t *r);
 
 /* ---- DLPack export (both libraries) ------------------------------------- */
 

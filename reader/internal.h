@@ -53,10 +53,20 @@ typedef struct tsock_map_ref {
   void *addr;
   size_t len;
   uint32_t refs;
+  /* Called once, just before the mapping is unmapped, when set (the CUDA
+   * host registration of cuda/host.c undoes itself there). */
+  void (*on_unmap)(struct tsock_map_ref *m);
+  void *cuda; /* owned by cuda/host.c */
 } tsock_map_ref;
 
 TSOCK_INTERNAL void tsock__map_ref(tsock_map_ref *m);
 TSOCK_INTERNAL void tsock__map_unref(tsock_map_ref *m);
+
+/* The mapping and payload range of an open reader handle (fails like any
+ * call on a bad handle). For cuda/host.c; keeps reader.c free of CUDA, so
+ * programs that compile reader.c alone still link. */
+TSOCK_INTERNAL int tsock__reader_map(tsock_reader_t *h, tsock_map_ref **m, const void **base,
+                                     uint64_t *len);
 
 /* What a reader keeps per held batch; tsock_batch_t is its first member, so
  * a batch pointer leads back to it. */

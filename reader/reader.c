@@ -152,6 +152,7 @@ void tsock__map_ref(tsock_map_ref *m) { __atomic_add_fetch(&m->refs, 1, __ATOMIC
 
 void tsock__map_unref(tsock_map_ref *m) {
   if (m != NULL && __atomic_sub_fetch(&m->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+    if (m->on_unmap != NULL) m->on_unmap(m);
     munmap(m->addr, m->len);
     free(m);
   }
@@ -595,6 +596,16 @@ int tsock_reader_payload_range(tsock_reader_t *h, const void **base, uint64_t *l
   if (r == NULL) return rc;
   if (base == NULL || len == NULL)
     return tsock__fail(TSOCK_EINVAL, "tsock_reader_payload_range: NULL out-parameter");
+  *base = r->payload;
+  *len = (r->mask + 1) * r->slot_payload_bytes;
+  return TSOCK_OK;
+}
+
+int tsock__reader_map(tsock_reader_t *h, tsock_map_ref **m, const void **base, uint64_t *len) {
+  int rc;
+  struct reader_impl *r = handle_get(h, &rc);
+  if (r == NULL) return rc;
+  *m = r->map_ref;
   *base = r->payload;
   *len = (r->mask + 1) * r->slot_payload_bytes;
   return TSOCK_OK;

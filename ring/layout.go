@@ -108,6 +108,7 @@ const (
 	StatusSys          = int(C.TSOCK_ESYS)
 	StatusForked       = int(C.TSOCK_EFORKED)
 	StatusNoMem        = int(C.TSOCK_ENOMEM)
+	StatusNoCUDA       = int(C.TSOCK_ENOCUDA)
 )
 
 // Dtypes of tsock.h.

@@ -318,6 +318,7 @@ static inline const char *tsock_layout_status_str(int status) {
   case TSOCK_ESYS: return "system call failed";
   case TSOCK_EFORKED: return "handle used in a forked child";
   case TSOCK_ENOMEM: return "out of memory";
+  case TSOCK_ENOCUDA: return "CUDA driver not available";
   default: return "unknown status";
   }
 }

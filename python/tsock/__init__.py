@@ -24,6 +24,7 @@ from .errors import (
     ChannelClosed,
     ChannelNotFound,
     CorruptSegment,
+    CUDAUnavailable,
     Evicted,
     LayoutMismatch,
     ProducerGone,
@@ -46,6 +47,7 @@ __all__ = [
     "UnsupportedDtype",
     "ChannelClosed",
     "ReadOnlyBatchError",
+    "CUDAUnavailable",
     "ReadOnlyTensor",
     "DLPackTensor",
 ]

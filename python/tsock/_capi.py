@@ -42,6 +42,7 @@ EPERM = -18
 ESYS = -19
 EFORKED = -20
 ENOMEM = -21
+ENOCUDA = -22
 
 # Dtypes (tsock_dtype).
 DTYPE_BOOL = 1
@@ -139,6 +140,7 @@ _COMMON = {
     "tsock_batch_dlpack": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, _I, ctypes.POINTER(_P)]),
     "tsock_reader_pin_mapping": (_I, [_P, ctypes.POINTER(_P)]),
     "tsock_mapping_unpin": (None, [_P]),
+    "tsock_reader_register_host": (_I, [_P]),
 }
 
 _PRODUCER = {

@@ -106,7 +106,9 @@ class TorchOutput:
         self._mod.torch_dtype(code, _dtypes.NAMES)  # fails early if torch lacks it
         return _dtypes.numpy_storage_dtype(code)
 
-    def view(self, reader, raw, i: int, start=None, stop=None):
+    def tensor(self, reader, raw, i: int, start=None, stop=None):
+        """Rows [start, stop) of leaf i as a plain torch tensor over shared
+        memory (unprotected: for internal use, such as copies to a GPU)."""
         code = raw.leaves[i][CODE]
         if code not in self._mod.TO_TORCH:
             self._mod.torch_dtype(code, _dtypes.NAMES)  # raises UnsupportedDtype
@@ -115,14 +117,23 @@ class TorchOutput:
         t = self._from_dlpack(capsule(reader.lib, raw.lease, i, False, code == _capi.DTYPE_BOOL, rows))
         if code == _capi.DTYPE_BOOL:
             t = t.view(self._torch.bool)
+        return t
+
+    def view(self, reader, raw, i: int, start=None, stop=None):
+        t = self.tensor(reader, raw, i, start, stop)
         if self.copy:
             return t.clone()
         return t.as_subclass(self._mod.ReadOnlyTensor)
 
-    def owned(self, arr: np.ndarray, code: int):
+    def owned_tensor(self, arr: np.ndarray, code: int):
+        """A plain torch tensor over an assembled numpy array."""
         t = self._torch.from_numpy(arr)
         if code == _capi.DTYPE_BFLOAT16:
             t = t.view(self._torch.bfloat16)
+        return t
+
+    def owned(self, arr: np.ndarray, code: int):
+        t = self.owned_tensor(arr, code)
         # Already a private copy: copy=True needs no second one.
         return t if self.copy else self._mod.protect(t)
 

@@ -6,6 +6,7 @@ runtime, so trainer processes stay fork-safe.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import struct
 import threading
@@ -149,6 +150,9 @@ class Reader:
         self._out = ctypes.c_void_p()
         self._out_ref = ctypes.byref(self._out)
         self._views: dict[int, tuple] = {}
+        # Called before a batch is released and before detaching (the GPU
+        # staging waits there for copies still reading held batches).
+        self.on_release = None
 
     def acquire(self) -> Raw:
         """The next batch, waiting in slices without limit; raises
@@ -190,6 +194,8 @@ class Reader:
 
     def release(self, lease: Lease) -> None:
         """Releases `lease` and every batch acquired before it."""
+        if self.on_release is not None:
+            self.on_release()
         rc = self.lib.release(self.handle, lease.batch)
         if rc:
             check(self.lib, rc, "release")
@@ -202,6 +208,11 @@ class Reader:
             self.release(self.held[-1])
 
     def detach(self) -> None:
+        if self.on_release is not None and self.handle is not None:
+            # A failing wait (a CUDA error) must not keep the reader
+            # attached; the copies' sources keep the mapping alive anyway.
+            with contextlib.suppress(Exception):
+                self.on_release()
         for held in self.held:
             held.valid = False
         self.held.clear()

@@ -71,6 +71,14 @@ class Consumer:
         fail at once with ChannelNotFound). Waiting for batches has no limit:
         a dead producer ends it (ProducerGone) within about 50 ms, and
         Ctrl-C interrupts it.
+      device: None (default), or a CUDA device ("cuda", "cuda:1", a
+        torch.device) with output="torch": every batch is copied to that GPU
+        (private, writable tensors). The channel's memory is pinned once
+        (cuMemHostRegister), copies run non_blocking on a dedicated CUDA
+        stream, and the copy of the next batch overlaps the caller's work on
+        the current one: next() returns batch n once batch n+1 is taken and
+        its copy started, with the caller's current stream made to wait for
+        n's copy. CUDAUnavailable when PyTorch has no CUDA or sees no GPU.
 
     Raises ProducerGone when the producer dies (after every batch it
     published), ChannelClosed when an epoch is asked for after the producer
@@ -88,6 +96,7 @@ class Consumer:
         copy: bool = False,
         start: str = "epoch",
         timeout: float | None = 30.0,
+        device=None,
     ):
         if not isinstance(name, str):
             raise TypeError(f"channel name must be str, got {type(name).__name__}")
@@ -105,6 +114,10 @@ class Consumer:
 
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {sorted(OUTPUTS)}, got {output!r}")
+        if device is not None:
+            from . import _cuda
+
+            device = _cuda.check_device(device, output)  # before attaching
         self.name = name
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
@@ -132,6 +145,18 @@ class Consumer:
             _torch.add_range(self._reader.base, self._reader.length)
             unprotect = _torch.remove_range
         self._finalizer = weakref.finalize(self, _close_reader, self._reader, unprotect)
+        #: the CUDA device batches are copied to, or None
+        self.device = device
+        self._gpu = None
+        if device is not None:
+            try:
+                self._gpu = _cuda.Staging(_cuda.backend(device), self._out)
+                self._out = self._gpu.output
+                self._reader.on_release = self._gpu.sync
+                self._gpu.register(self._reader)
+            except BaseException:
+                self.close()
+                raise
 
     # ---- lifecycle ----
 
@@ -141,6 +166,8 @@ class Consumer:
         self._closed = True
         self._pending = []
         self._cur = None
+        if self._gpu is not None:
+            self._gpu.close()
         self._finalizer()
 
     @property
@@ -156,7 +183,8 @@ class Consumer:
 
     def __repr__(self):
         state = "closed" if self.closed else f"epoch {self.epoch}"
-        return f"<tsock.Consumer {self.name!r} output={self._out.name} batch_size={self.batch_size} {state}>"
+        where = "" if self.device is None else f" device={self.device}"
+        return f"<tsock.Consumer {self.name!r} output={self._out.name}{where} batch_size={self.batch_size} {state}>"
 
     # ---- iteration ----
 
@@ -168,12 +196,19 @@ class Consumer:
         (the following call starts the next epoch)."""
         if self._closed:
             raise TsockError("consumer is closed", _capi.EHANDLE)
-        batch = self._next_whole() if self.batch_size is None else self._next_rebatched()
+        if self._gpu is None:
+            batch = self._next_whole() if self.batch_size is None else self._next_rebatched()
+        else:
+            batch = self._gpu.take(self._next_host)
         if batch is None:
             self.epoch += 1
             self._rows_in_epoch = 0
             raise StopIteration
         return batch
+
+    def _next_host(self):
+        """The next batch of the epoch in the output's form, or None at its end."""
+        return self._next_whole() if self.batch_size is None else self._next_rebatched()
 
     def __len__(self) -> int:
         """Batches per epoch, after re-batching. Before the first batch this

@@ -52,6 +52,12 @@ class ChannelClosed(TsockError):
     """The producer closed the channel and every batch was read."""
 
 
+class CUDAUnavailable(TsockError, RuntimeError):
+    """A CUDA device was asked for (Consumer(device="cuda:0")) where there is
+    none to use: PyTorch without CUDA, no GPU visible, or no CUDA driver
+    (status ENOCUDA)."""
+
+
 class ReadOnlyBatchError(TsockError, RuntimeError):
     """An in-place write to a batch that lives in read-only shared memory."""
 
@@ -68,6 +74,7 @@ _BY_STATUS = {
     _capi.ETOOBIG: BatchTooLarge,
     _capi.EDTYPE: UnsupportedDtype,
     _capi.ECLOSED: ChannelClosed,
+    _capi.ENOCUDA: CUDAUnavailable,
 }
 
 

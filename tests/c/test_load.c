@@ -24,7 +24,8 @@ int main(int argc, char **argv) {
   const char *all[] = {"tsock_status_str", "tsock_last_error", "tsock_dtype_size",
                        "tsock_tensor_init", "tsock_reader_options_init", "tsock_reader_attach",
                        "tsock_reader_acquire", "tsock_reader_release",
-                       "tsock_reader_payload_range", "tsock_reader_detach"};
+                       "tsock_reader_payload_range", "tsock_reader_detach",
+                       "tsock_reader_register_host"};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) CHECK(dlsym(lib, all[i]) != NULL);
   const char *producer[] = {"tsock_producer_options_init", "tsock_producer_create",
                             "tsock_producer_reserve", "tsock_producer_publish",

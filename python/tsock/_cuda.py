@@ -1,0 +1,217 @@
+"""Consumer(device="cuda:N"): batches copied to a GPU, the copy of batch n+1
+overlapping the trainer's work on batch n.
+
+The reader's payload mapping is registered as pinned host memory once
+(tsock_reader_register_host), so copies out of shared memory are truly
+asynchronous. Each batch is taken on the host as usual and every leaf is
+copied with non_blocking=True on a dedicated torch.cuda.Stream; an event is
+recorded after the batch's copies. next() hands batch n out after making
+the caller's current stream wait on n's event (a GPU-side wait: the host
+does not block) and after starting the copies of batch n+1. A host batch
+stays held until its copies are known complete: before the reader releases
+anything (or detaches) it waits on the event of the last copies issued.
+The copies were issued one step earlier, so that wait rarely waits.
+
+All CUDA calls go through a backend object (TorchCuda); tests substitute a
+fake one to check the scheduling on machines without a GPU.
+
+Imported only when device= is given.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from . import _capi
+from .errors import CUDAUnavailable
+
+
+def check_device(device, output: str):
+    """Validates device= before anything is attached; returns the
+    torch.device (with its index) or raises ValueError / CUDAUnavailable."""
+    if output != "torch":
+        raise ValueError(f"device={device!r} delivers torch tensors: pass output='torch' (got output={output!r})")
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be None or a CUDA device such as 'cuda:0', got {device!r}") from None
+    if dev.type != "cuda":
+        raise ValueError(f"device must be None or a CUDA device such as 'cuda:0', got {device!r}")
+    if torch.version.cuda is None:
+        raise CUDAUnavailable(
+            f"device={device!r}: this PyTorch ({torch.__version__}) is built without CUDA; "
+            "install a CUDA build of PyTorch, or leave device=None for CPU tensors",
+            _capi.ENOCUDA,
+        )
+    if not torch.cuda.is_available():
+        raise CUDAUnavailable(
+            f"device={device!r}: PyTorch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
+            "(torch.cuda.is_available() is False: no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides every device)",
+            _capi.ENOCUDA,
+        )
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= count:
+        raise ValueError(f"device={device!r}: only {count} CUDA device(s) are visible")
+    return torch.device("cuda", index)
+
+
+class TorchCuda:
+    """The CUDA side of the staging, through torch.cuda, on one device."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def register(self, reader) -> str | None:
+        """Pins the reader's payload mapping; returns None, or why it failed."""
+        torch = self.torch
+        with torch.cuda.device(self.device):
+            # Makes the device's (primary) context current on this thread,
+            # so the registration happens there rather than on device 0.
+            torch.cuda.synchronize()
+            rc = reader.lib.tsock_reader_register_host(reader.handle)
+        if rc == _capi.OK:
+            return None
+        detail = reader.lib.tsock_last_error().decode(errors="replace")
+        if rc == _capi.ENOCUDA:
+            raise CUDAUnavailable(f"device={str(self.device)!r}: {detail}", rc)
+        return detail
+
+    def on_stream(self):
+        return self.torch.cuda.stream(self.stream)
+
+    def copy(self, host):
+        return host.to(self.device, non_blocking=True)
+
+    def record(self):
+        event = self.torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait(self, event) -> None:
+        event.synchronize()
+
+    def hand_out(self, event, tensors) -> None:
+        stream = self.torch.cuda.current_stream(self.device)
+        stream.wait_event(event)
+        # The tensors were allocated on the copy stream; tell the caching
+        # allocator they are used on the caller's stream too.
+        for t in tensors:
+            t.record_stream(stream)
+
+
+def backend(device) -> TorchCuda:
+    return TorchCuda(device)
+
+
+class Staged:
+    """A batch whose copies were started: the batch (None at an epoch's
+    end), its event, its device tensors, or the error taking it raised."""
+
+    __slots__ = ("batch", "event", "tensors", "error")
+
+    def __init__(self, batch, event, tensors, error):
+        self.batch = batch
+        self.event = event
+        self.tensors = tensors
+        self.error = error
+
+
+class DeviceOutput:
+    """The torch output with every leaf copied to the device as it is made."""
+
+    name = "torch"
+
+    def __init__(self, host, staging):
+        self._host = host
+        self._staging = staging
+
+    def storage_dtype(self, code: int):
+        return self._host.storage_dtype(code)
+
+    def view(self, reader, raw, i: int, start=None, stop=None):
+        return self._staging.copy(self._host.tensor(reader, raw, i, start, stop))
+
+    def owned(self, arr, code: int):
+        return self._staging.copy(self._host.owned_tensor(arr, code))
+
+
+class Staging:
+    """The copy pipeline of one Consumer (one thread at a time, as it)."""
+
+    def __init__(self, backend, host_output):
+        self.backend = backend
+        self.output = DeviceOutput(host_output, self)
+        self.staged: Staged | None = None  # batch n+1, for the next call
+        self._pending = None  # event of the last copies, not known complete
+        self._keep: list = []  # sources of those copies, alive until then
+        self._issued: list = []
+        self._sources: list = []
+
+    def register(self, reader) -> None:
+        why = self.backend.register(reader)
+        if why is not None:
+            warnings.warn(
+                f"tsock: pinning the channel's memory failed, copies to the GPU run unpinned (slower): {why}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def copy(self, host):
+        t = self.backend.copy(host)
+        self._issued.append(t)
+        self._sources.append(host)
+        return t
+
+    def stage(self, produce) -> Staged:
+        """Takes the next batch with produce() (the consumer's host path),
+        its leaves copied as they are made, and records their event. An
+        error is kept in the result, to be raised when it is handed out."""
+        batch = error = event = None
+        self._issued, self._sources = [], []
+        try:
+            with self.backend.on_stream():
+                batch = produce()
+        except Exception as e:  # noqa: BLE001 - raised by take()
+            error = e
+        finally:
+            tensors, sources = self._issued, self._sources
+            self._issued, self._sources = [], []
+            if tensors:
+                event = self._pending = self.backend.record()
+                self._keep.extend(sources)
+        return Staged(batch, event, tensors, error)
+
+    def sync(self) -> None:
+        """Waits until every copy issued so far is complete (host side).
+        The reader calls it before it releases a batch or detaches."""
+        event, self._pending = self._pending, None
+        if self._issued:  # copies of the batch being staged: those too
+            event = self.backend.record()
+        if event is not None:
+            self.backend.wait(event)
+        self._keep.clear()
+
+    def take(self, produce):
+        """Batch n for next(): the staged one (or one staged now), after
+        starting the copies of batch n+1; None at an epoch's end."""
+        cur, self.staged = self.staged, None
+        if cur is None:
+            cur = self.stage(produce)
+        if cur.error is not None:
+            raise cur.error
+        if cur.batch is None:
+            return None
+        self.staged = self.stage(produce)
+        if cur.event is not None:
+            self.backend.hand_out(cur.event, cur.tensors)
+        return cur.batch
+
+    def close(self) -> None:
+        self.staged = None
