@@ -4,7 +4,7 @@ VENV ?= .venv
 PY = $(VENV)/bin/python
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
-.PHONY: all build lint go-test c-test py-env py-test test sweep demo bench-latency soak fuzz clean
+.PHONY: all build lint go-test c-test py-env py-test test sweep demo bench bench-quick bench-latency soak fuzz clean
 
 all: build
 
@@ -31,8 +31,8 @@ $(VENV)/.ready: scripts/py-env.sh
 
 # Python tests (real numpy, torch and JAX on the CPU) against the built libraries.
 py-test: build py-env
-	$(PY) -m ruff check python tests/python examples
-	$(PY) -m ruff format --check python tests/python examples
+	$(PY) -m ruff check python tests/python examples bench
+	$(PY) -m ruff format --check python tests/python examples bench
 	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) -m pytest -q tests/python
 
 test: lint go-test c-test py-test
@@ -46,6 +46,16 @@ sweep: build py-env
 
 demo:
 	go run ./cmd/tsock demo
+
+# Every benchmark against its baselines, in one run (under 10 minutes on 2
+# CPUs): writes docs/BENCHMARKS.md and docs/bench/*.png. BENCH_ARGS=--quick
+# for the smoke run (about a minute; into build/bench-quick).
+BENCH_ARGS ?=
+bench: build py-env
+	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) bench/run.py $(BENCH_ARGS)
+
+bench-quick:
+	$(MAKE) bench BENCH_ARGS=--quick
 
 bench-latency:
 	go run ./bench/latency

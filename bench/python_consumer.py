@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -52,33 +53,33 @@ with tsock.Producer(None, name, slots=slots, timeout=0) as p:
 """
 
 
-def _time_list(items, repeat: int) -> float:
-    """Seconds per item to iterate `items`, unpacking each batch."""
-    best = float("inf")
+def _time_list(items, repeat: int) -> list[float]:
+    """Seconds per item to iterate `items`, unpacking each batch; one value per round."""
+    out = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         for batch in items:
             a, b = batch[0], batch[-1]  # noqa: F841 - the work a training loop does with a batch
-        best = min(best, (time.perf_counter() - t0) / len(items))
-    return best
+        out.append((time.perf_counter() - t0) / len(items))
+    return out
 
 
-def _time_iter(make, n: int, repeat: int) -> float:
-    """Seconds per item to iterate a fresh iterable from make()."""
-    best = float("inf")
+def _time_iter(make, n: int, repeat: int) -> list[float]:
+    """Seconds per item to iterate a fresh iterable from make(); one value per round."""
+    out = []
     for _ in range(repeat):
         iterable = make()
         t0 = time.perf_counter()
         for batch in iterable:
             a, b = batch[0], batch[-1]  # noqa: F841
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best
+        out.append((time.perf_counter() - t0) / n)
+    return out
 
 
-def _time_consumer(c: tsock.Consumer, per_round: int, rounds: int, settle: float) -> float:
-    """Seconds per batch to drain a ring the producer has just filled."""
+def _time_consumer(c: tsock.Consumer, per_round: int, rounds: int, settle: float) -> list[float]:
+    """Seconds per batch to drain a ring the producer has just filled; one value per round."""
     it = iter(c)
-    best = float("inf")
+    out = []
     for _ in range(rounds):
         time.sleep(settle)  # let the producer fill the ring
         n = 0
@@ -90,8 +91,8 @@ def _time_consumer(c: tsock.Consumer, per_round: int, rounds: int, settle: float
                 continue
             a, b = batch[0], batch[-1]  # noqa: F841
             n += 1
-        best = min(best, (time.perf_counter() - t0) / per_round)
-    return best
+        out.append((time.perf_counter() - t0) / per_round)
+    return out
 
 
 def _streaming(c: tsock.Consumer, seconds: float) -> float:
@@ -107,26 +108,19 @@ def _streaming(c: tsock.Consumer, seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer rounds (a few seconds)")
-    ap.add_argument("--tensors", type=int, default=2)
-    ap.add_argument("--elems", type=int, default=256)
-    ap.add_argument("--outputs", default="numpy,torch,jax")
-    args = ap.parse_args()
-    slots = 1024 if args.quick else 4096
-    rounds = 3 if args.quick else 10
+def measure(quick: bool = False, tensors: int = 2, elems: int = 256, outputs: str = "numpy,torch,jax") -> dict:
+    """Runs the benchmark; every figure is the median over the rounds (seconds per batch)."""
+    slots = 1024 if quick else 4096
+    rounds = 3 if quick else 10
     per_round = slots - 8
     name = f"bench-py-{os.getpid()}"
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + env.get("PYTHONPATH", "")
-    prod = subprocess.Popen(
-        [sys.executable, "-c", PRODUCER, name, str(slots), str(args.tensors), str(args.elems)], env=env
-    )
+    prod = subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(slots), str(tensors), str(elems)], env=env)
     rows = []
     try:
-        arrays = [tuple(np.full(args.elems, i, np.float32) for _ in range(args.tensors)) for i in range(per_round)]
-        for output in args.outputs.split(","):
+        arrays = [tuple(np.full(elems, i, np.float32) for _ in range(tensors)) for i in range(per_round)]
+        for output in outputs.split(","):
             if output == "numpy":
                 items = arrays
             elif output == "torch":
@@ -140,10 +134,18 @@ def main() -> None:
             base = _time_list(items, rounds)
             with tsock.Consumer(name, output=output, start="now", timeout=30) as c:
                 next(iter(c))  # attached and warmed up
-                per = _time_consumer(c, per_round, rounds, settle=0.3 if args.quick else 0.5)
-            rows.append((output, per, base))
+                per = _time_consumer(c, per_round, rounds, settle=0.3 if quick else 0.5)
+            rows.append(
+                {
+                    "output": output,
+                    "tsock_s": statistics.median(per),
+                    "list_s": statistics.median(base),
+                    "tsock_rounds": per,
+                    "list_rounds": base,
+                }
+            )
         with tsock.Consumer(name, start="now", timeout=30) as c:
-            stream = _streaming(c, 1.0 if args.quick else 3.0)
+            stream = _streaming(c, 1.0 if quick else 3.0)
         loader = None
         if "torch" in sys.modules:
             # For scale: what a torch DataLoader costs per batch in-process,
@@ -151,7 +153,7 @@ def main() -> None:
             from torch.utils.data import DataLoader
 
             items = [tuple(sys.modules["torch"].from_numpy(a) for a in b) for b in arrays]
-            loader = _time_iter(lambda: DataLoader(items, batch_size=None), len(items), rounds)
+            loader = statistics.median(_time_iter(lambda: DataLoader(items, batch_size=None), len(items), rounds))
     finally:
         # Ctrl-C lets the producer close (and remove) its channel.
         prod.send_signal(signal.SIGINT)
@@ -163,18 +165,44 @@ def main() -> None:
         Path(f"/dev/shm/tsock.{name}").unlink(missing_ok=True)
     import platform
 
-    versions = [f"Python {platform.python_version()}", f"numpy {np.__version__}"]
+    versions = {"python": platform.python_version(), "numpy": np.__version__}
     for mod in ("torch", "jax"):
         if mod in sys.modules:
-            versions.append(f"{mod} {sys.modules[mod].__version__}")
-    print(f"tsock Python consumer, batches of {args.tensors} x float32[{args.elems}], ring of {slots} slots")
-    print(f"{os.cpu_count()} CPUs, {', '.join(versions)}; best of {rounds} rounds of {per_round} batches")
+            versions[mod] = sys.modules[mod].__version__
+    return {
+        "tensors": tensors,
+        "elems": elems,
+        "slots": slots,
+        "rounds": rounds,
+        "per_round": per_round,
+        "rows": rows,
+        "dataloader_s": loader,
+        "streaming_per_s": stream,
+        "versions": versions,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (a few seconds)")
+    ap.add_argument("--tensors", type=int, default=2)
+    ap.add_argument("--elems", type=int, default=256)
+    ap.add_argument("--outputs", default="numpy,torch,jax")
+    args = ap.parse_args()
+    r = measure(args.quick, args.tensors, args.elems, args.outputs)
+    print(f"tsock Python consumer, batches of {args.tensors} x float32[{args.elems}], ring of {r['slots']} slots")
+    versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+    print(f"{os.cpu_count()} CPUs, {versions}; median of {r['rounds']} rounds of {r['per_round']} batches")
     print(f"{'output':8} {'tsock us/batch':>15} {'tsock batches/s':>16} {'list us/batch':>14} {'ratio':>8}")
-    for output, per, base in rows:
-        print(f"{output:8} {per * 1e6:15.2f} {1 / per:16,.0f} {base * 1e6:14.3f} {per / base:7.0f}x")
-    if loader is not None:
-        print(f"for scale, torch DataLoader(list of batches, batch_size=None), in-process: {loader * 1e6:.2f} us/batch")
-    print(f"streaming, numpy output, producer and consumer together: {stream:,.0f} batches/s")
+    for row in r["rows"]:
+        per, base = row["tsock_s"], row["list_s"]
+        print(f"{row['output']:8} {per * 1e6:15.2f} {1 / per:16,.0f} {base * 1e6:14.3f} {per / base:7.0f}x")
+    if r["dataloader_s"] is not None:
+        print(
+            "for scale, torch DataLoader(list of batches, batch_size=None), in-process: "
+            f"{r['dataloader_s'] * 1e6:.2f} us/batch"
+        )
+    print(f"streaming, numpy output, producer and consumer together: {r['streaming_per_s']:,.0f} batches/s")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 # Makes the Python environment the tests and the sweep use, in $1 (.venv):
 # Debian's CPU-only PyTorch (small; PyPI's torch is the multi-GB CUDA build)
 # and NumPy, seen from a venv of the system Python that adds JAX for the CPU.
+# For the benchmarks (bench/run.py): libzmq's headers (the C ZMQ baseline),
+# matplotlib (plots), pyzmq and tornado, and TensorSocket itself, installed
+# without its dependencies: it asks for torch>=2 but runs on Debian's 1.13
+# (bench/e2e.py supplies the one missing method).
 set -euo pipefail
 venv=${1:-.venv}
-debs="python3-torch python3-numpy python3-pil python3-venv"
+debs="python3-torch python3-numpy python3-pil python3-venv libzmq3-dev pkgconf"
 missing=""
 for d in $debs; do
   dpkg-query -W -f='${Status}' "$d" 2>/dev/null | grep -q "install ok installed" || missing="$missing $d"

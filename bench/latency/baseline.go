@@ -102,8 +102,14 @@ func startChild(role string, args ...string) (*child, error) {
 	if err != nil {
 		return nil, err
 	}
+	return startProgram(self, append([]string{childArg, role, strconv.Itoa(os.Getpid())}, args...)...)
+}
+
+// startProgram runs path with args as a child (see startChild); the C
+// helper (helper/tbench.c) writes its samples in the same format.
+func startProgram(path string, args ...string) (*child, error) {
 	c := &child{done: make(chan struct{})}
-	c.cmd = exec.Command(self, append([]string{childArg, role, strconv.Itoa(os.Getpid())}, args...)...)
+	c.cmd = exec.Command(path, args...)
 	c.cmd.Stdout = &c.stdout
 	c.cmd.Stderr = os.Stderr
 	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -344,7 +350,13 @@ func (p *pacer) wait() {
 func futexBaseline(cfg config, shm *sharedPage) (stats, error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	c, err := startChild("futex", shm.path, strconv.Itoa(cfg.warmup))
+	var c *child
+	var err error
+	if cfg.helper != "" { // the waiter is then a C process, like the tsock readers
+		c, err = startProgram(cfg.helper, "futex-wait", shm.path, strconv.Itoa(cfg.warmup))
+	} else {
+		c, err = startChild("futex", shm.path, strconv.Itoa(cfg.warmup))
+	}
 	if err != nil {
 		return stats{}, err
 	}

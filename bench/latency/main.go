@@ -21,6 +21,7 @@ package main
 
 import (
 	"bufio"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -48,10 +49,31 @@ type config struct {
 	samples  int           // samples per reader per configuration
 	warmup   int           // leading samples dropped
 	interval time.Duration // publish pacing
+	perRead  time.Duration // pacing grows by this per reader
 	payload  uint64        // bytes per batch
 	maxTime  time.Duration // cap of one measurement
 	paceSpin bool          // the publisher busy-waits between batches
 	quick    bool
+
+	helper     string   // C helper (helper/tbench.c); "" = Go readers, no socket baselines
+	helperZmq  bool     // the helper has the ZMQ roles
+	transports []string // latency: tsock, uds, zmq
+
+	throughput     bool
+	tputReaders    []int
+	tputTime       time.Duration
+	bwSizes        []uint64 // bandwidth batch sizes, bytes
+	repeats        int
+	scaleReaders   []int
+	scalePublishes int
+	shm            bool
+	jsonPath       string
+}
+
+// intervalFor is the publish interval with n readers: readers woken one
+// after the other on few CPUs need time to drain each batch.
+func (c config) intervalFor(n int) time.Duration {
+	return max(c.interval, time.Duration(n)*c.perRead)
 }
 
 func main() {
@@ -81,10 +103,22 @@ func parseConfig(args []string) (config, error) {
 	samples := fs.Int("samples", 20000, "samples per reader per configuration (--quick: 2000)")
 	warmup := fs.Int("warmup", 200, "leading samples dropped per reader")
 	interval := fs.Duration("interval", 100*time.Microsecond, "time between two published batches")
+	perRead := fs.Duration("interval-per-reader", 0, "with N readers publish every max(interval, N x this)")
 	payload := fs.Uint64("payload", 64, "payload bytes per batch")
 	maxTime := fs.Duration("max-time", 8*time.Second, "cap of one measurement (--quick: 1.5s)")
 	paceSpin := fs.Bool("pace-spin", false, "publisher busy-waits between batches instead of sleeping (costs a CPU)")
 	quick := fs.Bool("quick", false, "CI smoke run: fewer samples, under 10 s in all")
+	helper := fs.String("helper", "", "C reader and socket-baseline program: 'auto' builds helper/tbench.c; empty: Go readers only")
+	transports := fs.String("transports", "tsock", "latency of: tsock, uds (descriptor over a Unix socket), zmq (payload over ZMQ PUB/SUB); uds and zmq need --helper")
+	tput := fs.Bool("throughput", false, "also batches/s of 4 KiB batches and bandwidth of --bw-sizes batches (needs --helper)")
+	tputReaders := fs.String("tput-readers", "1,4", "reader counts of the throughput runs")
+	tputTime := fs.Duration("tput-time", 500*time.Millisecond, "length of one throughput run (--quick: 200ms)")
+	bwSizes := fs.String("bw-sizes", "1,8,64", "bandwidth batch sizes in MiB (--quick: 1,8)")
+	repeats := fs.Int("repeats", 3, "throughput repeats, the median is kept (--quick: 1)")
+	scale := fs.String("scaling", "", "producer CPU per publish with these reader counts (0 = none to wake), e.g. 0,1,4,16,64")
+	scalePub := fs.Int("scale-publishes", 400, "publishes timed per reader count (--quick: 100)")
+	shm := fs.Bool("shm", false, "also shared memory per ring depth and batch size")
+	jsonPath := fs.String("json", "", "also write every result to this JSON file")
 	if err := fs.Parse(args); err != nil {
 		return config{}, err
 	}
@@ -93,8 +127,9 @@ func parseConfig(args []string) (config, error) {
 	}
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	cfg := config{samples: *samples, warmup: *warmup, interval: *interval, payload: *payload,
-		maxTime: *maxTime, paceSpin: *paceSpin, quick: *quick}
+	cfg := config{samples: *samples, warmup: *warmup, interval: *interval, perRead: *perRead, payload: *payload,
+		maxTime: *maxTime, paceSpin: *paceSpin, quick: *quick, helper: *helper, throughput: *tput,
+		tputTime: *tputTime, repeats: *repeats, scalePublishes: *scalePub, shm: *shm, jsonPath: *jsonPath}
 	if cfg.quick {
 		if !set["samples"] {
 			cfg.samples = 2000
@@ -102,13 +137,37 @@ func parseConfig(args []string) (config, error) {
 		if !set["max-time"] {
 			cfg.maxTime = 1500 * time.Millisecond
 		}
-	}
-	for _, s := range strings.Split(*readers, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil || n < 1 || n > 256 {
-			return config{}, fmt.Errorf("--readers: %q is not a count in 1..256", s)
+		if !set["tput-time"] {
+			cfg.tputTime = 200 * time.Millisecond
 		}
-		cfg.readers = append(cfg.readers, n)
+		if !set["bw-sizes"] {
+			*bwSizes = "1,8"
+		}
+		if !set["repeats"] {
+			cfg.repeats = 1
+		}
+		if !set["scale-publishes"] {
+			cfg.scalePublishes = 100
+		}
+	}
+	var err error
+	if cfg.readers, err = intList("readers", *readers, 1, 256); err != nil {
+		return config{}, err
+	}
+	if cfg.tputReaders, err = intList("tput-readers", *tputReaders, 1, 256); err != nil {
+		return config{}, err
+	}
+	if *scale != "" {
+		if cfg.scaleReaders, err = intList("scaling", *scale, 0, 256); err != nil {
+			return config{}, err
+		}
+	}
+	mib, err := intList("bw-sizes", *bwSizes, 1, 1024)
+	if err != nil {
+		return config{}, err
+	}
+	for _, m := range mib {
+		cfg.bwSizes = append(cfg.bwSizes, uint64(m)<<20)
 	}
 	for _, m := range strings.Split(*modes, ",") {
 		m = strings.TrimSpace(m)
@@ -117,10 +176,37 @@ func parseConfig(args []string) (config, error) {
 		}
 		cfg.modes = append(cfg.modes, m)
 	}
-	if cfg.samples < 1 || cfg.warmup < 0 || cfg.interval <= 0 || cfg.payload < 8 || cfg.maxTime <= 0 {
-		return config{}, fmt.Errorf("--samples, --interval, --max-time must be positive, --payload at least 8")
+	for _, t := range strings.Split(*transports, ",") {
+		t = strings.TrimSpace(t)
+		if t != "tsock" && t != "uds" && t != "zmq" {
+			return config{}, fmt.Errorf("--transports: unknown transport %q (tsock, uds, zmq)", t)
+		}
+		if t != "tsock" && cfg.helper == "" {
+			return config{}, fmt.Errorf("--transports %s needs --helper", t)
+		}
+		cfg.transports = append(cfg.transports, t)
+	}
+	if (cfg.throughput || len(cfg.scaleReaders) > 0) && cfg.helper == "" {
+		return config{}, fmt.Errorf("--throughput and --scaling need --helper (C reader processes)")
+	}
+	if cfg.samples < 1 || cfg.warmup < 0 || cfg.interval <= 0 || cfg.payload < 8 || cfg.maxTime <= 0 ||
+		cfg.repeats < 1 || cfg.tputTime <= 0 || cfg.scalePublishes < 10 || cfg.perRead < 0 {
+		return config{}, fmt.Errorf("--samples, --interval, --max-time, --repeats, --tput-time must be positive, --payload at least 8, --scale-publishes at least 10")
 	}
 	return cfg, nil
+}
+
+// intList parses a comma-separated list of integers in [lo, hi].
+func intList(flagName, s string, lo, hi int) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < lo || n > hi {
+			return nil, fmt.Errorf("--%s: %q is not a count in %d..%d", flagName, f, lo, hi)
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }
 
 // childMain dispatches a helper process by role.
@@ -230,13 +316,57 @@ func machine() string {
 		runtime.NumCPU(), model, kernel, runtime.Version(), load)
 }
 
-// tsockRow is one tsock configuration's result.
+// tsockRow is one latency configuration's result.
 type tsockRow struct {
-	mode     string
-	readers  int
-	st       stats
-	interval time.Duration // achieved mean publish interval
-	err      error
+	transport string
+	mode      string
+	readers   int
+	st        stats
+	interval  time.Duration // achieved mean publish interval (tsock), pacing (sockets)
+	err       error
+}
+
+// statsJSON is stats in the JSON report (µs; n = 0 when nothing was measured).
+type statsJSON struct {
+	N      int     `json:"n"`
+	Median float64 `json:"median_us"`
+	P99    float64 `json:"p99_us"`
+	P999   float64 `json:"p999_us"`
+	Max    float64 `json:"max_us"`
+	Missed int     `json:"missed"`
+}
+
+func (s stats) json() statsJSON {
+	if s.n == 0 {
+		return statsJSON{}
+	}
+	return statsJSON{N: s.n, Median: s.median, P99: s.p99, P999: s.p999, Max: s.max, Missed: s.missed}
+}
+
+type latJSON struct {
+	Transport  string  `json:"transport"`
+	Mode       string  `json:"mode"`
+	Readers    int     `json:"readers"`
+	IntervalUs float64 `json:"interval_us"`
+	statsJSON
+	Err string `json:"error,omitempty"`
+}
+
+// report is everything measured, as --json writes it.
+type report struct {
+	Machine    string     `json:"machine"`
+	GoVersion  string     `json:"go"`
+	Cores      int        `json:"cpus"`
+	Seconds    float64    `json:"seconds"`
+	Payload    uint64     `json:"latency_payload_bytes"`
+	CacheLine  statsJSON  `json:"cache_line"`
+	Futex      statsJSON  `json:"futex"`    // waiter: C with --helper, else Go
+	FutexGo    statsJSON  `json:"futex_go"` // Go waiter, with --helper
+	Latency    []latJSON  `json:"latency"`
+	Throughput []tputRow  `json:"throughput"`
+	Memory     []memRow   `json:"memcpy"`
+	Scaling    []scaleRow `json:"scaling"`
+	Shm        []shmRow   `json:"shm"`
 }
 
 func benchMain(cfg config) error {
@@ -245,15 +375,32 @@ func benchMain(cfg config) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("machine: %s\n", machine())
+	if cfg.helper == "auto" {
+		dir, err := os.MkdirTemp("", "tsock-bench-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		if cfg.helper, cfg.helperZmq, err = buildHelper(repoRoot(), dir); err != nil {
+			return err
+		}
+	} else if cfg.helper != "" {
+		cfg.helperZmq = true // a prebuilt helper without libzmq fails the ZMQ runs with its usage line
+	}
+	rep := report{Machine: machine(), GoVersion: runtime.Version(), Cores: runtime.NumCPU(), Payload: cfg.payload}
+	fmt.Printf("machine: %s\n", rep.Machine)
 	fmt.Printf("clock:   CLOCK_MONOTONIC; %.0f ns per vDSO read, %.0f ns per clock_gettime syscall (ring.MonotonicNs)\n",
 		vdsoNs, syscallNs)
 	pacing := "sleeping"
 	if cfg.paceSpin {
 		pacing = "busy-waiting"
 	}
-	fmt.Printf("run:     %d samples per reader (+%d warm-up), one %d-byte batch every %v (publisher %s in between), at most %v per measurement\n\n",
-		cfg.samples, cfg.warmup, cfg.payload, cfg.interval, pacing, cfg.maxTime)
+	readerKind := "Go readers (reader package)"
+	if cfg.helper != "" {
+		readerKind = "C reader processes (helper/tbench.c)"
+	}
+	fmt.Printf("run:     %d samples per reader (+%d warm-up), one %d-byte batch every max(%v, readers x %v) (publisher %s in between), at most %v per measurement; %s\n\n",
+		cfg.samples, cfg.warmup, cfg.payload, cfg.interval, cfg.perRead, pacing, cfg.maxTime, readerKind)
 
 	shm, err := newSharedPage()
 	if err != nil {
@@ -269,19 +416,100 @@ func benchMain(cfg config) error {
 	if err != nil {
 		return fmt.Errorf("futex baseline: %w", err)
 	}
-
-	var rows []tsockRow
-	for _, mode := range cfg.modes {
-		for _, r := range cfg.readers {
-			st, iv, err := tsockLatency(cfg, mode, r)
-			rows = append(rows, tsockRow{mode: mode, readers: r, st: st, interval: iv, err: err})
+	rep.CacheLine, rep.Futex = cache.json(), fut.json()
+	var futGo stats
+	if cfg.helper != "" {
+		// The same with the Go waiter, for comparison: its runtime's
+		// threads keep its CPU from idling, so its wake-ups are faster.
+		goCfg := cfg
+		goCfg.helper = ""
+		shm.reset()
+		if futGo, err = futexBaseline(goCfg, shm); err != nil {
+			return fmt.Errorf("futex baseline (Go waiter): %w", err)
 		}
+		rep.FutexGo = futGo.json()
 	}
 
+	var rows []tsockRow
+	for _, tr := range cfg.transports {
+		for _, mode := range cfg.modes {
+			for _, r := range cfg.readers {
+				var st stats
+				var iv time.Duration
+				if tr == "tsock" {
+					st, iv, err = tsockLatency(cfg, mode, r)
+				} else {
+					st, iv, err = socketLatency(cfg, tr, mode, r)
+				}
+				rows = append(rows, tsockRow{transport: tr, mode: mode, readers: r, st: st, interval: iv, err: err})
+				row := latJSON{Transport: tr, Mode: mode, Readers: r, IntervalUs: float64(iv) / 1e3, statsJSON: st.json()}
+				if err != nil {
+					row.Err = err.Error()
+				}
+				rep.Latency = append(rep.Latency, row)
+			}
+		}
+	}
+	if cfg.throughput {
+		for _, tr := range []string{"tsock", "uds", "zmq"} {
+			for _, r := range cfg.tputReaders {
+				rep.Throughput = append(rep.Throughput, throughput(cfg, tr, r, 4096, 16, false))
+			}
+		}
+		// Reading cost against batch size: the same ring depth, nothing touched.
+		for _, size := range cfg.bwSizes {
+			rep.Throughput = append(rep.Throughput, throughput(cfg, "tsock", 1, size, 16, false))
+		}
+		for _, size := range cfg.bwSizes {
+			m, err := memBandwidth(cfg, size, slotsFor(size))
+			if err != nil {
+				return fmt.Errorf("memcpy baseline: %w", err)
+			}
+			rep.Memory = append(rep.Memory, m)
+			for _, tr := range []string{"tsock", "zmq"} {
+				for _, r := range cfg.tputReaders {
+					rep.Throughput = append(rep.Throughput, throughput(cfg, tr, r, size, slotsFor(size), true))
+				}
+			}
+		}
+	}
+	for _, n := range cfg.scaleReaders {
+		rep.Scaling = append(rep.Scaling, producerCost(cfg, n))
+	}
+	if cfg.shm {
+		for _, slots := range []uint32{4, 16, 64} {
+			for _, size := range []uint64{4 << 10, 1 << 20, 8 << 20} {
+				rep.Shm = append(rep.Shm, shmSize(slots, size))
+			}
+		}
+	}
+	rep.Seconds = time.Since(start).Seconds()
+	failed := printReport(cfg, rep, cache, fut, futGo, rows)
+	fmt.Printf("total %.1f s\n", rep.Seconds)
+	if cfg.jsonPath != "" {
+		b, err := json.MarshalIndent(rep, "", "  ")
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(cfg.jsonPath, append(b, '\n'), 0o644); err != nil {
+			return err
+		}
+	}
+	if failed {
+		return errors.New("some measurements failed")
+	}
+	return nil
+}
+
+// printReport prints the tables; it returns whether anything failed.
+func printReport(cfg config, rep report, cache, fut, futGo stats, rows []tsockRow) bool {
 	tw := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "baseline (one-way)\tsamples\tmedian µs\tp99 µs\tp99.9 µs\tmax µs\t")
 	fmt.Fprintf(tw, "cache-line handoff (RTT/2)\t%d\t%.3f\t%.3f\t%.3f\t%.1f\t\n", cache.n, cache.median, cache.p99, cache.p999, cache.max)
 	fmt.Fprintf(tw, "futex wake -> waiter runs\t%d\t%.2f\t%.2f\t%.2f\t%.1f\t\n", fut.n, fut.median, fut.p99, fut.p999, fut.max)
+	if futGo.n > 0 {
+		fmt.Fprintf(tw, "(the same, Go waiter)\t%d\t%.2f\t%.2f\t%.2f\t%.1f\t\n", futGo.n, futGo.median, futGo.p99, futGo.p999, futGo.max)
+	}
 	tw.Flush()
 	if fut.lateWakeup > 0 {
 		fmt.Printf("(futex baseline: %d wake-ups found the waiter not yet asleep; not counted)\n", fut.lateWakeup)
@@ -289,25 +517,25 @@ func benchMain(cfg config) error {
 	fmt.Println()
 
 	tw = tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "tsock publish -> acquire\treaders\tsamples\tmedian µs\tp99 µs\tp99.9 µs\tmax µs\tmedian/cache-line\tmedian/futex\tinterval µs\t")
+	fmt.Fprintln(tw, "publish -> receive\tmode\treaders\tsamples\tmedian µs\tp99 µs\tp99.9 µs\tmax µs\tmedian/cache-line\tmedian/futex\tinterval µs\t")
 	failed := false
 	for _, r := range rows {
 		if r.err != nil {
 			failed = true
-			fmt.Fprintf(tw, "%s\t%d\tFAILED: %v\t\t\t\t\t\t\t\t\n", r.mode, r.readers, r.err)
+			fmt.Fprintf(tw, "%s\t%s\t%d\tFAILED: %v\t\t\t\t\t\t\t\t\n", r.transport, r.mode, r.readers, r.err)
 			continue
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.1f\t%.1fx\t%.2fx\t%.1f\t\n", r.mode, r.readers, r.st.n,
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.1f\t%.1fx\t%.2fx\t%.1f\t\n", r.transport, r.mode, r.readers, r.st.n,
 			r.st.median, r.st.p99, r.st.p999, r.st.max, r.st.median/cache.median, r.st.median/fut.median,
 			float64(r.interval)/1e3)
 	}
 	tw.Flush()
 	for _, r := range rows {
 		if r.err == nil && r.st.missed > 0 {
-			fmt.Printf("warning: %s/%d: readers missed %d batches\n", r.mode, r.readers, r.st.missed)
+			fmt.Printf("warning: %s %s/%d: readers missed %d batches\n", r.transport, r.mode, r.readers, r.st.missed)
 		}
 	}
-	fmt.Printf("\nspin: readers busy-poll (Spin 1 s); futex: readers never spin (always FUTEX_WAIT).\n")
+	fmt.Printf("\nspin: readers busy-poll (Spin 1 s); futex: readers never spin (always FUTEX_WAIT, or a blocking recv).\n")
 	for _, r := range rows {
 		if r.mode == "spin" && r.readers+1 > runtime.NumCPU() {
 			fmt.Printf("note: spin with %d readers keeps %d processes busy on %d CPUs: readers wait for a time slice.\n",
@@ -315,9 +543,51 @@ func benchMain(cfg config) error {
 			break
 		}
 	}
-	fmt.Printf("total %.1f s\n", time.Since(start).Seconds())
-	if failed {
-		return errors.New("some measurements failed")
+	if len(rep.Throughput) > 0 {
+		fmt.Println()
+		tw = tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "flat out\treaders\tbatch\ttouch\tbatches/s per reader\tGB/s per reader\tmissed\t")
+		for _, t := range rep.Throughput {
+			if t.Err != "" {
+				failed = true
+				fmt.Fprintf(tw, "%s\t%d\t%d\t%v\tFAILED: %s\t\t\t\n", t.Transport, t.Readers, t.Bytes, t.Touch, t.Err)
+				continue
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%v\t%.0f\t%.2f\t%d\t\n", t.Transport, t.Readers, t.Bytes, t.Touch, t.BatchesPerS, t.GBPerS, t.Missed)
+		}
+		tw.Flush()
+		for _, m := range rep.Memory {
+			fmt.Printf("in-process %d MiB batches from a ring of %d: memcpy %.2f GB/s, read %.2f GB/s\n",
+				m.Bytes>>20, m.Slots, m.MemcpyGBps, m.ReadGBps)
+		}
 	}
-	return nil
+	if len(rep.Scaling) > 0 {
+		fmt.Println()
+		tw = tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "sleeping readers\tpublishes\tproducer CPU µs/publish (median)\tmean\twall µs (median)\tinterval µs\t")
+		for _, r := range rep.Scaling {
+			if r.Err != "" {
+				failed = true
+				fmt.Fprintf(tw, "%d\tFAILED: %s\t\t\t\t\t\n", r.Readers, r.Err)
+				continue
+			}
+			fmt.Fprintf(tw, "%d\t%d\t%.2f\t%.2f\t%.2f\t%.0f\t\n", r.Readers, r.Publishes, r.CPUMedian, r.CPUMean, r.WallMedian, r.Interval)
+		}
+		tw.Flush()
+	}
+	if len(rep.Shm) > 0 {
+		fmt.Println()
+		tw = tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "slots\tslot bytes\tcomputed\tfile size\tallocated after one lap\toverhead over payload\t")
+		for _, r := range rep.Shm {
+			if r.Err != "" {
+				failed = true
+				fmt.Fprintf(tw, "%d\t%d\tFAILED: %s\t\t\t\t\n", r.Slots, r.SlotBytes, r.Err)
+				continue
+			}
+			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%d\t\n", r.Slots, r.SlotBytes, r.Computed, r.FileSize, r.Allocated, r.FileSize-r.Payload)
+		}
+		tw.Flush()
+	}
+	return failed
 }

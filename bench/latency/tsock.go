@@ -41,7 +41,13 @@ func tsockLatency(cfg config, mode string, readers int) (stats, time.Duration, e
 		}
 	}()
 	for i := 0; i < readers; i++ {
-		c, err := startChild("reader", name, mode, strconv.Itoa(cfg.warmup), strconv.Itoa(total))
+		var c *child
+		var err error
+		if cfg.helper != "" { // a C reader process: no Go runtime, no allocation per batch
+			c, err = startProgram(cfg.helper, "tsock", name, mode, strconv.Itoa(cfg.warmup), "0")
+		} else {
+			c, err = startChild("reader", name, mode, strconv.Itoa(cfg.warmup), strconv.Itoa(total))
+		}
 		if err != nil {
 			return stats{}, 0, err
 		}
@@ -64,7 +70,7 @@ func tsockLatency(cfg config, mode string, readers int) (stats, time.Duration, e
 	}
 
 	tensors := []producer.Tensor{{Dtype: ring.DtypeUint8, Shape: []int64{int64(cfg.payload)}}}
-	pace := newPacer(cfg.interval, cfg.paceSpin)
+	pace := newPacer(cfg.intervalFor(readers), cfg.paceSpin)
 	t0 := now()
 	stop := t0 + uint64(cfg.maxTime)
 	published := 0

@@ -1,0 +1,604 @@
+"""Writes docs/BENCHMARKS.md and its plots from the results of bench/run.py."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+def _f(x: float, nd: int = 2) -> str:
+    if x is None:
+        return "n/a"
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.{nd}f}"
+
+
+def _x(a: float, b: float) -> str:
+    return "n/a" if not a or not b else f"{a / b:.2f}x"
+
+
+def _size(b: int) -> str:
+    return f"{b // MiB} MiB" if b >= MiB else f"{b // 1024} KiB"
+
+
+def _table(head: list[str], rows: list[list]) -> str:
+    out = [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(" --- " if i == 0 else " ---: " for i in range(len(head))) + "|",
+    ]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _lat(t: dict, transport: str, mode: str, readers: int) -> dict | None:
+    for r in t["latency"]:
+        if (r["transport"], r["mode"], r["readers"]) == (transport, mode, readers) and not r.get("error"):
+            return r
+    return None
+
+
+def _tput(t: dict, transport: str, readers: int, size: int, touch: bool) -> dict | None:
+    for r in t["throughput"]:
+        if (r["transport"], r["readers"], r["bytes"], r["touch"]) == (transport, readers, size, touch) and not r.get(
+            "error"
+        ):
+            return r
+    return None
+
+
+def _run(e: dict, system: str, k: int) -> dict | None:
+    for r in e["runs"]:
+        if (r["system"], r["k"]) == (system, k):
+            return r
+    return None
+
+
+# ---- targets --------------------------------------------------------------------------------------------------
+
+
+def targets(res: dict) -> list[list[str]]:
+    """[target, measured, met, note] rows."""
+    rows = []
+    t = res.get("transport")
+    if t:
+        sizes = sorted({r["bytes"] for r in t["throughput"] if r["transport"] == "tsock" and not r["touch"]})
+        rates = [(s, _tput(t, "tsock", 1, s, False)) for s in sizes]
+        rates = [(s, r["batches_per_s"]) for s, r in rates if r]
+        if len(rates) >= 2:
+            lo, hi = min(v for _, v in rates), max(v for _, v in rates)
+            spread = ", ".join(f"{_size(s)} {v / 1e3:,.0f}k" for s, v in rates)
+            rows.append(
+                [
+                    "reading cost independent of batch size",
+                    f"batches/s by batch size, 1 reader, payload untouched: {spread} (slowest/fastest {lo / hi:.2f})",
+                    lo / hi >= 0.8,
+                    "met when the slowest size reaches 80% of the fastest",
+                ]
+            )
+        cl, fx = t["cache_line"]["median_us"], t["futex"]["median_us"]
+        spin, fut = _lat(t, "tsock", "spin", 1), _lat(t, "tsock", "futex", 1)
+        if spin:
+            rows.append(
+                [
+                    "publish-to-acquire median ≤ 2× a raw cache-line handoff (busy-polling)",
+                    f"{_f(spin['median_us'], 3)} µs vs {_f(cl, 3)} µs: {_x(spin['median_us'], cl)}",
+                    spin["median_us"] <= 2 * cl,
+                    "1 reader",
+                ]
+            )
+        if fut:
+            rows.append(
+                [
+                    "publish-to-acquire median ≤ 1.5× a raw futex wake-up (futex)",
+                    f"{_f(fut['median_us'])} µs vs {_f(fx)} µs: {_x(fut['median_us'], fx)}",
+                    fut["median_us"] <= 1.5 * fx,
+                    "1 reader",
+                ]
+            )
+    e = res.get("e2e")
+    if e:
+        k = max(r["k"] for r in e["runs"]) if e["runs"] else None
+        own, ts, tso = (_run(e, s, k) for s in ("own", "tsock", "tensorsocket")) if k else (None, None, None)
+        if own and ts:
+            rows.append(
+                [
+                    f"K = {k}: aggregate throughput ≥ 3.5× the independent loaders",
+                    f"{_f(ts['aggregate'])} vs {_f(own['aggregate'])} samples/s: "
+                    f"{_x(ts['aggregate'], own['aggregate'])}",
+                    ts["aggregate"] >= 3.5 * own["aggregate"],
+                    "",
+                ]
+            )
+            rows.append(
+                [
+                    f"K = {k}: CPU per sample ≤ 1/3.5 of the independent loaders",
+                    f"{_f(ts['cpu_per_sample_ms'], 3)} vs {_f(own['cpu_per_sample_ms'], 3)} ms: "
+                    f"1/{own['cpu_per_sample_ms'] / ts['cpu_per_sample_ms']:.2f}",
+                    ts["cpu_per_sample_ms"] * 3.5 <= own["cpu_per_sample_ms"],
+                    "CPU of every process, DataLoader workers included",
+                ]
+            )
+        if ts and tso:
+            rows.append(
+                [
+                    f"K = {k}: ≥ 1.5× TensorSocket's throughput",
+                    f"{_f(ts['aggregate'])} vs {_f(tso['aggregate'])} samples/s: "
+                    f"{_x(ts['aggregate'], tso['aggregate'])}",
+                    ts["aggregate"] >= 1.5 * tso["aggregate"],
+                    "",
+                ]
+            )
+            rows.append(
+                [
+                    f"K = {k}: at half TensorSocket's CPU (per sample)",
+                    f"{_f(ts['cpu_per_sample_ms'], 3)} vs {_f(tso['cpu_per_sample_ms'], 3)} ms: "
+                    f"{_x(ts['cpu_per_sample_ms'], tso['cpu_per_sample_ms'])}",
+                    ts["cpu_per_sample_ms"] * 2 <= tso["cpu_per_sample_ms"],
+                    "",
+                ]
+            )
+    return rows
+
+
+# ---- plots ------------------------------------------------------------------------------------------------------
+
+
+def plots(res: dict, outdir: Path) -> list[str]:
+    """Writes the PNGs; returns their names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    names = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(outdir / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+
+    t = res.get("transport")
+    if t and t["latency"]:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        readers = sorted({r["readers"] for r in t["latency"]})
+        for ax, mode in zip(axes, ("spin", "futex")):
+            for tr, mk in (("tsock", "o-"), ("uds", "s--"), ("zmq", "^:")):
+                pts = [(n, _lat(t, tr, mode, n)) for n in readers]
+                pts = [(n, r["median_us"]) for n, r in pts if r]
+                if pts:
+                    ax.plot(*zip(*pts), mk, label=tr)
+            base = t["cache_line"] if mode == "spin" else t["futex"]
+            ax.axhline(
+                base["median_us"], color="grey", lw=1, label="cache-line handoff" if mode == "spin" else "futex wake-up"
+            )
+            ax.set(xscale="log", yscale="log", xlabel="readers", title=f"median one-way latency, {mode}")
+            ax.set_xticks(readers, [str(n) for n in readers])
+            ax.legend(fontsize=8)
+        axes[0].set_ylabel("µs")
+        save(fig, "latency.png")
+    if t and t["throughput"]:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        small = [r for r in t["throughput"] if r["bytes"] == 4096 and not r.get("error")]
+        labels = [f"{r['transport']}\n{r['readers']} rd" for r in small]
+        axes[0].bar(labels, [r["batches_per_s"] for r in small], color="tab:blue")
+        axes[0].set(yscale="log", ylabel="batches/s per reader", title="4 KiB batches, flat out")
+        big = sorted({r["bytes"] for r in t["throughput"] if r["touch"]})
+        mem = {m["bytes"]: m for m in t["memcpy"]}
+        w = 0.2
+        for j, (lab, get) in enumerate(
+            (
+                ("tsock, 1 reader", lambda s: (_tput(t, "tsock", 1, s, True) or {}).get("gb_per_s")),
+                ("ZMQ, 1 reader", lambda s: (_tput(t, "zmq", 1, s, True) or {}).get("gb_per_s")),
+                ("memcpy", lambda s: mem.get(s, {}).get("memcpy_gb_per_s")),
+                ("read in-process", lambda s: mem.get(s, {}).get("read_gb_per_s")),
+            )
+        ):
+            xs = [i + (j - 1.5) * w for i in range(len(big))]
+            axes[1].bar(xs, [get(s) or 0 for s in big], w, label=lab)
+        axes[1].set_xticks(range(len(big)), [_size(s) for s in big])
+        axes[1].set(ylabel="GB/s", title="bandwidth, every byte read")
+        axes[1].legend(fontsize=8)
+        save(fig, "throughput.png")
+    e = res.get("e2e")
+    if e and e["runs"]:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        ks = sorted({r["k"] for r in e["runs"]})
+        for system, mk in (("own", "s--"), ("tsock", "o-"), ("tensorsocket", "^:")):
+            pts = [(k, _run(e, system, k)) for k in ks]
+            pts = [(k, r) for k, r in pts if r]
+            if pts:
+                label = {"own": "a DataLoader per trainer"}.get(system, system)
+                axes[0].plot([k for k, _ in pts], [r["aggregate"] for _, r in pts], mk, label=label)
+                axes[1].plot([k for k, _ in pts], [r["cpu_per_sample_ms"] for _, r in pts], mk, label=label)
+        axes[0].set(xlabel="trainers K", ylabel="samples/s, all trainers", title="aggregate training throughput")
+        axes[1].set(xlabel="trainers K", ylabel="CPU ms per sample", title="CPU per sample (all processes)")
+        for ax in axes:
+            ax.set_xticks(ks)
+            ax.legend(fontsize=8)
+        save(fig, "e2e.png")
+    if t and t.get("scaling"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        sc = [r for r in t["scaling"] if not r.get("error")]
+        ax.plot([max(r["readers"], 0.5) for r in sc], [r["cpu_us_median"] for r in sc], "o-")
+        ax.set(xscale="symlog", xlabel="sleeping readers", ylabel="producer CPU µs per publish", title="producer cost")
+        save(fig, "scaling.png")
+    return names
+
+
+# ---- document ------------------------------------------------------------------------------------------------
+
+
+def markdown(res: dict, images: list[str], command: str) -> str:
+    m = res["machine"]
+    L = ["# tsock benchmarks", ""]
+    L += [
+        f"Produced by `{command}` in {res['seconds']:.0f} s on {m['date']}. Every figure is a ratio against a baseline "
+        "measured in the same run on the same machine, as a median over repeats (or over samples, for latencies). "
+        "Do not edit by hand: rerun the command.",
+        "",
+        "Machine: " + m["summary"] + ".",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
+        "",
+        f"Load average (1, 5, 15 min) at the start: {m['load_start']}; at the end: {m['load_end']}. "
+        "Figures on a shared VM move from run to run; compare ratios.",
+        "",
+    ]
+    rows = targets(res)
+    if rows:
+        L += ["## Targets", ""]
+        L.append(
+            _table(["target", "measured", "met", "note"], [[a, b, "yes" if c else "**no**", d] for a, b, c, d in rows])
+        )
+        L += ["", res.get("target_notes", ""), ""]
+    t = res.get("transport")
+    if t:
+        L += transport_md(t, "latency.png" in images, "throughput.png" in images)
+    p = res.get("python")
+    if p:
+        L += python_md(p)
+    e = res.get("e2e")
+    if e:
+        L += e2e_md(e, "e2e.png" in images)
+    if t and (t.get("scaling") or t.get("shm")):
+        L += scaling_md(t, "scaling.png" in images)
+    if res.get("fixes"):
+        L += ["## Slow paths found and fixed", "", res["fixes"], ""]
+    return "\n".join(L) + "\n"
+
+
+def transport_md(t: dict, lat_png: bool, tput_png: bool) -> list[str]:
+    cl, fx = t["cache_line"], t["futex"]
+    L = ["## Transport: publish to acquire", ""]
+    L += [
+        f"Go producer (the product's `producer` package) and reader processes in C (`bench/latency/helper/tbench.c`, "
+        f"the C reader of `libtsock_reader.so`, so no Go runtime or allocation sits in the measured path). "
+        f"One {t['latency_payload_bytes']}-byte batch per interval, the interval growing with the readers "
+        "(max(100 µs, 25 µs × readers)) so that readers woken one after the other on 2 CPUs can drain each batch; "
+        "each reader records `CLOCK_MONOTONIC` on return minus the batch's publish time. `spin`: readers busy-poll; "
+        "`futex`: tsock readers never spin and sleep on the futex, socket readers block in `recv`.",
+        "",
+        "Baselines, same run: **cache-line handoff** (two processes ping-pong a counter in a shared mapping, RTT/2), "
+        "**futex wake-up** (FUTEX_WAKE to the sleeper running), **UDS** (the same descriptor, 224 bytes, sent over a "
+        "Unix-domain `SOCK_SEQPACKET` socket to each reader), **ZMQ** (the same payload over libzmq PUB/SUB on "
+        "loopback TCP, as TensorSocket moves its batches, in C so that both sides pay no interpreter).",
+        "",
+        _table(
+            ["baseline", "median µs", "p99 µs"],
+            [
+                ["cache-line handoff", _f(cl["median_us"], 3), _f(cl["p99_us"], 3)],
+                ["futex wake-up", _f(fx["median_us"]), _f(fx["p99_us"])],
+            ]
+            + (
+                [["futex wake-up, Go waiter", _f(t["futex_go"]["median_us"]), _f(t["futex_go"]["p99_us"])]]
+                if t.get("futex_go", {}).get("n")
+                else []
+            ),
+        ),
+        "",
+        "The futex baseline's waiter is a C process, like the readers it is compared with. The same with a Go "
+        "waiter (the previous version of this benchmark) is woken about twice as fast: while the waiter sleeps in "
+        "the kernel its runtime's monitor thread keeps waking up, which keeps the vCPU out of idle.",
+        "",
+    ]
+    rows = []
+    for r in t["latency"]:
+        if r.get("error"):
+            rows.append([r["transport"], r["mode"], r["readers"], "FAILED: " + r["error"], "", "", ""])
+            continue
+        base = cl if r["mode"] == "spin" else fx
+        tsock = _lat(t, "tsock", r["mode"], r["readers"])
+        rows.append(
+            [
+                r["transport"],
+                r["mode"],
+                r["readers"],
+                _f(r["median_us"]),
+                _f(r["p99_us"]),
+                _x(r["median_us"], base["median_us"]),
+                "1.00x" if r["transport"] == "tsock" else _x(r["median_us"], tsock["median_us"] if tsock else 0),
+            ]
+        )
+    L.append(
+        _table(
+            ["transport", "mode", "readers", "median µs", "p99 µs", "median / baseline", "median / tsock's"],
+            rows,
+            2,
+        )
+    )
+    L += [
+        "",
+        "Baseline: the cache-line handoff for `spin`, the futex wake-up for `futex`. With more busy-polling "
+        "readers than CPUs (here: 4, 16 and 64 spinning readers plus the producer on 2 vCPUs), a batch waits "
+        "for its reader to be scheduled: those rows measure the Linux scheduler's time slices, not the "
+        "transport, for every transport alike. The sleeping (`futex`) rows show the cost of waking readers "
+        "one after the other.",
+        "",
+    ]
+    if lat_png:
+        L += ["![latency](bench/latency.png)", ""]
+    L += ["### Throughput and bandwidth", ""]
+    L += [
+        "Flat out: the producer publishes as fast as readers let it, for "
+        f"{t['throughput'][0]['repeats'] if t['throughput'] else '?'} run(s) of a fixed time, median kept. "
+        "Readers use "
+        "tsock's default wait (spin 20 µs, then the futex); socket readers a blocking `recv`. The ZMQ publisher uses "
+        "back-pressure (`ZMQ_XPUB_NODROP`) and sends its payload frame without a copy (`zmq_msg_init_data`); UDS sends "
+        "the descriptor only. tsock's producer writes the first 8 bytes of each batch (readers check them); bandwidth "
+        "readers sum every 64-bit word of every batch.",
+        "",
+    ]
+    rows = []
+    uds1 = _tput(t, "uds", 1, 4096, False)
+    for r in t["throughput"]:
+        if r["bytes"] != 4096:
+            continue
+        if r.get("error"):
+            rows.append([r["transport"], r["readers"], "FAILED: " + r["error"], ""])
+            continue
+        ts = _tput(t, "tsock", r["readers"], 4096, False)
+        rows.append(
+            [
+                r["transport"],
+                r["readers"],
+                _f(r["batches_per_s"]),
+                _x(ts["batches_per_s"], r["batches_per_s"]) if ts else "",
+            ]
+        )
+    L.append(_table(["4 KiB batches", "readers", "batches/s per reader", "tsock / this"], rows))
+    L += [""]
+    _ = uds1
+    mem = {m["bytes"]: m for m in t["memcpy"]}
+    rows = []
+    for r in t["throughput"]:
+        if not r["touch"]:
+            continue
+        m = mem.get(r["bytes"], {})
+        if r.get("error"):
+            rows.append([r["transport"], _size(r["bytes"]), r["readers"], "FAILED: " + r["error"], "", "", "", ""])
+            continue
+        rows.append(
+            [
+                r["transport"],
+                _size(r["bytes"]),
+                r["readers"],
+                _f(r["batches_per_s"]),
+                _f(r["gb_per_s"]),
+                _f(r["agg_gb_per_s"]),
+                _x(r["gb_per_s"], m.get("memcpy_gb_per_s")),
+                _x(r["gb_per_s"], m.get("read_gb_per_s")),
+            ]
+        )
+    L.append(
+        _table(
+            [
+                "every byte read",
+                "batch",
+                "readers",
+                "batches/s per reader",
+                "GB/s per reader",
+                "GB/s all readers",
+                "per reader / memcpy",
+                "per reader / in-process read",
+            ],
+            rows,
+        )
+    )
+    L += [
+        "",
+        "In-process baselines, same run, cycling through a ring-sized working set (the same caches as the "
+        "transports): "
+        + "; ".join(
+            f"{_size(b)} × {m['slots']}: memcpy {_f(m['memcpy_gb_per_s'])} GB/s, read {_f(m['read_gb_per_s'])} GB/s"
+            for b, m in sorted(mem.items())
+        )
+        + ".",
+        "",
+    ]
+    untouched = [r for r in t["throughput"] if r["transport"] == "tsock" and not r["touch"] and r["readers"] == 1]
+    if untouched:
+        L += [
+            "Reading cost against batch size (1 reader, 16 slots, payload not read: acquire, validate, release): "
+            + ", ".join(
+                f"{_size(r['bytes'])}: {_f(r['batches_per_s'])} batches/s" for r in untouched if not r.get("error")
+            )
+            + ".",
+            "",
+        ]
+    if tput_png:
+        L += ["![throughput](bench/throughput.png)", ""]
+    return L
+
+
+def python_md(p: dict) -> list[str]:
+    L = ["## Python consumer overhead", ""]
+    L += [
+        f"`bench/python_consumer.py`: a producer process fills a ring of {p['slots']} slots with batches of "
+        f"{p['tensors']} float32 tensors of {p['elems']} elements; each round drains {p['per_round']} batches through "
+        "`tsock.Consumer` (acquire, descriptors, zero-copy arrays or DLPack, release). Baseline: iterating an "
+        "in-process list of the same arrays, unpacking each batch the same way. Median of "
+        f"{p['rounds']} rounds.",
+        "",
+    ]
+    rows = [
+        [
+            r["output"],
+            _f(r["tsock_s"] * 1e6),
+            _f(1 / r["tsock_s"]),
+            _f(r["list_s"] * 1e6, 3),
+            _f(1 / r["list_s"]),
+            _x(r["tsock_s"], r["list_s"]),
+        ]
+        for r in p["rows"]
+    ]
+    L.append(
+        _table(["output", "tsock µs/batch", "tsock batches/s", "list µs/batch", "list batches/s", "tsock / list"], rows)
+    )
+    L += [""]
+    if p.get("dataloader_s"):
+        L += [
+            f"For scale, same run: a torch `DataLoader` over the same list (no workers, no collate) costs "
+            f"{_f(p['dataloader_s'] * 1e6)} µs per batch; producer and consumer streaming together move "
+            f"{_f(p['streaming_per_s'])} batches/s. A list iteration is a pointer bump, so the ratio is large by "
+            "construction: the absolute cost, a few µs per batch, is what compares with a training step.",
+            "",
+        ]
+    return L
+
+
+def e2e_md(e: dict, png: bool) -> list[str]:
+    c = e["costs"]
+    p, mm = c["pipeline_ms"], c["model_ms"]
+    L = ["## End to end: K trainers sharing one pipeline", ""]
+    L += [
+        f"`bench/e2e.py`: the sweep's dataset and pipeline (`examples/python`: JPEG decode, random resized crop, "
+        f"flip, normalise; batches of {e['batch']}; DataLoader with {e['workers']} workers), {e['train']} images per "
+        f"epoch, {e['epochs']} epochs, median over the epochs after the first (start-up). Each trainer trains a small "
+        "model (4×4 average pool, then a linear classifier) on the CPU: on this GPU-less machine the model's compute "
+        "competes with the pipeline for the same 2 CPUs, so it is kept small, as the model of a GPU trainer costs the "
+        f"CPU little. Measured in-process, same run: the pipeline costs {p:.3f} ms of CPU per sample, a training step "
+        f"{mm:.4f} ms per sample; the best that sharing can do on a saturated CPU is then K(P+M)/(P+KM) = "
+        + ", ".join(f"{(k * (p + mm)) / (p + k * mm):.2f}x at K = {k}" for k in sorted({r["k"] for r in e["runs"]}))
+        + ".",
+        "",
+        "Systems: **own** = each trainer runs its own DataLoader (the baseline); **tsock** = one producer process "
+        "runs the DataLoader and publishes each batch once, trainers use `tsock.Consumer(output='torch')`; "
+        "**tensorsocket** = `tensorsocket` 0.0.5 from PyPI, its `TensorProducer` wrapping the same DataLoader, "
+        "trainers iterate `TensorConsumer` (notes below). CPU: every process, DataLoader workers included "
+        "(process plus reaped children, summed over processes, per epoch). Memory: the peak over the run of the "
+        "sum over all processes of RSS and of PSS (PSS splits shared pages among their users, so shared memory "
+        "counts once).",
+        "",
+    ]
+    rows = []
+    for r in sorted(e["runs"], key=lambda r: (r["k"], r["system"])):
+        own = _run(e, "own", r["k"])
+        rows.append(
+            [
+                r["system"],
+                r["k"],
+                _f(r["trainer_rate"]),
+                _f(r["aggregate"]),
+                _x(r["aggregate"], own["aggregate"]) if own else "",
+                _f(r["cpu_epoch"]),
+                _f(r["cpu_per_sample_ms"], 3),
+                _x(r["cpu_per_sample_ms"], own["cpu_per_sample_ms"]) if own else "",
+                _f(r["peak_rss"] / MiB),
+                _f(r["peak_pss"] / MiB),
+            ]
+        )
+    L.append(
+        _table(
+            [
+                "system",
+                "K",
+                "samples/s per trainer",
+                "aggregate samples/s",
+                "aggregate / own",
+                "CPU s per epoch",
+                "CPU ms per sample",
+                "CPU per sample / own",
+                "peak RSS sum MiB",
+                "peak PSS sum MiB",
+            ],
+            rows,
+        )
+    )
+    L += [""]
+    for key, why in e.get("failures", {}).items():
+        L += [f"- {key}: FAILED: {why}"]
+    if png:
+        L += ["![e2e](bench/e2e.png)", ""]
+    L += [e.get("notes", ""), ""]
+    return L
+
+
+def scaling_md(t: dict, png: bool) -> list[str]:
+    L = ["## Scaling", ""]
+    sc = [r for r in t.get("scaling", []) if not r.get("error")]
+    if sc:
+        floor = next((r for r in sc if r["readers"] == 0), None)
+        one = next((r for r in sc if r["readers"] == 1), None)
+        L += [
+            "Producer cost per publish against readers: paced 4 KiB batches to C readers that sleep on the futex "
+            "between batches, so every publish wakes all of them; the producer thread's CPU clock "
+            "(`CLOCK_THREAD_CPUTIME_ID`) around reserve + publish, median over the publishes. 0 readers is the floor: "
+            "the same calls with nobody to wake.",
+            "",
+            _table(
+                ["readers", "CPU µs per publish", "/ 0 readers", "/ 1 reader", "per reader woken µs", "wall µs"],
+                [
+                    [
+                        r["readers"],
+                        _f(r["cpu_us_median"]),
+                        _x(r["cpu_us_median"], floor["cpu_us_median"]) if floor else "",
+                        _x(r["cpu_us_median"], one["cpu_us_median"]) if one else "",
+                        _f((r["cpu_us_median"] - floor["cpu_us_median"]) / r["readers"])
+                        if floor and r["readers"]
+                        else "",
+                        _f(r["wall_us_median"]),
+                    ]
+                    for r in sc
+                ],
+            ),
+            "",
+        ]
+        if png:
+            L += ["![scaling](bench/scaling.png)", ""]
+    shm = [r for r in t.get("shm", []) if not r.get("error")]
+    if shm:
+        L += [
+            "Shared memory against ring depth and batch size (64 reader records): computed by `layout.h`'s geometry, "
+            "the file's size, and what tmpfs holds after every slot was written once (`st_blocks`).",
+            "",
+            _table(
+                ["slots", "slot bytes", "computed", "file size", "allocated", "file / payload", "overhead bytes"],
+                [
+                    [
+                        r["slots"],
+                        _size(r["slot_bytes"]),
+                        f"{r['computed_bytes']:,}",
+                        f"{r['file_bytes']:,}",
+                        f"{r['allocated_bytes']:,}",
+                        f"{r['file_bytes'] / r['payload_bytes']:.4f}",
+                        f"{r['file_bytes'] - r['payload_bytes']:,}",
+                    ]
+                    for r in shm
+                ],
+            ),
+            "",
+            "Size = 4 KiB header + reader area (64 × 128 B, page-rounded) + slots × 2,752 B of descriptors "
+            "(page-rounded) + slots × slot bytes: the overhead is fixed per slot and per reader, independent of the "
+            "batch size.",
+            "",
+        ]
+    return L
+
+
+def median(v):
+    return statistics.median(v) if v else None

@@ -1,0 +1,50 @@
+"""Smoke test of the benchmark driver (bench/run.py --quick, about 30 s):
+every section runs, and the document it writes carries the targets, the
+baselines and the plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(shutil.which("go") is None or shutil.which("cc") is None, reason="needs Go and a C compiler")
+def test_quick_benchmark_writes_the_document(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorsocket")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = (tmp_path / "BENCHMARKS.md").read_text()
+    for heading in ("## Targets", "## Transport", "## Python consumer", "## End to end", "## Scaling"):
+        assert heading in doc
+    assert "FAILED" not in doc, doc
+    for png in ("latency.png", "throughput.png", "e2e.png", "scaling.png"):
+        assert (tmp_path / "bench" / png).stat().st_size > 1000
+    res = json.loads((tmp_path / "bench" / "results.json").read_text())
+    t = res["transport"]
+    assert t["cache_line"]["n"] > 0 and t["futex"]["n"] > 0
+    assert {r["transport"] for r in t["latency"]} == {"tsock", "uds", "zmq"}
+    assert all(r["batches_per_s"] > 0 for r in t["throughput"])
+    assert {(r["system"], r["k"]) for r in res["e2e"]["runs"]} == {
+        (s, k) for s in ("own", "tsock", "tensorsocket") for k in (1, 2)
+    }
+    # every figure comes with its baseline from the same run
+    assert all(r["list_s"] > 0 for r in res["python"]["rows"])
+    assert all(m["memcpy_gb_per_s"] > 0 for m in t["memcpy"])
