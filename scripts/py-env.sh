@@ -24,5 +24,7 @@ if [ -n "$missing" ]; then
 fi
 /usr/bin/python3 -m venv --system-site-packages "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-  "jax[cpu]==0.4.30" "numpy<2" "pytest>=7" "pytest-timeout==2.3.1" "ruff==0.17.6"
+  "jax[cpu]==0.4.30" "numpy<2" "pytest>=7" "pytest-timeout==2.3.1" "ruff==0.17.6" \
+  "matplotlib>=3.7,<3.10" "pyzmq>=25,<28" "tornado>=6"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "tensorsocket==0.0.5"
 touch "$venv/.ready"
