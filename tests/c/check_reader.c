@@ -34,9 +34,8 @@
 #include <time.h>
 
 #include "tsock.h"
+#include "../../internal/batchgen/batchgen.h"
 
-#define FNV_BASIS 14695981039346656037ull
-#define FNV_PRIME 1099511628211ull
 
 static const char *status_name(int s) {
 #define S(x) \
@@ -61,41 +60,8 @@ static int mismatch(uint64_t seq, const char *what) {
 
 /* Verifies one data batch; sets *i and *hash. Returns 0 or 2. */
 static int verify(const tsock_batch_t *b, uint64_t *i_out, uint64_t *hash_out) {
-  char msg[160];
-  if (b->n_tensors != 2) return mismatch(b->seq, "tensor count is not 2");
-  const tsock_tensor_t *t0 = &b->tensors[0], *t1 = &b->tensors[1];
-  if (t0->dtype != TSOCK_DTYPE_UINT8 || t0->ndim != 1 || t0->offset != 0)
-    return mismatch(b->seq, "tensor 0 is not UINT8 [L] at offset 0");
-  if (t1->dtype != TSOCK_DTYPE_INT64 || t1->ndim != 1 || t1->shape[0] != 2)
-    return mismatch(b->seq, "tensor 1 is not INT64 [2]");
-  const int64_t *v = t1->data;
-  uint64_t i = (uint64_t)v[0], len = (uint64_t)t0->shape[0];
-  if (len != 1 + (i * 7919) % 60000 || (uint64_t)v[1] != len) {
-    snprintf(msg, sizeof msg, "i=%" PRIu64 ": L=%" PRIu64 ", tensor 1 says L=%" PRId64, i, len, v[1]);
-    return mismatch(b->seq, msg);
-  }
-  if (t1->offset != (len + 7) / 8 * 8) return mismatch(b->seq, "tensor 1 offset is not (L+7)/8*8");
-  const uint8_t *p = t0->data;
-  uint64_t h = FNV_BASIS;
-  for (uint64_t j = 0; j < len; j++) {
-    if (p[j] != (uint8_t)((i * 31 + j * 7) ^ (j >> 8))) {
-      snprintf(msg, sizeof msg, "i=%" PRIu64 ": byte %" PRIu64 " is %u", i, j, p[j]);
-      return mismatch(b->seq, msg);
-    }
-    h = (h ^ p[j]) * FNV_PRIME;
-  }
-  if (b->meta_len != 8) return mismatch(b->seq, "meta is not 8 bytes");
-  const uint8_t *m = b->meta;
-  uint64_t meta = 0;
-  for (int k = 7; k >= 0; k--) meta = meta << 8 | m[k];
-  if (meta != h) {
-    snprintf(msg, sizeof msg, "i=%" PRIu64 ": meta %016" PRIx64 ", FNV of tensor 0 %016" PRIx64, i,
-             meta, h);
-    return mismatch(b->seq, msg);
-  }
-  *i_out = i;
-  *hash_out = h;
-  return 0;
+  char why[160];
+  return batchgen_verify(b, i_out, hash_out, why, sizeof why) == 0 ? 0 : mismatch(b->seq, why);
 }
 
 int main(int argc, char **argv) {
@@ -125,7 +91,7 @@ int main(int argc, char **argv) {
     return 1;
   }
 
-  uint64_t batches = 0, markers = 0, first = 0, last = 0, fold = FNV_BASIS;
+  uint64_t batches = 0, markers = 0, first = 0, last = 0, fold = BATCHGEN_FNV_BASIS;
   int code = 0;
   while (expected == 0 || batches < expected) {
     const tsock_batch_t *b;
@@ -149,7 +115,7 @@ int main(int argc, char **argv) {
       if (batches == 0) first = i;
       last = i;
       batches++;
-      fold = (fold ^ h) * FNV_PRIME;
+      fold = (fold ^ h) * BATCHGEN_FNV_PRIME;
     }
     if (slow_us > 0) {
       struct timespec ts = {slow_us / 1000000, (slow_us % 1000000) * 1000};

@@ -33,9 +33,8 @@
 #include <time.h>
 
 #include "tsock.h"
+#include "../../../internal/batchgen/batchgen.h"
 
-#define FNV_BASIS 14695981039346656037ull
-#define FNV_PRIME 1099511628211ull
 
 static volatile sig_atomic_t term;
 static void on_term(int sig) { (void)sig; term = 1; }
@@ -54,36 +53,9 @@ static int mismatch(uint64_t seq, const char *what) {
 
 /* Verifies one data batch of the batchgen format; sets *i. */
 static int verify(const tsock_batch_t *b, uint64_t *i_out) {
-  char msg[160];
-  if (b->n_tensors != 2) return mismatch(b->seq, "tensor count is not 2");
-  const tsock_tensor_t *t0 = &b->tensors[0], *t1 = &b->tensors[1];
-  if (t0->dtype != TSOCK_DTYPE_UINT8 || t0->ndim != 1 || t0->offset != 0 || t0->strides[0] != 1)
-    return mismatch(b->seq, "tensor 0 is not UINT8 [L] at offset 0");
-  if (t1->dtype != TSOCK_DTYPE_INT64 || t1->ndim != 1 || t1->shape[0] != 2 || t1->nbytes != 16)
-    return mismatch(b->seq, "tensor 1 is not INT64 [2]");
-  const int64_t *v = t1->data;
-  uint64_t i = (uint64_t)v[0], len = (uint64_t)t0->shape[0];
-  if (len != 1 + (i * 7919) % 60000 || (uint64_t)v[1] != len || t0->nbytes != len) {
-    snprintf(msg, sizeof msg, "i=%" PRIu64 ": L=%" PRIu64 ", tensor 1 says L=%" PRId64, i, len, v[1]);
-    return mismatch(b->seq, msg);
-  }
-  if (t1->offset != (len + 7) / 8 * 8) return mismatch(b->seq, "tensor 1 offset is not (L+7)/8*8");
-  const uint8_t *p = t0->data;
-  uint64_t h = FNV_BASIS;
-  for (uint64_t j = 0; j < len; j++) {
-    if (p[j] != (uint8_t)((i * 31 + j * 7) ^ (j >> 8))) {
-      snprintf(msg, sizeof msg, "i=%" PRIu64 ": byte %" PRIu64 " is %u", i, j, p[j]);
-      return mismatch(b->seq, msg);
-    }
-    h = (h ^ p[j]) * FNV_PRIME;
-  }
-  if (b->meta_len != 8) return mismatch(b->seq, "meta is not 8 bytes");
-  const uint8_t *m = b->meta;
-  uint64_t meta = 0;
-  for (int k = 7; k >= 0; k--) meta = meta << 8 | m[k];
-  if (meta != h) return mismatch(b->seq, "meta is not the FNV-1a of tensor 0");
-  *i_out = i;
-  return 0;
+  char why[160];
+  uint64_t hash;
+  return batchgen_verify(b, i_out, &hash, why, sizeof why) == 0 ? 0 : mismatch(b->seq, why);
 }
 
 int main(int argc, char **argv) {
