@@ -84,6 +84,7 @@ type Producer struct {
 	// gating reader watch, for the eviction policy
 	gateCursor uint64
 	gateSince  time.Time
+	lastLive   time.Time // last look at the readers' locks while waiting
 }
 
 func (o *Options) fill() error {
@@ -407,7 +408,15 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 	for {
 		p.seg.SetProducerWaiting(true)
 		w := atomic.LoadUint32(word)
-		p.cachedMin = p.scan(seq, true)
+		// The readers' locks (a system call per reader) once per
+		// livenessPeriod, not at every wait and wake-up: while the ring is
+		// full every release wakes us, and with many readers the checks
+		// cost more than the batches.
+		live := time.Since(p.lastLive) >= livenessPeriod
+		if live {
+			p.lastLive = time.Now()
+		}
+		p.cachedMin = p.scan(seq, live)
 		if seq < p.cachedMin+p.slots {
 			return nil
 		}
@@ -415,7 +424,7 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 			return ring.Errorf(ring.StatusHandle, "producer of %q closed while waiting", p.name)
 		}
 		p.maybeEvict(p.cachedMin)
-		slice := livenessPeriod
+		slice := max(livenessPeriod-time.Since(p.lastLive), time.Microsecond) // wake for the next check
 		if timeout > 0 {
 			left := timeout - time.Since(start)
 			if left <= 0 {
