@@ -24,10 +24,11 @@ def _size(b: int) -> str:
     return f"{b // MiB} MiB" if b >= MiB else f"{b // 1024} KiB"
 
 
-def _table(head: list[str], rows: list[list]) -> str:
+def _table(head: list[str], rows: list[list], left: int = 1) -> str:
+    """A Markdown table; the first `left` columns are text, the others numbers."""
     out = [
         "| " + " | ".join(head) + " |",
-        "|" + "|".join(" --- " if i == 0 else " ---: " for i in range(len(head))) + "|",
+        "|" + "|".join(" --- " if i < left else " ---: " for i in range(len(head))) + "|",
     ]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
@@ -64,38 +65,37 @@ def targets(res: dict) -> list[list[str]]:
     rows = []
     t = res.get("transport")
     if t:
-        sizes = sorted({r["bytes"] for r in t["throughput"] if r["transport"] == "tsock" and not r["touch"]})
-        rates = [(s, _tput(t, "tsock", 1, s, False)) for s in sizes]
-        rates = [(s, r["batches_per_s"]) for s, r in rates if r]
-        if len(rates) >= 2:
-            lo, hi = min(v for _, v in rates), max(v for _, v in rates)
-            spread = ", ".join(f"{_size(s)} {v / 1e3:,.0f}k" for s, v in rates)
+        cost = [r for r in t.get("read_cost", []) if not r.get("error")]
+        if len(cost) >= 2:
+            lo, hi = min(r["median_ns"] for r in cost), max(r["median_ns"] for r in cost)
+            spread = ", ".join(f"{_size(r['bytes'])} {r['median_ns']:.0f} ns" for r in cost)
             rows.append(
                 [
                     "reading cost independent of batch size",
-                    f"batches/s by batch size, 1 reader, payload untouched: {spread} (slowest/fastest {lo / hi:.2f})",
-                    lo / hi >= 0.8,
-                    "met when the slowest size reaches 80% of the fastest",
+                    f"acquire + release, median: {spread} (largest/smallest {hi / lo:.2f})",
+                    hi <= 1.25 * lo,
+                    "met when all sizes are within 25%; payload not read",
                 ]
             )
-        cl, fx = t["cache_line"]["median_us"], t["futex"]["median_us"]
-        spin, fut = _lat(t, "tsock", "spin", 1), _lat(t, "tsock", "futex", 1)
-        if spin:
+        pairs = t.get("pairs") or []
+        if pairs:
+            spin = statistics.median(p["tsock_spin_us"] / p["cache_line_us"] for p in pairs)
+            fut = statistics.median(p["tsock_futex_us"] / p["futex_us"] for p in pairs)
+            med = {k: statistics.median(p[k] for p in pairs) for k in pairs[0]}
             rows.append(
                 [
                     "publish-to-acquire median ≤ 2× a raw cache-line handoff (busy-polling)",
-                    f"{_f(spin['median_us'], 3)} µs vs {_f(cl, 3)} µs: {_x(spin['median_us'], cl)}",
-                    spin["median_us"] <= 2 * cl,
-                    "1 reader",
+                    f"{spin:.2f}x (tsock {_f(med['tsock_spin_us'], 3)} µs, handoff {_f(med['cache_line_us'], 3)} µs)",
+                    spin <= 2,
+                    f"1 reader; median ratio of {len(pairs)} back-to-back pairs",
                 ]
             )
-        if fut:
             rows.append(
                 [
                     "publish-to-acquire median ≤ 1.5× a raw futex wake-up (futex)",
-                    f"{_f(fut['median_us'])} µs vs {_f(fx)} µs: {_x(fut['median_us'], fx)}",
-                    fut["median_us"] <= 1.5 * fx,
-                    "1 reader",
+                    f"{fut:.2f}x (tsock {_f(med['tsock_futex_us'])} µs, wake-up {_f(med['futex_us'])} µs)",
+                    fut <= 1.5,
+                    f"1 reader; median ratio of {len(pairs)} back-to-back pairs",
                 ]
             )
     e = res.get("e2e")
@@ -141,6 +141,55 @@ def targets(res: dict) -> list[list[str]]:
                 ]
             )
     return rows
+
+
+def target_notes(res: dict) -> str:
+    """How to read the targets, with this run's numbers."""
+    out = ["Reading the targets (each miss: why, and what would close it):", ""]
+    t = res.get("transport")
+    if t and t.get("pairs"):
+        pairs = t["pairs"]
+        spin = statistics.median(p["tsock_spin_us"] / p["cache_line_us"] for p in pairs)
+        fut = statistics.median(p["tsock_futex_us"] / p["futex_us"] for p in pairs)
+        out.append(
+            f"- **Busy-polling, {spin:.1f}x a cache-line handoff.** The primitive moves one cache line one way. A "
+            "batch moves at least four, in three dependent steps: the reader sees `published` change; it copies "
+            "the slot's head (stamp, epoch, sizes) and the tensor descriptor (two more lines), then re-checks the "
+            "stamp (seqlock); the producer, before that, had to take those lines back from the reader's cache to "
+            "write them. At one handoff per dependent transfer that is 3-4x the primitive; the rest is the "
+            "reader's validation of every descriptor (it trusts no producer) and its clock reads. Closing it "
+            "to 2x would take readers that wait on the next slot's stamp instead of `published` (measured: about "
+            "15% less, see the last section) and a one-tensor descriptor inside the stamp's cache line (a "
+            "layout change). The 2x target compares a message with a bare signal: a batch hand-off cannot reach it."
+        )
+        fx_go = t.get("futex_go", {}).get("median_us")
+        go = (
+            f" A Go waiter, this run: {t['futex_go']['median_us']:.1f} µs against {t['futex']['median_us']:.1f} "
+            "µs for the C waiter (the waiter's runtime threads can keep its CPU out of idle)."
+            if fx_go
+            else ""
+        )
+        out.append(
+            f"- **Sleeping, {fut:.2f}x a futex wake-up.** A sleeping tsock reader is a futex wake-up plus the same "
+            "few transfers, so it sits at the primitive; most of the time is the idle CPU's wake-up (in a VM, an "
+            f"exit from HLT), which only a spinning reader avoids (tsock's default: spin 20 µs, then sleep).{go}"
+        )
+    e = res.get("e2e")
+    if e and e.get("runs"):
+        c = e["costs"]
+        p, m = c["pipeline_ms"], c["model_ms"]
+        k = max(r["k"] for r in e["runs"])
+        bound = k * (p + m) / (p + k * m)
+        out.append(
+            f"- **End to end, K = {k}, on 2 CPUs.** With every CPU busy, sharing one pipeline among K trainers can "
+            f"at best divide the CPU per sample by K(P+M)/(P+KM) = {bound:.2f} (P = {p:.3f} ms of pipeline CPU per "
+            f"sample, M = {m:.4f} ms of training-step CPU per sample, both measured in this run). Here the "
+            "trainers' models run on the same 2 CPUs as the pipeline, and every trainer process adds its own "
+            "per-batch work (its Python loop, reading the batch, context switches among all the processes); on a "
+            "GPU node, where M runs on the GPU, the bound is K. The independent loaders also pay K sets of "
+            "DataLoader workers, which is what sharing removes. The TensorSocket comparison is at the same K."
+        )
+    return "\n".join(out)
 
 
 # ---- plots ------------------------------------------------------------------------------------------------------
@@ -253,9 +302,11 @@ def markdown(res: dict, images: list[str], command: str) -> str:
     if rows:
         L += ["## Targets", ""]
         L.append(
-            _table(["target", "measured", "met", "note"], [[a, b, "yes" if c else "**no**", d] for a, b, c, d in rows])
+            _table(
+                ["target", "measured", "met", "note"], [[a, b, "yes" if c else "**no**", d] for a, b, c, d in rows], 4
+            )
         )
-        L += ["", res.get("target_notes", ""), ""]
+        L += ["", target_notes(res), ""]
     t = res.get("transport")
     if t:
         L += transport_md(t, "latency.png" in images, "throughput.png" in images)
@@ -265,7 +316,7 @@ def markdown(res: dict, images: list[str], command: str) -> str:
     e = res.get("e2e")
     if e:
         L += e2e_md(e, "e2e.png" in images)
-    if t and (t.get("scaling") or t.get("shm")):
+    if t and (t.get("scaling") or t.get("shm") or t.get("flat")):
         L += scaling_md(t, "scaling.png" in images)
     if res.get("fixes"):
         L += ["## Slow paths found and fixed", "", res["fixes"], ""]
@@ -301,11 +352,37 @@ def transport_md(t: dict, lat_png: bool, tput_png: bool) -> list[str]:
             ),
         ),
         "",
-        "The futex baseline's waiter is a C process, like the readers it is compared with. The same with a Go "
-        "waiter (the previous version of this benchmark) is woken about twice as fast: while the waiter sleeps in "
-        "the kernel its runtime's monitor thread keeps waking up, which keeps the vCPU out of idle.",
+        "The futex baseline's waiter is a C process, like the readers it is compared with; the Go waiter of the "
+        "previous version of this benchmark is shown for comparison (its runtime's threads keep running while it "
+        "sleeps in the kernel, which can keep its vCPU out of idle and its wake-ups shorter).",
         "",
     ]
+    pairs = t.get("pairs") or []
+    if pairs:
+        L += [
+            "Back-to-back pairs, 1 reader (the targets): each tsock measurement right after its baseline, so that "
+            "both see the same placement of the VM's vCPUs on host cores (between runs the cache-line handoff "
+            "changes several-fold with it).",
+            "",
+            _table(
+                ["pair", "cache-line µs", "tsock spin µs", "ratio", "futex wake-up µs", "tsock futex µs", "ratio"],
+                [
+                    [
+                        i + 1,
+                        _f(p["cache_line_us"], 3),
+                        _f(p["tsock_spin_us"], 3),
+                        _x(p["tsock_spin_us"], p["cache_line_us"]),
+                        _f(p["futex_us"]),
+                        _f(p["tsock_futex_us"]),
+                        _x(p["tsock_futex_us"], p["futex_us"]),
+                    ]
+                    for i, p in enumerate(pairs)
+                ],
+            ),
+            "",
+            "All configurations (one run each, baselines measured once at the start):",
+            "",
+        ]
     rows = []
     for r in t["latency"]:
         if r.get("error"):
@@ -420,14 +497,23 @@ def transport_md(t: dict, lat_png: bool, tput_png: bool) -> list[str]:
         + ".",
         "",
     ]
-    untouched = [r for r in t["throughput"] if r["transport"] == "tsock" and not r["touch"] and r["readers"] == 1]
-    if untouched:
+    cost = t.get("read_cost") or []
+    if cost:
+        base = cost[0].get("median_ns")
         L += [
-            "Reading cost against batch size (1 reader, 16 slots, payload not read: acquire, validate, release): "
-            + ", ".join(
-                f"{_size(r['bytes'])}: {_f(r['batches_per_s'])} batches/s" for r in untouched if not r.get("error")
-            )
-            + ".",
+            "Reading cost against batch size: a C reader's `acquire` + `release` of a batch already published "
+            "(the reader naps 2 ms, the ring fills, then it times up to 8 batches; the producer never blocks, so no "
+            "release has a producer to wake), 16 slots, payload not read.",
+            "",
+            _table(
+                ["batch", "acquire + release, median ns", "p99 ns", f"/ {_size(cost[0]['bytes'])}"],
+                [
+                    [_size(r["bytes"]), _f(r["median_ns"]), _f(r["p99_ns"]), _x(r["median_ns"], base)]
+                    if not r.get("error")
+                    else [_size(r["bytes"]), "FAILED: " + r["error"], "", ""]
+                    for r in cost
+                ],
+            ),
             "",
         ]
     if tput_png:
@@ -570,6 +656,29 @@ def scaling_md(t: dict, png: bool) -> list[str]:
         ]
         if png:
             L += ["![scaling](bench/scaling.png)", ""]
+    flat = [r for r in t.get("flat", []) if not r.get("error")]
+    if flat:
+        one = flat[0]
+        L += [
+            "Flat out: the producer publishes 4 KiB batches as fast as it can to N readers (tsock's default wait), "
+            "16 slots: on 2 CPUs the ring is full most of the time, so this is what back-pressure costs the "
+            "producer per publish (waiting, being woken by releases, checking the readers' liveness).",
+            "",
+            _table(
+                ["readers", "publishes/s", "producer CPU µs per publish", f"/ {one['readers']} reader", "waiting µs"],
+                [
+                    [
+                        r["readers"],
+                        _f(r["publishes_per_s"]),
+                        _f(r["cpu_us_per_publish"]),
+                        _x(r["cpu_us_per_publish"], one["cpu_us_per_publish"]),
+                        _f(r["backpressure_us_per_publish"]),
+                    ]
+                    for r in flat
+                ],
+            ),
+            "",
+        ]
     shm = [r for r in t.get("shm", []) if not r.get("error")]
     if shm:
         L += [

@@ -91,10 +91,10 @@ def transport(quick: bool, tmp: Path) -> dict:
     args = [str(exe), "--helper", "auto", "--transports", "tsock,uds,zmq", "--interval-per-reader", "25us"]
     args += ["--throughput", "--shm", "--json", str(out)]
     if quick:
-        args += ["--quick", "--readers", "1,4", "--tput-readers", "1", "--scaling", "0,1,4"]
+        args += ["--quick", "--readers", "1,4", "--tput-readers", "1", "--scaling", "0,1,4", "--pairs", "2"]
     else:
         args += ["--readers", "1,4,16,64", "--samples", "10000", "--max-time", "3s", "--tput-readers", "1,4"]
-        args += ["--repeats", "3", "--scaling", "0,1,2,4,8,16,32,64"]
+        args += ["--repeats", "3", "--scaling", "0,1,2,4,8,16,32,64", "--pairs", "5"]
     proc = subprocess.run(args, cwd=ROOT, text=True, capture_output=True)
     print(proc.stdout, end="", flush=True)
     if not out.exists():  # a failed measurement still writes its JSON: only a crash gets here
@@ -122,27 +122,6 @@ def e2e_section(quick: bool, tmp: Path) -> dict:
     return e2e.measure(e2e.parse(["--quick"] if quick else []), tmp)
 
 
-TARGET_NOTES = """Why each miss, and what would close it:
-
-- **Busy-polling latency vs a cache-line handoff.** The primitive moves one cache line one way. A batch
-  hand-off moves at least four in three dependent steps: the reader sees `published` change (one line), then
-  copies the slot's stamp and descriptors (the slot head and three lines of tensor descriptor) and re-checks the
-  stamp (the seqlock), then touches the payload (one more line); each cross-core transfer costs about one
-  cache-line handoff. About 3-4x the primitive is the floor of this design; what is left above it is the reader's
-  validation of every descriptor (the producer is not trusted) and two clock reads. Closing it to 2x would take
-  readers that wait on the slot's own stamp instead of `published` (one dependent transfer less) and a
-  descriptor packed into the stamp's cache line for one-tensor batches: a layout change (version 2), not done here.
-- **Sleeping latency vs a futex wake-up.** tsock's sleeping reader is a futex wake-up plus the same few
-  transfers: within noise of the primitive when both waiters are C processes (the table's baseline). A waiter
-  whose CPU never idles is woken about twice as fast (`futex wake-up, Go waiter` above: the Go runtime's
-  threads keep its CPU busy); on this VM the rest is the idle CPU's exit from HLT, which only a spinning reader
-  avoids (tsock's default: spin 20 µs, then sleep).
-- **End to end on 2 CPUs.** Sharing cannot do better than K(P+M)/(P+KM) when every CPU is busy (P: pipeline CPU
-  per sample, M: model CPU per sample, both measured in the same run, see below). On this machine the
-  trainers' models run on the same 2 CPUs as the pipeline, and each trainer process adds its own per-batch costs
-  (optimizer step, Python loop, reading the batch); on a GPU node, where M is on the GPU, the bound is K."""
-
-
 def measure(a, only: list[str]) -> dict:
     os.environ.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
     t0 = time.monotonic()
@@ -160,6 +139,38 @@ def measure(a, only: list[str]) -> dict:
     res["machine"]["load_end"] = _load()
     res["seconds"] = time.monotonic() - t0
     return res
+
+
+FIXES = """**Producer back-pressure** (`producer/producer.go`, `gate`; commit "Producer: check readers' liveness
+locks once per 10 ms..."). While the ring is full, every reader's release wakes the producer, and every
+wake-up ran `F_OFD_GETLK` on every reader's lock: with 64 readers, 64 system calls per release. The flat-out
+series above showed it (producer CPU per publish growing much faster than the readers). The checks are now
+rate-limited to once per 10 ms of waiting, and the sleep slice ends at the next check, so a dead reader still
+holds the producer back for at most ~10 ms (the multi-process kill tests pass unchanged). Before/after, the
+flat-out series of this benchmark, 3 alternating runs each on this machine: 64 readers 1,890-2,220 ->
+3,039-6,256 publishes/s and 83-100 -> 15-43 µs of producer CPU per publish; 16 readers 5.7-6.9 -> 4.1-5.6 µs;
+4 readers unchanged (2.4-2.9 µs).
+
+**Benchmark method** (`bench/latency`): tsock's readers are now C processes (before: the Go wrapper, whose
+cgo call and per-batch allocations were counted as tsock's); the futex baseline's waiter is C as well; the
+ratios that decide targets come from back-to-back pairs (a VM's vCPUs move between host cores, and the
+cache-line handoff changes several-fold with them); reading cost is timed without touching the payload.
+
+Looked at, measured, and left alone:
+- *Readers spinning on the next slot's stamp* instead of `published` (`reader/reader.c`, `wait_for_data`):
+  one dependent cache-line transfer less; in a scratch build, 4 back-to-back pairs each, the busy-polling
+  median went from 0.34-0.78 to 0.28-0.65 µs (about 15% in the common placement, within this VM's noise
+  otherwise). It changes the wait protocol of the lead's reader (`published` is no longer the only signal)
+  for ~50 ns: proposed, not applied.
+- *The producer spinning 20 µs before sleeping on a full ring*: saves the wake-up system calls when readers
+  are barely slower than the producer, but on 2 vCPUs the spinning producer takes the CPU from the readers
+  (4 readers: 2.3-2.8 -> 3.4-4.4 µs per publish): not applied.
+- *Large power-of-two slots*: the payload of every slot starts at a multiple of the slot size, so the first
+  lines of all slots share cache sets; a reader that reads only the first line of each batch (the smoke
+  check of this benchmark) paid 201 -> 581 ns from 4 KiB to 8 MiB slots. A reader of the whole batch does
+  not notice; a per-slot offset ("colouring") would remove it, at the price of a layout change: not done.
+- *The Python consumer* (`bench/python_consumer.py` under cProfile): views are cached per held slot and the
+  descriptors parsed with `struct`; what is left is the ctypes call and the array or DLPack construction."""
 
 
 def main(argv=None) -> int:
@@ -184,7 +195,7 @@ def main(argv=None) -> int:
     import e2e
     import report
 
-    res["target_notes"] = TARGET_NOTES
+    res["fixes"] = FIXES
     if "e2e" in res:
         res["e2e"]["notes"] = e2e.NOTES
     images = report.plots(res, out / "bench")

@@ -68,6 +68,7 @@ type config struct {
 	scalePublishes int
 	shm            bool
 	jsonPath       string
+	pairs          int // rounds of baseline-then-tsock pairs, 1 reader
 }
 
 // intervalFor is the publish interval with n readers: readers woken one
@@ -119,6 +120,7 @@ func parseConfig(args []string) (config, error) {
 	scalePub := fs.Int("scale-publishes", 400, "publishes timed per reader count (--quick: 100)")
 	shm := fs.Bool("shm", false, "also shared memory per ring depth and batch size")
 	jsonPath := fs.String("json", "", "also write every result to this JSON file")
+	pairs := fs.Int("pairs", 0, "rounds of back-to-back pairs (cache-line, tsock spin; futex, tsock futex; 1 reader), for ratios that a vCPU moving between runs cannot skew")
 	if err := fs.Parse(args); err != nil {
 		return config{}, err
 	}
@@ -129,7 +131,8 @@ func parseConfig(args []string) (config, error) {
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	cfg := config{samples: *samples, warmup: *warmup, interval: *interval, perRead: *perRead, payload: *payload,
 		maxTime: *maxTime, paceSpin: *paceSpin, quick: *quick, helper: *helper, throughput: *tput,
-		tputTime: *tputTime, repeats: *repeats, scalePublishes: *scalePub, shm: *shm, jsonPath: *jsonPath}
+		tputTime: *tputTime, repeats: *repeats, scalePublishes: *scalePub, shm: *shm, jsonPath: *jsonPath,
+		pairs: *pairs}
 	if cfg.quick {
 		if !set["samples"] {
 			cfg.samples = 2000
@@ -190,7 +193,7 @@ func parseConfig(args []string) (config, error) {
 		return config{}, fmt.Errorf("--throughput and --scaling need --helper (C reader processes)")
 	}
 	if cfg.samples < 1 || cfg.warmup < 0 || cfg.interval <= 0 || cfg.payload < 8 || cfg.maxTime <= 0 ||
-		cfg.repeats < 1 || cfg.tputTime <= 0 || cfg.scalePublishes < 10 || cfg.perRead < 0 {
+		cfg.repeats < 1 || cfg.tputTime <= 0 || cfg.scalePublishes < 10 || cfg.perRead < 0 || cfg.pairs < 0 {
 		return config{}, fmt.Errorf("--samples, --interval, --max-time, --repeats, --tput-time must be positive, --payload at least 8, --scale-publishes at least 10")
 	}
 	return cfg, nil
@@ -365,7 +368,10 @@ type report struct {
 	Latency    []latJSON  `json:"latency"`
 	Throughput []tputRow  `json:"throughput"`
 	Memory     []memRow   `json:"memcpy"`
+	Pairs      []pairRow  `json:"pairs"`
+	ReadCost   []costRow  `json:"read_cost"`
 	Scaling    []scaleRow `json:"scaling"`
+	Flat       []flatRow  `json:"flat"`
 	Shm        []shmRow   `json:"shm"`
 }
 
@@ -430,6 +436,11 @@ func benchMain(cfg config) error {
 		rep.FutexGo = futGo.json()
 	}
 
+	if cfg.pairs > 0 {
+		if rep.Pairs, err = pairedRounds(cfg, shm); err != nil {
+			return err
+		}
+	}
 	var rows []tsockRow
 	for _, tr := range cfg.transports {
 		for _, mode := range cfg.modes {
@@ -456,9 +467,9 @@ func benchMain(cfg config) error {
 				rep.Throughput = append(rep.Throughput, throughput(cfg, tr, r, 4096, 16, false))
 			}
 		}
-		// Reading cost against batch size: the same ring depth, nothing touched.
-		for _, size := range cfg.bwSizes {
-			rep.Throughput = append(rep.Throughput, throughput(cfg, "tsock", 1, size, 16, false))
+		// Reading cost against batch size: the same ring depth, payload not read.
+		for _, size := range append([]uint64{4096}, cfg.bwSizes...) {
+			rep.ReadCost = append(rep.ReadCost, readCost(cfg, size))
 		}
 		for _, size := range cfg.bwSizes {
 			m, err := memBandwidth(cfg, size, slotsFor(size))
@@ -475,6 +486,11 @@ func benchMain(cfg config) error {
 	}
 	for _, n := range cfg.scaleReaders {
 		rep.Scaling = append(rep.Scaling, producerCost(cfg, n))
+	}
+	for _, n := range cfg.scaleReaders {
+		if n > 0 {
+			rep.Flat = append(rep.Flat, producerFlat(cfg, n))
+		}
 	}
 	if cfg.shm {
 		for _, slots := range []uint32{4, 16, 64} {
@@ -561,6 +577,25 @@ func printReport(cfg config, rep report, cache, fut, futGo stats, rows []tsockRo
 				m.Bytes>>20, m.Slots, m.MemcpyGBps, m.ReadGBps)
 		}
 	}
+	if len(rep.Pairs) > 0 {
+		fmt.Println()
+		for i, p := range rep.Pairs {
+			fmt.Printf("pair %d: cache-line %.3f µs, tsock spin %.3f µs (%.1fx); futex %.2f µs, tsock futex %.2f µs (%.2fx)\n",
+				i+1, p.CacheLine, p.Spin, p.Spin/p.CacheLine, p.Futex, p.FutexTsock, p.FutexTsock/p.Futex)
+		}
+	}
+	if len(rep.ReadCost) > 0 {
+		fmt.Println()
+		for _, r := range rep.ReadCost {
+			if r.Err != "" {
+				failed = true
+				fmt.Printf("reading cost, %d-byte batches: FAILED: %s\n", r.Bytes, r.Err)
+				continue
+			}
+			fmt.Printf("reading cost, %d-byte batches: acquire + release %.0f ns (median of %d), p99 %.0f ns\n",
+				r.Bytes, r.MedianNs, r.Samples, r.P99Ns)
+		}
+	}
 	if len(rep.Scaling) > 0 {
 		fmt.Println()
 		tw = tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
@@ -572,6 +607,20 @@ func printReport(cfg config, rep report, cache, fut, futGo stats, rows []tsockRo
 				continue
 			}
 			fmt.Fprintf(tw, "%d\t%d\t%.2f\t%.2f\t%.2f\t%.0f\t\n", r.Readers, r.Publishes, r.CPUMedian, r.CPUMean, r.WallMedian, r.Interval)
+		}
+		tw.Flush()
+	}
+	if len(rep.Flat) > 0 {
+		fmt.Println()
+		tw = tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "flat out, readers\tpublishes/s\tproducer CPU µs/publish\tback-pressure µs/publish\t")
+		for _, r := range rep.Flat {
+			if r.Err != "" {
+				failed = true
+				fmt.Fprintf(tw, "%d\tFAILED: %s\t\t\t\n", r.Readers, r.Err)
+				continue
+			}
+			fmt.Fprintf(tw, "%d\t%.0f\t%.2f\t%.1f\t\n", r.Readers, r.PublishesPerS, r.CPUPerPublish, r.BackpressureUs)
 		}
 		tw.Flush()
 	}

@@ -2,9 +2,11 @@ package main
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
 	"runtime"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -48,7 +50,7 @@ func producerCost(cfg config, n int) scaleRow {
 	defer p.Close()
 	var readers []*child
 	if n > 0 {
-		if readers, err = attachReaders(cfg, p, name, n, "futex", "-1", "0"); err != nil {
+		if readers, err = attachReaders(cfg, p, "tsock", name, n, "futex", "-1", "0"); err != nil {
 			return fail(err)
 		}
 	}
@@ -138,5 +140,120 @@ func shmSize(slots uint32, bytes uint64) shmRow {
 		return row
 	}
 	row.FileSize, row.Allocated = uint64(st.Size), uint64(st.Blocks)*512
+	return row
+}
+
+// costRow is a reader's acquire + release of a batch already published.
+type costRow struct {
+	Bytes    uint64  `json:"bytes"`
+	Samples  int     `json:"samples"`
+	MedianNs float64 `json:"median_ns"`
+	P99Ns    float64 `json:"p99_ns"`
+	Err      string  `json:"error,omitempty"`
+}
+
+// readCost times a C reader's acquire + release of batches of `bytes` that
+// are ready when it asks (helper role tsock-cost). The producer never
+// blocks (timeout 0, then a nap), so no release has a producer to wake.
+func readCost(cfg config, bytes uint64) costRow {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	row := costRow{Bytes: bytes}
+	fail := func(err error) costRow { row.Err = err.Error(); return row }
+	name := fmt.Sprintf("tsock-cost-%d-%d", os.Getpid(), bytes)
+	p, err := producer.Create(name, producer.Options{Slots: 16, SlotBytes: bytes})
+	if err != nil {
+		return fail(err)
+	}
+	defer p.Close()
+	rounds := 400
+	if cfg.quick {
+		rounds = 100
+	}
+	readers, err := attachReaders(cfg, p, "tsock-cost", name, 1, strconv.Itoa(rounds))
+	if err != nil {
+		return fail(err)
+	}
+	defer killAll(readers)
+	tensors := []producer.Tensor{{Dtype: ring.DtypeUint8, Shape: []int64{int64(bytes)}}}
+	for seq := uint64(0); !readers[0].exited(); {
+		buf, err := p.Reserve(bytes, 0)
+		if errors.Is(err, producer.ErrBackpressure) {
+			time.Sleep(200 * time.Microsecond)
+			continue
+		}
+		if err != nil {
+			return fail(err)
+		}
+		binary.LittleEndian.PutUint64(buf, seq)
+		if err := p.Publish(tensors, nil); err != nil {
+			return fail(err)
+		}
+		seq++
+	}
+	v, err := readers[0].finish(10 * time.Second)
+	if err != nil {
+		return fail(err)
+	}
+	samples, _ := splitCounters(v)
+	st := summarize(samples)
+	row.Samples, row.MedianNs, row.P99Ns = st.n, st.median*1e3, st.p99*1e3
+	return row
+}
+
+// flatRow is the producer publishing flat out to n readers (tsock's default
+// wait: spin 20 µs, then the futex): on 2 CPUs the ring is full most of the
+// time, so this is the cost of back-pressure (waiting, being woken, checking
+// the readers) per publish.
+type flatRow struct {
+	Readers        int     `json:"readers"`
+	PublishesPerS  float64 `json:"publishes_per_s"`
+	CPUPerPublish  float64 `json:"cpu_us_per_publish"` // producer thread CPU over the run / publishes
+	BackpressureUs float64 `json:"backpressure_us_per_publish"`
+	Err            string  `json:"error,omitempty"`
+}
+
+func producerFlat(cfg config, n int) flatRow {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	row := flatRow{Readers: n}
+	fail := func(err error) flatRow { row.Err = err.Error(); return row }
+	name := fmt.Sprintf("tsock-flat-%d-%d", os.Getpid(), n)
+	const bytes = 4096
+	p, err := producer.Create(name, producer.Options{Slots: 16, SlotBytes: bytes})
+	if err != nil {
+		return fail(err)
+	}
+	defer p.Close()
+	readers, err := attachReaders(cfg, p, "tsock", name, n, "default", "-1", "0")
+	if err != nil {
+		return fail(err)
+	}
+	defer killAll(readers)
+	tensors := []producer.Tensor{{Dtype: ring.DtypeUint8, Shape: []int64{bytes}}}
+	c0, t0 := threadCPU(), now()
+	pubs := 0
+	for now()-t0 < uint64(cfg.tputTime) {
+		buf, err := p.Reserve(bytes, 10*time.Second)
+		if err != nil {
+			return fail(err)
+		}
+		binary.LittleEndian.PutUint64(buf, uint64(pubs))
+		if err := p.Publish(tensors, nil); err != nil {
+			return fail(err)
+		}
+		pubs++
+	}
+	c1, t1 := threadCPU(), now()
+	bp := p.Stats().BackpressureNs
+	if err := p.Close(); err != nil {
+		return fail(err)
+	}
+	if _, _, err := finishAll(readers, 30*time.Second); err != nil {
+		return fail(err)
+	}
+	row.PublishesPerS = float64(pubs) / (float64(t1-t0) / 1e9)
+	row.CPUPerPublish = float64(c1-c0) / 1e3 / float64(pubs)
+	row.BackpressureUs = float64(bp) / 1e3 / float64(pubs)
 	return row
 }

@@ -53,12 +53,12 @@ func repoRoot() string {
 	return filepath.Join(filepath.Dir(file), "..", "..")
 }
 
-// attachReaders starts n C tsock readers (tbench tsock NAME args...) and
+// attachReaders starts n C tsock readers (tbench ROLE NAME args...) and
 // waits until they are attached to p.
-func attachReaders(cfg config, p *producer.Producer, name string, n int, args ...string) ([]*child, error) {
+func attachReaders(cfg config, p *producer.Producer, role, name string, n int, args ...string) ([]*child, error) {
 	var children []*child
 	for i := 0; i < n; i++ {
-		c, err := startProgram(cfg.helper, append([]string{"tsock", name}, args...)...)
+		c, err := startProgram(cfg.helper, append([]string{role, name}, args...)...)
 		if err != nil {
 			killAll(children)
 			return nil, err
@@ -254,7 +254,7 @@ func throughputOnce(cfg config, transport string, readers int, bytes uint64, slo
 			return nil, 0, err
 		}
 		defer p.Close()
-		recv, err = attachReaders(cfg, p, name, readers, "default", "-1", t)
+		recv, err = attachReaders(cfg, p, "tsock", name, readers, "default", "-1", t)
 		if err != nil {
 			return nil, 0, err
 		}
@@ -372,4 +372,44 @@ func memBandwidth(cfg config, bytes uint64, slots uint32) (memRow, error) {
 		return median(f)
 	}
 	return memRow{Bytes: bytes, Slots: slots, MemcpyGBps: gbps(s[:k]), ReadGBps: gbps(s[k:])}, nil
+}
+
+// pairRow is one round of back-to-back medians (µs), 1 reader: each tsock
+// figure right after its baseline, so that both run on the same placement
+// of the vCPUs (a VM's vCPUs move between host cores, and the cache-line
+// handoff changes several-fold with them).
+type pairRow struct {
+	CacheLine  float64 `json:"cache_line_us"`
+	Spin       float64 `json:"tsock_spin_us"`
+	Futex      float64 `json:"futex_us"`
+	FutexTsock float64 `json:"tsock_futex_us"`
+}
+
+func pairedRounds(cfg config, shm *sharedPage) ([]pairRow, error) {
+	c := cfg
+	c.samples = max(2000, cfg.samples/cfg.pairs)
+	c.maxTime = max(time.Second, cfg.maxTime/time.Duration(cfg.pairs))
+	var rows []pairRow
+	for i := 0; i < cfg.pairs; i++ {
+		shm.reset()
+		cl, err := pingPong(c, shm)
+		if err != nil {
+			return nil, fmt.Errorf("cache-line baseline: %w", err)
+		}
+		sp, _, err := tsockLatency(c, "spin", 1)
+		if err != nil {
+			return nil, err
+		}
+		shm.reset()
+		fx, err := futexBaseline(c, shm)
+		if err != nil {
+			return nil, fmt.Errorf("futex baseline: %w", err)
+		}
+		ft, _, err := tsockLatency(c, "futex", 1)
+		if err != nil {
+			return nil, err
+		}
+		rows = append(rows, pairRow{CacheLine: cl.median, Spin: sp.median, Futex: fx.median, FutexTsock: ft.median})
+	}
+	return rows, nil
 }

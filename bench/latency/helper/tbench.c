@@ -5,6 +5,8 @@
  * pkg-config finds it, -DTBENCH_ZMQ) and runs it in one of these roles:
  *
  *   tsock NAME MODE WARMUP TOUCH       a tsock reader (libtsock's C reader, no Go)
+ *   tsock-cost NAME ROUNDS             times acquire + release of batches already published:
+ *                                      ROUNDS x (2 ms nap, then up to 8 batches)
  *   uds-send PATH READERS INTERVAL_NS SECONDS MSG_BYTES
  *   uds-recv PATH MODE WARMUP          the baseline: the descriptor over a Unix socket
  *   zmq-pub ENDPOINT READERS INTERVAL_NS SECONDS MSG_BYTES HWM
@@ -167,6 +169,51 @@ static int tsock_reader(char **a) {
     if (all) sink += touch(x->data, x->nbytes);
     rec_add(&r, b->seq, b->publish_ns, t);
     tsock_reader_release(h, b);
+  }
+  tsock_reader_detach(h);
+  return rec_write(&r);
+}
+
+/* ---- tsock reading cost: acquire + release of a batch that is ready ---- */
+
+static int tsock_cost(char **a) {
+  int rounds = atoi(a[1]);
+  tsock_reader_options_t o;
+  tsock_reader_options_init(&o);
+  o.attach_timeout_ns = 10000000000ll;
+  o.start = TSOCK_START_NOW;
+  o.max_held = 1;
+  tsock_reader_t *h;
+  if (tsock_reader_attach(a[0], &o, &h) != 0) {
+    fprintf(stderr, "tbench: attach: %s\n", tsock_last_error());
+    return 1;
+  }
+  rec_t r = {.paced = 1};
+  struct timespec nap = {0, 2000000};
+  for (int k = 0; k < rounds; k++) {
+    nanosleep(&nap, NULL); /* the producer fills the ring meanwhile */
+    for (int i = 0; i < 8; i++) {
+      const tsock_batch_t *b;
+      uint64_t t0 = now_ns();
+      int rc = tsock_reader_acquire(h, &b, 0);
+      if (rc == TSOCK_EAGAIN) break; /* drained */
+      if (rc != 0) {
+        fprintf(stderr, "tbench: acquire: %s\n", tsock_last_error());
+        return 1;
+      }
+      const uint64_t *first = b->tensors[0].data;
+      uint64_t seq = b->seq;
+      tsock_reader_release(h, b);
+      uint64_t t1 = now_ns();
+      /* Checked outside the timed calls: tsock itself never touches the
+       * payload (with large power-of-two slots, the first words of all
+       * slots share cache sets, and that miss would be counted). */
+      if (*first != seq) {
+        fprintf(stderr, "tbench: batch %llu carries a wrong sequence number\n", (unsigned long long)seq);
+        return 1;
+      }
+      rec_push(&r, t1 - t0);
+    }
   }
   tsock_reader_detach(h);
   return rec_write(&r);
@@ -432,7 +479,8 @@ int main(int argc, char **argv) {
     int nargs;
     int (*fn)(char **);
   } roles[] = {
-      {"tsock", 4, tsock_reader}, {"uds-send", 5, uds_send}, {"uds-recv", 3, uds_recv},
+      {"tsock", 4, tsock_reader}, {"tsock-cost", 2, tsock_cost},
+      {"uds-send", 5, uds_send},  {"uds-recv", 3, uds_recv},
 #ifdef TBENCH_ZMQ
       {"zmq-pub", 6, zmq_pub},    {"zmq-sub", 5, zmq_sub},
 #endif
