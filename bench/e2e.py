@@ -368,7 +368,7 @@ def parse(argv=None) -> Namespace:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--k", default=None, help="trainer counts (default 1,2,4; --quick 1,2)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--epochs", type=int, default=None, help="epochs per run (default 3; --quick 2)")
+    ap.add_argument("--epochs", type=int, default=None, help="epochs per run (default 5; --quick 2)")
     ap.add_argument("--train", type=int, default=None, help="images per epoch (default 3000; --quick 640)")
     ap.add_argument("--data-dir", default=str(ROOT / "build" / "sweep-data"))
     ap.add_argument("--timeout", type=float, default=300)
@@ -381,7 +381,7 @@ def parse(argv=None) -> Namespace:
     ap.add_argument("--ports")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
-    a.epochs = a.epochs or (2 if a.quick else 3)
+    a.epochs = a.epochs or (2 if a.quick else 5)
     a.train = a.train or (640 if a.quick else 3000)
     if a.role:
         a.k = int(a.k)
