@@ -160,8 +160,8 @@ Looked at, measured, and left alone:
 - *Readers spinning on the next slot's stamp* instead of `published` (`reader/reader.c`, `wait_for_data`):
   one dependent cache-line transfer less; in a scratch build, 4 back-to-back pairs each, the busy-polling
   median went from 0.34-0.78 to 0.28-0.65 µs (about 15% in the common placement, within this VM's noise
-  otherwise). It changes the wait protocol of the lead's reader (`published` is no longer the only signal)
-  for ~50 ns: proposed, not applied.
+  otherwise). It changes the reader's wait protocol (`published` would no longer be the only signal) for
+  ~50 ns: proposed, not applied.
 - *The producer spinning 20 µs before sleeping on a full ring*: saves the wake-up system calls when readers
   are barely slower than the producer, but on 2 vCPUs the spinning producer takes the CPU from the readers
   (4 readers: 2.3-2.8 -> 3.4-4.4 µs per publish): not applied.
