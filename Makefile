@@ -35,7 +35,7 @@ py-test: build py-env
 	$(PY) -m ruff format --check python tests/python examples bench
 	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) -m pytest -q tests/python
 
-test: lint go-test c-test py-test
+test: lint py-env go-test c-test py-test
 
 # The main job: a hyper-parameter sweep, one producer (a PyTorch DataLoader
 # decoding and augmenting JPEGs) feeding 4 PyTorch trainers through tsock.

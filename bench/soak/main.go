@@ -62,6 +62,7 @@ type config struct {
 	duration      time.Duration
 	readers       int
 	cReaders      int
+	pyReaders     int
 	slots         uint
 	rate          int
 	chaosEvery    time.Duration
@@ -90,7 +91,9 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	fs.DurationVar(&cfg.duration, "duration", 10*time.Minute, "how long to run the chaos")
 	fs.IntVar(&cfg.readers, "readers", 8, "reader processes")
-	fs.IntVar(&cfg.cReaders, "c-readers", 4, "how many of the readers are C (the others are Go)")
+	fs.IntVar(&cfg.cReaders, "c-readers", 3, "how many of the readers are C")
+	fs.IntVar(&cfg.pyReaders, "py-readers", 2,
+		"how many of the readers are Python (the others are Go; none when .venv/bin/python or the reader library is missing)")
 	fs.UintVar(&cfg.slots, "slots", 16, "ring depth")
 	fs.IntVar(&cfg.rate, "rate", 2000, "producer batches per second (0: as fast as the readers allow)")
 	fs.DurationVar(&cfg.chaosEvery, "chaos-every", 100*time.Millisecond, "mean time between reader kills/stops")
@@ -110,7 +113,8 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 		}
 		return 2
 	}
-	if fs.NArg() != 0 || cfg.readers < 1 || cfg.cReaders < 0 || cfg.cReaders > cfg.readers || cfg.duration <= 0 ||
+	if fs.NArg() != 0 || cfg.readers < 1 || cfg.cReaders < 0 || cfg.pyReaders < 0 ||
+		cfg.cReaders+cfg.pyReaders > cfg.readers || cfg.duration <= 0 ||
 		cfg.chaosEvery <= 0 || cfg.slots < 2 {
 		fmt.Fprintln(stderr, "soak: bad arguments (see -h)")
 		return 2
@@ -137,31 +141,57 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 
 // Result is the outcome of a soak (also its --json output).
 type Result struct {
-	OK               bool     `json:"ok"`
-	Failures         []string `json:"failures,omitempty"`
-	Seconds          float64  `json:"seconds"`
-	Seed             uint64   `json:"seed"`
-	Readers          int      `json:"readers"`
-	CReaders         int      `json:"c_readers"`
-	Kills            int      `json:"reader_kills"`
-	GatingKills      int      `json:"gating_kills"` // kills of the reader the producer waited for, measured
-	Stops            int      `json:"reader_stops"`
-	Restarts         int      `json:"reader_restarts"`
-	ProducerRestarts int      `json:"producer_restarts"`
-	Published        uint64   `json:"batches_published"` // all incarnations, epoch markers included
-	Verified         uint64   `json:"batches_verified"`  // data batches checked by readers, all processes
-	GoneChecks       int      `json:"producer_gone_checks"`
-	Reattaches       int      `json:"reattaches"`
-	LatencyP50Ms     float64  `json:"kill_to_publish_p50_ms"`
-	LatencyP99Ms     float64  `json:"kill_to_publish_p99_ms"`
-	LatencyMaxMs     float64  `json:"kill_to_publish_max_ms"`
-	RecordsChecked   int      `json:"records_checked"`
-	CBuild           string   `json:"c_reader,omitempty"`
+	OK               bool                   `json:"ok"`
+	Failures         []string               `json:"failures,omitempty"`
+	Seconds          float64                `json:"seconds"`
+	Seed             uint64                 `json:"seed"`
+	Readers          int                    `json:"readers"`
+	CReaders         int                    `json:"c_readers"`
+	PyReaders        int                    `json:"py_readers"`
+	GoReaders        int                    `json:"go_readers"`
+	PyFallback       string                 `json:"py_fallback,omitempty"` // why there are no Python readers
+	Kinds            map[string]*KindCounts `json:"kinds,omitempty"`       // per reader kind: "c", "go", "python"
+	Kills            int                    `json:"reader_kills"`
+	GatingKills      int                    `json:"gating_kills"` // kills of the reader the producer waited for, measured
+	Stops            int                    `json:"reader_stops"`
+	Restarts         int                    `json:"reader_restarts"`
+	ProducerRestarts int                    `json:"producer_restarts"`
+	Published        uint64                 `json:"batches_published"` // all incarnations, epoch markers included
+	Verified         uint64                 `json:"batches_verified"`  // data batches checked by readers, all processes
+	GoneChecks       int                    `json:"producer_gone_checks"`
+	Reattaches       int                    `json:"reattaches"`
+	LatencyP50Ms     float64                `json:"kill_to_publish_p50_ms"`
+	LatencyP99Ms     float64                `json:"kill_to_publish_p99_ms"`
+	LatencyMaxMs     float64                `json:"kill_to_publish_max_ms"`
+	RecordsChecked   int                    `json:"records_checked"`
+	CBuild           string                 `json:"c_reader,omitempty"`
+}
+
+// KindCounts are the counts of one kind of reader ("c", "go", "python").
+type KindCounts struct {
+	Slots      int    `json:"slots"`     // readers of this kind at any time
+	Processes  int    `json:"processes"` // reader processes started
+	Kills      int    `json:"kills"`
+	Stops      int    `json:"stops"`
+	Verified   uint64 `json:"batches_verified"`
+	Reattaches int    `json:"reattaches"`
+}
+
+// kindOf is the counts of c's kind (main loop only; result() reads them).
+func (s *soak) kindOf(c *child) *KindCounts {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	k := s.res.Kinds[c.kind]
+	if k == nil {
+		k = &KindCounts{}
+		s.res.Kinds[c.kind] = k
+	}
+	return k
 }
 
 // child is one process of the soak.
 type child struct {
-	kind   string // "producer", "c", "go"
+	kind   string // "producer", "c", "go", "python"
 	slot   int
 	slowUs int
 	cmd    *exec.Cmd
@@ -205,6 +235,8 @@ type soak struct {
 	log     io.Writer
 	self    string
 	cReader string
+	python  string // venv python of the Python readers
+	pyEnv   []string
 	rnd     *rand.Rand
 
 	mu        sync.Mutex
@@ -239,7 +271,8 @@ func (s *soak) failed() bool {
 func runSoak(cfg config, log io.Writer) Result {
 	s := &soak{cfg: cfg, log: &lockedWriter{w: log}, rnd: rand.New(rand.NewPCG(cfg.seed, 0x50a4)),
 		finals: map[int64]uint64{}}
-	s.res = Result{Seed: cfg.seed, Readers: cfg.readers, CReaders: cfg.cReaders}
+	s.res = Result{Seed: cfg.seed, Readers: cfg.readers, CReaders: cfg.cReaders, PyReaders: cfg.pyReaders,
+		Kinds: map[string]*KindCounts{}}
 	// Pdeathsig follows the thread that started a child: keep this
 	// goroutine, which starts them all, on one thread.
 	runtime.LockOSThread()
@@ -262,12 +295,34 @@ func (s *soak) result() Result {
 	r.Seconds = time.Since(s.stopwatch).Seconds()
 	r.Failures = s.failures
 	r.OK = len(s.failures) == 0
-	for _, c := range s.history {
-		r.Verified += c.n
-		if c.attaches > 1 {
-			r.Reattaches += c.attaches - 1
+	kinds := map[string]*KindCounts{}
+	for kind, k := range s.res.Kinds {
+		kk := *k
+		kinds[kind] = &kk
+	}
+	for kind, n := range map[string]int{"c": r.CReaders, "python": r.PyReaders, "go": r.GoReaders} {
+		if n > 0 && kinds[kind] == nil {
+			kinds[kind] = &KindCounts{}
+		}
+		if kinds[kind] != nil {
+			kinds[kind].Slots = n
 		}
 	}
+	for _, c := range s.history {
+		r.Verified += c.n
+		k := kinds[c.kind]
+		if k == nil {
+			k = &KindCounts{}
+			kinds[c.kind] = k
+		}
+		k.Processes++
+		k.Verified += c.n
+		if c.attaches > 1 {
+			r.Reattaches += c.attaches - 1
+			k.Reattaches += c.attaches - 1
+		}
+	}
+	r.Kinds = kinds
 	if n := len(s.latencies); n > 0 {
 		l := append([]time.Duration(nil), s.latencies...)
 		sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
@@ -296,6 +351,15 @@ func (s *soak) setup() error {
 		}
 		s.res.CBuild = s.cReader
 	}
+	if s.cfg.pyReaders > 0 {
+		if why := s.setupPython(); why != "" {
+			fmt.Fprintf(s.log, "soak: no Python readers: %s\n", why)
+			s.res.PyFallback = why
+			s.cfg.pyReaders = 0
+			s.res.PyReaders = 0
+		}
+	}
+	s.res.GoReaders = s.cfg.readers - s.cfg.cReaders - s.cfg.pyReaders
 	if err := s.startProducer(); err != nil {
 		return err
 	}
@@ -327,13 +391,59 @@ func (s *soak) setup() error {
 	}
 }
 
+func (s *soak) repoRoot() string {
+	if s.cfg.repo != "" {
+		return s.cfg.repo
+	}
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(file), "..", "..")
+}
+
+// setupPython finds the venv python and libtsock_reader.so (build/, or built
+// here with cc) for the Python readers; it returns why not when it cannot.
+func (s *soak) setupPython() string {
+	repo, err := filepath.Abs(s.repoRoot())
+	if err != nil {
+		return err.Error()
+	}
+	py := filepath.Join(repo, ".venv", "bin", "python")
+	if _, err := os.Stat(py); err != nil {
+		return fmt.Sprintf("%s not found (make py-env)", py)
+	}
+	script := filepath.Join(repo, "bench", "soak", "pyreader", "soak_reader.py")
+	if _, err := os.Stat(script); err != nil {
+		return fmt.Sprintf("Python reader source not found (%v)", err)
+	}
+	if out, err := exec.Command(py, "-c", "import numpy").CombinedOutput(); err != nil {
+		return fmt.Sprintf("%s has no numpy: %v %s", py, err, strings.TrimSpace(string(out)))
+	}
+	libDir := filepath.Join(repo, "build")
+	if _, err := os.Stat(filepath.Join(libDir, "libtsock_reader.so")); err != nil {
+		libDir = s.tmpDir
+		cc := os.Getenv("CC")
+		if cc == "" {
+			cc = "cc"
+		}
+		args := []string{"-shared", "-fPIC", "-O2", "-std=c11", "-I" + filepath.Join(repo, "include"),
+			"-I" + filepath.Join(repo, "ring")}
+		for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/dlpack.c",
+			"cuda/driver.c", "cuda/host.c"} {
+			args = append(args, filepath.Join(repo, f))
+		}
+		args = append(args, "-ldl", "-lpthread", "-o", filepath.Join(libDir, "libtsock_reader.so"))
+		if out, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
+			return fmt.Sprintf("no build/libtsock_reader.so and building it failed: %v\n%s", err, out)
+		}
+	}
+	s.python = py
+	s.pyEnv = []string{"TSOCK_LIBRARY_DIR=" + libDir, "PYTHONPATH=" + filepath.Join(repo, "python"),
+		"PYTHONUNBUFFERED=1"}
+	return ""
+}
+
 // buildCReader compiles creader/soak_reader.c with the C reader sources.
 func (s *soak) buildCReader() (string, error) {
-	repo := s.cfg.repo
-	if repo == "" {
-		_, file, _, _ := runtime.Caller(0)
-		repo = filepath.Join(filepath.Dir(file), "..", "..")
-	}
+	repo := s.repoRoot()
 	src := filepath.Join(repo, "bench", "soak", "creader", "soak_reader.c")
 	if _, err := os.Stat(src); err != nil {
 		return "", fmt.Errorf("C reader source not found (%v); pass --repo, --c-reader or --c-readers 0", err)
@@ -357,6 +467,9 @@ func (s *soak) start(c *child, name string, args ...string) error {
 	c.done = make(chan struct{})
 	c.cmd = exec.Command(name, args...)
 	c.cmd.Env = append(os.Environ(), asMainEnv+"=1")
+	if c.kind == "python" {
+		c.cmd.Env = append(c.cmd.Env, s.pyEnv...)
+	}
 	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	c.cmd.Stderr = s.log
 	out, err := c.cmd.StdoutPipe()
@@ -484,6 +597,8 @@ func (s *soak) startReader(slot int) error {
 	c := &child{kind: "go", slot: slot}
 	if slot < s.cfg.cReaders {
 		c.kind = "c"
+	} else if slot < s.cfg.cReaders+s.cfg.pyReaders {
+		c.kind = "python"
 	}
 	// Every fourth reader is slow: it holds each batch, so the ring fills
 	// and the producer is back-pressured by live readers too.
@@ -491,9 +606,13 @@ func (s *soak) startReader(slot int) error {
 		c.slowUs = 300
 	}
 	var err error
-	if c.kind == "c" {
+	switch c.kind {
+	case "c":
 		err = s.start(c, s.cReader, s.cfg.name, strconv.Itoa(c.slowUs))
-	} else {
+	case "python":
+		script := filepath.Join(s.repoRoot(), "bench", "soak", "pyreader", "soak_reader.py")
+		err = s.start(c, s.python, script, s.cfg.name, strconv.Itoa(c.slowUs))
+	default:
 		err = s.start(c, s.self, "reader", s.cfg.name, strconv.Itoa(c.slowUs))
 	}
 	if err != nil {
@@ -611,6 +730,7 @@ func (s *soak) chaos() {
 				if syscall.Kill(c.pid(), syscall.SIGSTOP) == nil {
 					c.stopped, c.stopUntil = true, now.Add(time.Duration(s.rnd.Int64N(int64(cfg.stopMax)))+10*time.Millisecond)
 					s.res.Stops++
+					s.kindOf(c).Stops++
 				}
 			}
 		default:
@@ -673,6 +793,7 @@ func (s *soak) killReader(c *child) {
 		return
 	}
 	s.res.Kills++
+	s.kindOf(c).Kills++
 	if err := s.startReader(c.slot); err != nil {
 		s.fail("restart %s: %v", c.label(), err)
 		return
@@ -756,6 +877,7 @@ func (s *soak) gatingKill(c *child) {
 		return
 	}
 	s.res.Kills++
+	s.kindOf(c).Kills++
 	if err := s.startReader(c.slot); err != nil {
 		s.fail("restart %s: %v", c.label(), err)
 		return
@@ -941,8 +1063,11 @@ func (s *soak) cleanup() {
 }
 
 func printResult(w io.Writer, cfg config, r Result) {
-	fmt.Fprintf(w, "tsock soak: %.0f s, %d readers (%d C, %d Go), %d slots, producer at %d batches/s, seed %d\n",
-		r.Seconds, r.Readers, r.CReaders, r.Readers-r.CReaders, cfg.slots, cfg.rate, r.Seed)
+	fmt.Fprintf(w, "tsock soak: %.0f s, %d readers (%d C, %d Python, %d Go), %d slots, producer at %d batches/s, seed %d\n",
+		r.Seconds, r.Readers, r.CReaders, r.PyReaders, r.GoReaders, cfg.slots, cfg.rate, r.Seed)
+	if r.PyFallback != "" {
+		fmt.Fprintf(w, "  no Python readers: %s\n", r.PyFallback)
+	}
 	fmt.Fprintf(w, "  reader kills (SIGKILL)      %d (%d while the producer waited for that reader alone)\n", r.Kills, r.GatingKills)
 	fmt.Fprintf(w, "  reader restarts             %d\n", r.Restarts)
 	fmt.Fprintf(w, "  reader stops (SIGSTOP/CONT) %d\n", r.Stops)
@@ -953,6 +1078,12 @@ func printResult(w io.Writer, cfg config, r Result) {
 	if r.GatingKills > 0 {
 		fmt.Fprintf(w, "  kill -> next publish        p50 %.1f ms, p99 %.1f ms, max %.1f ms (bound %v)\n",
 			r.LatencyP50Ms, r.LatencyP99Ms, r.LatencyMaxMs, cfg.livenessBound)
+	}
+	for _, kind := range []string{"c", "python", "go"} {
+		if k := r.Kinds[kind]; k != nil {
+			fmt.Fprintf(w, "  %-6s readers %d: %d processes, %d kills, %d stops, %d re-attaches, %d batches verified\n",
+				kind, k.Slots, k.Processes, k.Kills, k.Stops, k.Reattaches, k.Verified)
+		}
 	}
 	fmt.Fprintf(w, "  reader records at the end   %d checked: free and unlocked\n", r.RecordsChecked)
 	if r.OK {

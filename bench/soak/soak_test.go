@@ -19,7 +19,8 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// TestSoakShort runs the chaos soak for 12 seconds: 8 readers (4 C, 4 Go)
+// TestSoakShort runs the chaos soak for 12 seconds: 8 readers (3 C, 2 Python,
+// 3 Go; C and Go only when there is no .venv/bin/python or reader library)
 // killed, stopped and restarted every ~100 ms, the producer killed and
 // restarted every ~3 s. The long run is `go run ./bench/soak` (10 minutes).
 func TestSoakShort(t *testing.T) {
@@ -37,6 +38,12 @@ func TestSoakShort(t *testing.T) {
 		t.Fatalf("soak output is not JSON: %v\n%s\nlog:\n%s", err, out.String(), log.String())
 	}
 	t.Logf("soak: %+v", res)
+	if res.PyFallback != "" {
+		t.Logf("no Python readers: %s", res.PyFallback)
+	}
+	for kind, k := range res.Kinds {
+		t.Logf("%s readers %d: %+v", kind, k.Slots, *k)
+	}
 	if rc != 0 || !res.OK {
 		t.Fatalf("soak failed (exit %d): %v\nlog:\n%s", rc, res.Failures, log.String())
 	}
