@@ -341,6 +341,8 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
       r->max_held = o.max_held;
       r->spin_ns = o.spin_ns;
       r->held = calloc(o.max_held, sizeof *r->held);
+      /* Every held batch points into the same mapping, for DLPack's refs. */
+      for (uint32_t i = 0; r->held != NULL && i < o.max_held; i++) r->held[i].map = r->map_ref;
       rc = r->held ? claim_record(r, name, o.start)
                    : tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
     }
@@ -559,7 +561,6 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
       continue;
     }
     hb->handed = 1;
-    hb->map = r->map_ref;
     tsock_reader_record *rec = r->rec;
     __atomic_store_n(&rec->acquired, seq + 1, __ATOMIC_RELAXED);
     rec->batches++;
