@@ -513,11 +513,19 @@ def run(args) -> int:
         )
 
     ctx = mp.get_context("spawn")  # fresh interpreters: no inherited threads, locks or Go runtime
-    q = ctx.Queue()
+    # One queue per child: a multiprocessing.Queue's writers share a lock,
+    # and a child killed while holding it would silence every other child.
+    q = Inbox({key: ctx.Queue() for key in ["producer", *range(k)]})
     me = os.getpid()
-    procs = {"producer": ctx.Process(target=producer_main, args=(args, folder, q, me), name="sweep-producer")}
+    procs = {
+        "producer": ctx.Process(
+            target=producer_main, args=(args, folder, q.queues["producer"], me), name="sweep-producer"
+        )
+    }
     for i in range(k):
-        procs[i] = ctx.Process(target=trainer_main, args=(i, CONFIGS[i], args, q, me), name=f"sweep-trainer-{i}")
+        procs[i] = ctx.Process(
+            target=trainer_main, args=(i, CONFIGS[i], args, q.queues[i], me), name=f"sweep-trainer-{i}"
+        )
     display = Display(args, args.progress)
     results, failures, producer_result = {}, {}, None
     reported = set()
@@ -603,6 +611,26 @@ def run(args) -> int:
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0 if not failures and len(results) == k else 1
+
+
+class Inbox:
+    """The children's queues, read as one: get() returns the first message
+    waiting in any of them, or raises queue.Empty after `timeout`."""
+
+    def __init__(self, queues: dict):
+        self.queues = queues
+
+    def get(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            for q in self.queues.values():
+                try:
+                    return q.get_nowait()
+                except queue.Empty:
+                    pass
+            if time.monotonic() >= deadline:
+                raise queue.Empty
+            time.sleep(0.005)
 
 
 def drain(q, args, display, results, failures, reported) -> None:

@@ -108,15 +108,18 @@ class Sweep:
     def finish(self, timeout: float) -> int:
         try:
             rc = self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         while True:
             line = self._q.get(timeout=10)
             if line is None:
                 break
             self.lines.append(line)
+        if rc is None:
+            raise AssertionError(f"sweep still running after {timeout} s:\n" + "\n".join(self.lines[-60:]))
         return rc
 
     @property
