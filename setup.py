@@ -1,7 +1,7 @@
 """Build step of `pip install .`: compiles the two libraries into tsock/_lib.
 
     libtsock.so         go build -buildmode=c-shared ./cabi   (producer + reader)
-    libtsock_reader.so  cc reader/*.c cuda/*.c                 (reader only, no Go runtime)
+    libtsock_reader.so  cc reader/*.c cuda/{driver,host,device}.c (reader only, no Go runtime)
 
 The metadata is in pyproject.toml. The wheel holds native code but no Python
 extension module, so it is tagged py3-none-<platform>. Tools are found on PATH
@@ -35,6 +35,7 @@ READER_SOURCES = [
     "reader/dlpack.c",
     "cuda/driver.c",
     "cuda/host.c",
+    "cuda/device.c",
 ]
 LIBS = ["libtsock.so", "libtsock_reader.so"]
 

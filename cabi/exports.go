@@ -19,6 +19,7 @@ void tsockgo_untrack_fd(int fd);
 import "C"
 
 import (
+	"fmt"
 	"sync"
 	"time"
 	"unsafe"
@@ -77,8 +78,14 @@ func tsockgo_producer_create(name *C.char, o *C.tsock_producer_options_t, out *C
 	opts := producer.Options{Slots: uint32(o.slot_count), SlotBytes: uint64(o.slot_bytes),
 		MaxReaders: uint32(o.max_readers), Mode: fileMode(uint32(o.mode)), Gid: int(o.gid),
 		EvictAfter: time.Duration(o.evict_after_ns), JoinWindow: uint32(o.join_window)}
-	if o.reserved != 0 {
+	if o.reserved != 0 || o.reserved2 != 0 {
 		return fail(ring.Errorf(ring.StatusInval, "producer options: reserved must be 0"))
+	}
+	switch {
+	case o.cuda_device >= 0:
+		opts.Device = fmt.Sprintf("cuda:%d", int32(o.cuda_device))
+	case o.cuda_device != -1:
+		return fail(ring.Errorf(ring.StatusInval, "producer options: cuda_device %d (-1 for none)", int32(o.cuda_device)))
 	}
 	if o.evict_after_ns < 0 || uint32(o.mode)&^0o777 != 0 || o.mode == 0 {
 		return fail(ring.Errorf(ring.StatusInval, "producer options: mode %o or evict_after_ns %d out of range",

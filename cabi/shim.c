@@ -20,6 +20,7 @@ void tsock_producer_options_init(tsock_producer_options_t *o) {
   o->mode = 0600;
   o->gid = -1;
   o->evict_after_ns = 0;
+  o->cuda_device = -1;
 }
 
 /* The Go runtime does not survive fork(): in a child, fail before entering it. */

@@ -9,6 +9,7 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "driver.h"
 
@@ -20,19 +21,6 @@ typedef struct cuda_reg {
   uint64_t fork_gen; /* CUDA state does not survive fork() */
 } cuda_reg;
 
-/* Makes ctx current on this thread (if it is not), returning the previous
- * one in *prev. */
-static tsock_CUresult push_ctx(const tsock_cuda_driver *d, tsock_CUcontext ctx,
-                               tsock_CUcontext *prev) {
-  tsock_CUresult rc = d->cuCtxGetCurrent(prev);
-  if (rc != TSOCK_CUDA_SUCCESS) return rc;
-  return *prev == ctx ? TSOCK_CUDA_SUCCESS : d->cuCtxSetCurrent(ctx);
-}
-
-static void pop_ctx(const tsock_cuda_driver *d, tsock_CUcontext ctx, tsock_CUcontext prev) {
-  if (prev != ctx) d->cuCtxSetCurrent(prev);
-}
-
 /* on_unmap: unregisters before the munmap. Errors have no caller to go to,
  * and the range goes away with the mapping anyway. */
 static void unregister_host(tsock_map_ref *m) {
@@ -43,9 +31,9 @@ static void unregister_host(tsock_map_ref *m) {
   if (g->fork_gen == tsock__fork_generation()) {
     const tsock_cuda_driver *d = g->d;
     tsock_CUcontext prev = NULL;
-    if (push_ctx(d, g->ctx, &prev) == TSOCK_CUDA_SUCCESS) {
+    if (tsock__cuda_push_ctx(d, g->ctx, &prev) == TSOCK_CUDA_SUCCESS) {
       d->cuMemHostUnregister(g->addr);
-      pop_ctx(d, g->ctx, prev);
+      tsock__cuda_pop_ctx(d, g->ctx, prev);
     }
     d->cuDevicePrimaryCtxRelease(g->dev);
   }
@@ -86,7 +74,7 @@ int tsock_reader_register_host(tsock_reader_t *h) {
   rc = d->cuDevicePrimaryCtxRetain(&ctx, dev);
   if (rc != TSOCK_CUDA_SUCCESS) return tsock__cuda_fail(d, rc, "cuDevicePrimaryCtxRetain");
   tsock_CUcontext prev = NULL;
-  rc = push_ctx(d, ctx, &prev);
+  rc = tsock__cuda_push_ctx(d, ctx, &prev);
   if (rc != TSOCK_CUDA_SUCCESS) {
     d->cuDevicePrimaryCtxRelease(dev);
     return tsock__cuda_fail(d, rc, "cuCtxSetCurrent");
@@ -94,7 +82,7 @@ int tsock_reader_register_host(tsock_reader_t *h) {
   void *addr = (void *)(uintptr_t)base;
   rc = d->cuMemHostRegister(addr, (size_t)len,
                             TSOCK_CU_MEMHOSTREGISTER_PORTABLE | TSOCK_CU_MEMHOSTREGISTER_READ_ONLY);
-  pop_ctx(d, ctx, prev);
+  tsock__cuda_pop_ctx(d, ctx, prev);
   if (rc != TSOCK_CUDA_SUCCESS) {
     d->cuDevicePrimaryCtxRelease(dev);
     char what[256];
@@ -106,9 +94,9 @@ int tsock_reader_register_host(tsock_reader_t *h) {
   }
   cuda_reg *g = malloc(sizeof *g);
   if (g == NULL) {
-    if (push_ctx(d, ctx, &prev) == TSOCK_CUDA_SUCCESS) {
+    if (tsock__cuda_push_ctx(d, ctx, &prev) == TSOCK_CUDA_SUCCESS) {
       d->cuMemHostUnregister(addr);
-      pop_ctx(d, ctx, prev);
+      tsock__cuda_pop_ctx(d, ctx, prev);
     }
     d->cuDevicePrimaryCtxRelease(dev);
     return tsock__fail(TSOCK_ENOMEM, "tsock_reader_register_host: out of memory");
@@ -117,5 +105,14 @@ int tsock_reader_register_host(tsock_reader_t *h) {
                   .fork_gen = tsock__fork_generation()};
   m->cuda = g;
   m->on_unmap = unregister_host;
+  tsock_CUuuid uuid;
+  int ordinal = -1;
+  if (d->cuDeviceGetUuid(&uuid, dev) != TSOCK_CUDA_SUCCESS) memset(&uuid, 0, sizeof uuid);
+  int count = 0;
+  for (int i = 0; d->cuDeviceGetCount(&count) == TSOCK_CUDA_SUCCESS && i < count; i++) {
+    tsock_CUdevice di;
+    if (d->cuDeviceGet(&di, i) == TSOCK_CUDA_SUCCESS && di == dev) ordinal = i;
+  }
+  tsock__record_pinned(h, ordinal, &uuid);
   return TSOCK_OK;
 }

@@ -71,7 +71,9 @@ typedef enum tsock_status {
   TSOCK_ESYS = -19,           /* a system call failed; see tsock_last_error() */
   TSOCK_EFORKED = -20,        /* handle used in a child after fork() */
   TSOCK_ENOMEM = -21,         /* out of memory */
-  TSOCK_ENOCUDA = -22         /* no usable CUDA driver (libcuda.so.1 missing, or cuInit failed) */
+  TSOCK_ENOCUDA = -22,        /* no usable CUDA driver (libcuda.so.1 missing, or cuInit failed) */
+  TSOCK_ENODEVICE = -23       /* no device path here: the producer has no device pool, or its
+                                 GPU is not this process's (another GPU, a MIG instance) */
 } tsock_status;
 
 /* Static, never-NULL description of a status ("unknown status" for others).
@@ -153,6 +155,13 @@ typedef struct tsock_producer_options {
                               producer keeps them); 0 (default) = none;
                               less than slot_count */
   uint32_t reserved;       /* must be 0 */
+  int32_t cuda_device;     /* CUDA device of a device pool, -1 (default) none.
+                              With one, every batch is also copied once into
+                              GPU memory on that device, which readers on the
+                              same GPU read zero-copy through CUDA IPC
+                              (tsock_reader_open_device). Needs the CUDA
+                              driver (TSOCK_ENOCUDA without it). */
+  uint32_t reserved2;      /* must be 0 */
 } tsock_producer_options_t;
 
 /* Thread-safe. */
@@ -307,6 +316,53 @@ void tsock_mapping_unpin(void *token);
  * or DLPack tensor of it is dropped; never in a forked child.
  * One thread at a time per reader. */
 int tsock_reader_register_host(tsock_reader_t *r);
+
+/* ---- GPU: the device path (both libraries) ------------------------------ */
+
+/* Opens the producer's device pool (tsock_producer_options_t.cuda_device)
+ * for zero-copy device reads: the pool is mapped once per reader with
+ * cuIpcOpenMemHandle, in the primary context of this process's device
+ * whose UUID is the pool's. On success *cuda_ordinal is that device's
+ * ordinal as this process numbers it (CUDA_VISIBLE_DEVICES applies).
+ *
+ * TSOCK_ENODEVICE, with tsock_last_error() saying which, when this reader
+ * must take the pinned host path instead: the producer has no device pool;
+ * its GPU is not one this process sees (another GPU, or a MIG instance:
+ * CUDA IPC does not cross MIG instances, and a MIG instance has its own
+ * UUID); or the driver refused to open the handle (the producer's own
+ * process, no peer access). TSOCK_ENOCUDA without a driver. The outcome is
+ * recorded in the reader's record (`tsock gpus` shows it). A second call
+ * after success returns 0 again. One thread at a time per reader. */
+int tsock_reader_open_device(tsock_reader_t *r, int32_t *cuda_ordinal);
+
+/* The device address (a CUdeviceptr) of tensor `i` of a batch that has a
+ * device copy, read after tsock_batch_cuda_use(). TSOCK_ENODEVICE when the
+ * reader has no device path or the batch was published without a device
+ * copy. Thread-safe. */
+int tsock_batch_cuda_ptr(const tsock_batch_t *batch, uint32_t i, uint64_t *dptr);
+
+#define TSOCK_CUDA_SYNC 0x1u /* tsock_batch_cuda_use: wait on the host instead */
+
+/* Orders the use of a batch's device copy on `stream` (a CUstream; 0 is the
+ * legacy default stream) in both directions:
+ *   - the stream waits for the producer's copy (cuStreamWaitEvent on the
+ *     slot's interprocess event), so kernels queued after this call read
+ *     the batch's data;
+ *   - when the batch is released, an event is recorded on the stream and
+ *     the slot goes back to the producer only once it has fired, so work
+ *     queued before the release is never overwritten under it. The reader
+ *     polls that event while it waits for data; detach waits for it.
+ * With flags TSOCK_CUDA_SYNC the calling thread waits for the copy instead,
+ * and release waits until the device is idle (cuCtxSynchronize): for
+ * frameworks whose streams cannot be named (JAX). One stream per batch: a
+ * second call with another stream or flags returns TSOCK_ESTATE.
+ * TSOCK_ENODEVICE as tsock_batch_cuda_ptr. One thread at a time per reader. */
+int tsock_batch_cuda_use(const tsock_batch_t *batch, uintptr_t stream, uint32_t flags);
+
+/* As tsock_batch_dlpack, for the device copy: device kDLCUDA with the
+ * ordinal of tsock_reader_open_device. The descriptor keeps the pool
+ * mapped (even after detach); call tsock_batch_cuda_use() first. */
+int tsock_batch_dlpack_cuda(const tsock_batch_t *batch, uint32_t i, int versioned, void **out);
 
 /* ---- DLPack export (both libraries) ------------------------------------- */
 

@@ -34,6 +34,12 @@ type Options struct {
 	// attaching that early still gets the whole epoch. 0: none. Must be
 	// less than Slots.
 	JoinWindow uint32
+	// Device, "cuda:N", adds a device pool on CUDA device N: every batch is
+	// also copied once into GPU memory that readers on that GPU open
+	// through CUDA IPC and read zero-copy. "" or "cpu": host memory only.
+	// The CUDA driver is loaded at run time (TSOCK_LIBCUDA overrides the
+	// library's path); without one, Create fails with a message saying so.
+	Device string
 }
 
 // Defaults of Options.
@@ -80,6 +86,7 @@ type Producer struct {
 	epoch     uint64
 	index     uint64
 	descs     [ring.MaxTensors]ring.ShmTensor
+	pool      *devicePool // nil without a device
 
 	// gating reader watch, for the eviction policy
 	gateCursor uint64
@@ -106,6 +113,9 @@ func (o *Options) fill() error {
 	if o.EvictAfter < 0 {
 		return ring.Errorf(ring.StatusInval, "negative EvictAfter")
 	}
+	if _, err := ParseDevice(o.Device); err != nil {
+		return err
+	}
 	if o.JoinWindow >= o.Slots {
 		return ring.Errorf(ring.StatusInval, "join window of %d batches needs more than %d slots", o.JoinWindow, o.Slots)
 	}
@@ -127,12 +137,14 @@ func Create(name string, opts Options) (*Producer, error) {
 			"geometry out of range: slots %d (power of two, %d..%d), readers %d (1..%d), slot bytes %d (1..%d)",
 			opts.Slots, ring.MinSlots, ring.MaxSlots, opts.MaxReaders, ring.MaxReaders, opts.SlotBytes, ring.MaxSlotBytes)
 	}
-	seg, err := buildSegment(name, g, opts)
+	seg, pool, err := buildSegment(name, g, opts)
 	if err != nil {
 		return nil, err
 	}
-	p := &Producer{name: name, path: ring.ChannelPath(name), seg: seg, opts: opts, slots: uint64(opts.Slots)}
+	p := &Producer{name: name, path: ring.ChannelPath(name), seg: seg, opts: opts, slots: uint64(opts.Slots),
+		pool: pool}
 	if err := p.install(); err != nil {
+		pool.close()
 		seg.Unmap()
 		seg.File.Close()
 		return nil, err
@@ -142,19 +154,20 @@ func Create(name string, opts Options) (*Producer, error) {
 
 // buildSegment creates the segment under a hidden temporary name, fully
 // initialised and locked, so that no reader can ever open a half-built
-// channel.
-func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, error) {
+// channel. With a device, the device pool is made and described in the
+// segment before the header is published.
+func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, *devicePool, error) {
 	var rnd [6]byte
 	_, _ = rand.Read(rnd[:])
 	tmp := fmt.Sprintf("%s/.tsock-tmp.%d.%s", ring.ShmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
 	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, opts.Mode)
 	if err != nil {
-		return nil, sysError(err, "create %s", tmp)
+		return nil, nil, sysError(err, "create %s", tmp)
 	}
-	fail := func(err error) (*ring.Segment, error) {
+	fail := func(err error) (*ring.Segment, *devicePool, error) {
 		f.Close()
 		os.Remove(tmp)
-		return nil, err
+		return nil, nil, err
 	}
 	if err := f.Chmod(opts.Mode); err != nil { // the umask must not widen or narrow the choice
 		return fail(sysError(err, "chmod %s", tmp))
@@ -172,12 +185,20 @@ func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, er
 		return fail(sysError(err, "map %s", tmp))
 	}
 	seg.SetJoinWindow(uint64(opts.JoinWindow))
+	var pool *devicePool
+	if ordinal, _ := ParseDevice(opts.Device); ordinal >= 0 {
+		if pool, err = openPool(ordinal, seg); err != nil {
+			seg.Unmap()
+			return fail(err)
+		}
+	}
 	seg.InitHeader(name, os.Getpid(), uint64(time.Now().UnixNano()))
 	if err := ring.LockByte(f, ring.LockProducer); err != nil {
+		pool.close()
 		seg.Unmap()
 		return fail(sysError(err, "lock %s", tmp))
 	}
-	return seg, nil
+	return seg, pool, nil
 }
 
 // install links the built segment at the channel's name. If a segment is
@@ -295,6 +316,9 @@ func (p *Producer) Reserve(nbytes uint64, timeout time.Duration) ([]byte, error)
 	if err := p.gate(p.next, timeout); err != nil {
 		return nil, err
 	}
+	if err := p.slotIdle(p.next); err != nil {
+		return nil, err
+	}
 	p.seg.BeginSlot(p.next)
 	p.reserved, p.resBytes = true, nbytes
 	return p.seg.Payload(p.next)[:nbytes], nil
@@ -323,9 +347,28 @@ func (p *Producer) Publish(tensors []Tensor, meta []byte) error {
 			return ring.Errorf(st, "tensor %d: %v", i, err)
 		}
 	}
-	p.write(ring.SlotContents{Epoch: p.epoch, Index: p.index, Tensors: tensors, Meta: meta,
-		PayloadBytes: p.resBytes}, len(tensors))
+	c := ring.SlotContents{Epoch: p.epoch, Index: p.index, Tensors: tensors, Meta: meta,
+		PayloadBytes: p.resBytes, PayloadKind: ring.PayloadHost}
+	if p.pool != nil {
+		if err := p.pool.copySlot(uint32(p.seg.SlotIndex(p.next)), p.resBytes); err != nil {
+			return fmt.Errorf("batch %d: copy to the device pool: %w", p.next, err)
+		}
+		c.PayloadKind = ring.PayloadHostDevice
+	}
+	p.write(c, len(tensors))
 	p.index++
+	return nil
+}
+
+// slotIdle returns once the device pool's last copy out of seq's slot has
+// read the host payload, so that the slot may be written again.
+func (p *Producer) slotIdle(seq uint64) error {
+	if p.pool == nil {
+		return nil
+	}
+	if err := p.pool.waitSlot(uint32(p.seg.SlotIndex(seq))); err != nil {
+		return fmt.Errorf("slot of batch %d: %w", seq, err)
+	}
 	return nil
 }
 
@@ -355,6 +398,9 @@ func (p *Producer) EndEpoch(timeout time.Duration) error {
 		return ring.Errorf(ring.StatusState, "a batch is reserved: publish or abort it before ending the epoch")
 	}
 	if err := p.gate(p.next, timeout); err != nil {
+		return err
+	}
+	if err := p.slotIdle(p.next); err != nil {
 		return err
 	}
 	p.seg.BeginSlot(p.next)
@@ -595,9 +641,46 @@ func (p *Producer) Close() error {
 	if p.seg.StillNamed(p.path) {
 		_ = os.Remove(p.path)
 	}
+	p.releasePool()
 	err := p.seg.Unmap()
 	if cerr := p.seg.File.Close(); err == nil {
 		err = cerr
 	}
 	return err
+}
+
+// poolDrainTimeout bounds how long Close keeps the device pool for readers
+// that still read it through CUDA IPC.
+const poolDrainTimeout = 2 * time.Second
+
+// releasePool frees the device pool at Close, once every live reader on
+// the device path has released all it was given (bounded by
+// poolDrainTimeout: a stuck reader must not hold the producer forever).
+func (p *Producer) releasePool() {
+	if p.pool == nil {
+		return
+	}
+	deadline := time.Now().Add(poolDrainTimeout)
+	for time.Now().Before(deadline) && p.deviceReadersBehind() {
+		time.Sleep(time.Millisecond)
+	}
+	p.pool.close()
+	p.pool = nil
+}
+
+// deviceReadersBehind reports whether a live reader on the device path has
+// not released every published batch.
+func (p *Producer) deviceReadersBehind() bool {
+	for i := uint32(0); i < p.seg.Readers; i++ {
+		r := p.seg.Snapshot(i)
+		st := ring.ClaimState(r.Claim)
+		if r.Placement != ring.PlacementDevice || (st != ring.ReaderActive && st != ring.ReaderJoining) ||
+			r.Cursor >= p.next {
+			continue
+		}
+		if locked, err := p.seg.ReaderLocked(i); err == nil && locked {
+			return true
+		}
+	}
+	return false
 }

@@ -45,14 +45,18 @@ typedef struct {
   union { dl_managed legacy; dl_managed_versioned versioned; } m;
   int64_t shape[TSOCK_MAX_DIMS];
   int64_t strides[TSOCK_MAX_DIMS];
-  tsock_map_ref *map; /* keeps the data mapped while the descriptor lives */
+  /* keeps the data mapped (host mapping or device pool) while it lives */
+  void (*unref)(void *);
+  void *ref;
 } dl_block;
 
 static void delete_block(void *self) {
   dl_block *blk = self;
-  tsock__map_unref(blk->map);
+  if (blk->ref != NULL) blk->unref(blk->ref);
   free(blk);
 }
+
+static void map_unref(void *m) { tsock__map_unref(m); }
 static void delete_legacy(dl_managed *self) { delete_block(self); }
 static void delete_versioned(dl_managed_versioned *self) { delete_block(self); }
 
@@ -75,26 +79,22 @@ static int dl_dtype_of(int32_t dtype, dl_dtype *out) {
   return TSOCK_OK;
 }
 
-int tsock_batch_dlpack(const tsock_batch_t *b, uint32_t i, int versioned, void **out) {
-  tsock__clear_error();
-  if (b == NULL || out == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_batch_dlpack: NULL argument");
-  if (i >= b->n_tensors)
-    return tsock__fail(TSOCK_EINVAL, "tsock_batch_dlpack: tensor %u of a batch of %u", i,
-                       b->n_tensors);
+int tsock__dlpack_make(const tsock_batch_t *b, uint32_t i, int versioned, void *data,
+                       int32_t device_type, int32_t device_id, void (*unref)(void *), void *ref,
+                       void **out) {
   const tsock_tensor_t *t = &b->tensors[i];
   dl_dtype dt;
   if (dl_dtype_of(t->dtype, &dt) != TSOCK_OK)
     return tsock__fail(TSOCK_EDTYPE, "tsock_batch_dlpack: dtype %d has no DLPack form", t->dtype);
   dl_block *blk = calloc(1, sizeof *blk);
   if (blk == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_batch_dlpack: out of memory");
-  /* The batch came from tsock_reader_acquire, so it heads a held batch. */
-  blk->map = ((const tsock_held_batch *)b)->map;
-  if (blk->map != NULL) tsock__map_ref(blk->map);
+  blk->unref = unref;
+  blk->ref = ref;
   memcpy(blk->shape, t->shape, sizeof blk->shape);
   memcpy(blk->strides, t->strides, sizeof blk->strides);
   dl_tensor dl = {
-      .data = (void *)t->data,
-      .device = {DL_CPU, 0},
+      .data = data,
+      .device = {device_type, device_id},
       .ndim = t->ndim,
       .dtype = dt,
       .shape = blk->shape,
@@ -113,4 +113,19 @@ int tsock_batch_dlpack(const tsock_batch_t *b, uint32_t i, int versioned, void *
   }
   *out = blk; /* the managed struct is the block's first member */
   return TSOCK_OK;
+}
+
+int tsock_batch_dlpack(const tsock_batch_t *b, uint32_t i, int versioned, void **out) {
+  tsock__clear_error();
+  if (b == NULL || out == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_batch_dlpack: NULL argument");
+  if (i >= b->n_tensors)
+    return tsock__fail(TSOCK_EINVAL, "tsock_batch_dlpack: tensor %u of a batch of %u", i,
+                       b->n_tensors);
+  /* The batch came from tsock_reader_acquire, so it heads a held batch. */
+  tsock_map_ref *map = ((const tsock_held_batch *)b)->map;
+  if (map != NULL) tsock__map_ref(map);
+  int rc = tsock__dlpack_make(b, i, versioned, (void *)b->tensors[i].data, DL_CPU, 0, map_unref,
+                              map, out);
+  if (rc != TSOCK_OK && map != NULL) tsock__map_unref(map);
+  return rc;
 }

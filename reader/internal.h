@@ -74,8 +74,52 @@ typedef struct tsock_held_batch {
   tsock_batch_t batch;
   tsock_tensor_t tensors[TSOCK_MAX_TENSORS];
   uint8_t meta[TSOCK_META_MAX];
-  int handed; /* handed out to the caller (not skipped or rejected) */
+  int handed;        /* handed out to the caller (not skipped or rejected) */
+  int user_released; /* the caller released it (GPU work may still read it) */
   tsock_map_ref *map;
+  uint32_t slot;         /* slot index of the batch */
+  uint32_t payload_kind; /* TSOCK_PAYLOAD_*, checked */
+  /* GPU use, owned by cuda/device.c; reader.c only resets them. */
+  void *device;     /* the reader's device state, NULL before tsock_reader_open_device */
+  uintptr_t stream; /* the stream of tsock_batch_cuda_use */
+  int stream_set;
+  uint32_t use_flags;
+  void *fence; /* armed at release: the slot goes back once it has fired */
 } tsock_held_batch;
+
+/* How reader.c, which knows no CUDA, lets cuda/device.c hold released
+ * batches back while GPU work queued before the release may read them. */
+typedef struct tsock_device_hooks {
+  /* At release of a batch with stream_set: arms hb->fence (may leave it
+   * NULL when nothing is pending). */
+  void (*arm)(tsock_held_batch *hb);
+  /* 1 while hb->fence has not fired; on firing it clears hb->fence and
+   * returns 0. With wait, blocks until it fires. */
+  int (*pending)(tsock_held_batch *hb, int wait);
+  /* At detach, once no fence is pending: drops the reader's reference. */
+  void (*detach)(void *device);
+} tsock_device_hooks;
+
+/* What cuda/ needs to see of an open reader. */
+typedef struct tsock_reader_view {
+  const tsock_header *hdr;
+  const tsock_slot *slots;
+  tsock_reader_record *rec; /* our record: placement fields */
+  uint32_t slot_count;
+  uint64_t slot_payload_bytes;
+  void *device; /* set by tsock__reader_set_device, else NULL */
+} tsock_reader_view;
+
+TSOCK_INTERNAL int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v);
+/* Installs the device state and hooks (once; every held batch points at it). */
+TSOCK_INTERNAL int tsock__reader_set_device(tsock_reader_t *h, void *device,
+                                            const tsock_device_hooks *hooks);
+
+/* A DLPack descriptor of tensor i of b with the given data address and
+ * device; the descriptor holds `ref` (taken by the caller) and calls
+ * unref(ref) when it is deleted. dlpack.c. */
+TSOCK_INTERNAL int tsock__dlpack_make(const tsock_batch_t *b, uint32_t i, int versioned,
+                                      void *data, int32_t device_type, int32_t device_id,
+                                      void (*unref)(void *), void *ref, void **out);
 
 #endif

@@ -22,6 +22,7 @@
 
 #define LIVENESS_PERIOD_NS 50000000ll /* check the producer's lock this often while idle */
 #define SLEEP_SLICE_NS 50000000ll     /* longest single futex sleep */
+#define FENCE_POLL_NS 100000ll       /* poll our own GPU fences this often while waiting */
 #define ATTACH_POLL_NS 5000000ll      /* retry period while waiting for a channel */
 #define MAX_HELD 64u
 
@@ -51,6 +52,10 @@ struct reader_impl {
   int64_t spin_ns;
   uint64_t last_live_check;
   held_batch *held;      /* max_held entries, by seq % max_held */
+  /* GPU (cuda/device.c): released batches held back by fences */
+  void *device;
+  const tsock_device_hooks *hooks;
+  uint32_t fenced; /* held batches with an armed fence */
 };
 
 /* ---- handle table: handles are ids, so a stale handle is detected, not
@@ -189,7 +194,7 @@ static int check_header(const tsock_header *h, uint64_t file_size, const char *n
       return tsock__fail(rc, "channel '%s': segment is %llu bytes, header says %llu (truncated?)",
                          name, (unsigned long long)file_size, (unsigned long long)h->total_bytes);
     return tsock__fail(rc, "channel '%s': inconsistent %s in header", name,
-                       why == 2 ? "struct sizes" : "geometry");
+                       why == 2 ? "struct sizes" : why == 5 ? "device pool" : "geometry");
   }
 }
 
@@ -290,6 +295,9 @@ static int claim_record(struct reader_impl *r, const char *name, int start_mode)
     rec->wait_ns = 0;
     rec->batches = 0;
     rec->heartbeat_ns = tsock__now_ns();
+    __atomic_store_n(&rec->placement, TSOCK_PLACEMENT_HOST, __ATOMIC_RELAXED);
+    rec->cuda_ordinal = -1;
+    memset(rec->gpu_uuid, 0, sizeof rec->gpu_uuid);
     /* Gate the producer at what is published now, then go active, then
      * move up to what is published after that: any producer scan that
      * missed us used a minimum no larger than that second value (see
@@ -407,9 +415,17 @@ static int copy_slot(struct reader_impl *r, uint64_t seq, held_batch *hb) {
   b->publish_ns = s->publish_ns;
   b->reserved = 0;
   uint64_t used = s->payload_bytes;
+  uint32_t kind = s->payload_kind;
   if (b->n_tensors > TSOCK_MAX_TENSORS || b->meta_len > TSOCK_META_MAX ||
-      used > r->slot_payload_bytes || s->payload_kind != TSOCK_PAYLOAD_HOST)
+      used > r->slot_payload_bytes ||
+      (kind != TSOCK_PAYLOAD_HOST && !(kind == TSOCK_PAYLOAD_HOST_DEVICE && r->hdr->gpu_pool == 1)))
     goto corrupt;
+  hb->slot = (uint32_t)(seq & r->mask);
+  hb->payload_kind = kind;
+  hb->user_released = 0;
+  hb->stream_set = 0;
+  hb->stream = 0;
+  hb->use_flags = 0;
   memcpy(hb->meta, s->meta, b->meta_len);
   for (uint32_t i = 0; i < b->n_tensors; i++) {
     const tsock_shm_tensor *d = &s->tensors[i];
@@ -457,6 +473,27 @@ static void publish_cursor(struct reader_impl *r, uint64_t cursor) {
     __atomic_add_fetch(&r->area->shared.release_notify, 1, __ATOMIC_SEQ_CST);
     tsock__futex_wake_all(&r->area->shared.release_notify);
   }
+}
+
+/* 1 when the producer may have hb's slot back: never handed out, or
+ * released by the caller with no armed fence left (wait: block on it). */
+static int batch_done(struct reader_impl *r, held_batch *hb, int wait) {
+  if (!hb->handed) return 1;
+  if (!hb->user_released) return 0;
+  if (hb->fence != NULL) {
+    if (r->hooks->pending(hb, wait)) return 0;
+    r->fenced--;
+  }
+  return 1;
+}
+
+/* Moves the cursor past every batch that is done (see batch_done); with
+ * wait_oldest, first waits for the oldest held batch's fence. */
+static void advance(struct reader_impl *r, int wait_oldest) {
+  uint64_t c = r->released;
+  while (c < r->next && batch_done(r, &r->held[c % r->max_held], wait_oldest && c == r->released))
+    c++;
+  if (c != r->released) publish_cursor(r, c);
 }
 
 /* Nothing to read: decides whether the stream has ended. */
@@ -512,6 +549,12 @@ static int wait_for_data(struct reader_impl *r, int64_t timeout_ns, uint64_t sta
       continue;
     }
     int64_t slice = SLEEP_SLICE_NS;
+    if (r->fenced > 0) {
+      /* Released batches wait for our GPU work: look again soon, as the
+       * producer may be waiting for exactly those slots. */
+      advance(r, 0);
+      if (r->fenced > 0 && slice > FENCE_POLL_NS) slice = FENCE_POLL_NS;
+    }
     if (timeout_ns >= 0 && timeout_ns - elapsed < slice) slice = timeout_ns - elapsed;
     uint32_t *waiters = &r->area->shared.waiters;
     uint32_t word = (uint32_t)__atomic_load_n(pub, __ATOMIC_SEQ_CST);
@@ -535,6 +578,7 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
      * matches may be overwritten while in use, so hand out nothing more. */
     rc = check_claim(r);
     if (rc != TSOCK_OK) return rc;
+    if (r->fenced > 0) advance(r, r->next - r->released >= r->max_held);
     if (r->next - r->released >= r->max_held)
       return tsock__fail(TSOCK_ESTATE, "reader already holds %u batches (max_held); release one",
                          r->max_held);
@@ -556,7 +600,7 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
       /* Nothing handed out: release it at once if nothing older is held,
        * else with the held batch before it (see tsock_reader_release). */
       hb->handed = 0;
-      if (r->released == seq) publish_cursor(r, seq + 1);
+      advance(r, 0);
       if (rc != TSOCK_OK) return rc;
       continue;
     }
@@ -583,11 +627,20 @@ int tsock_reader_release(tsock_reader_t *h, const tsock_batch_t *b) {
   if (seq < r->released || seq >= r->next || b != &r->held[seq % r->max_held].batch ||
       !r->held[seq % r->max_held].handed)
     return tsock__fail(TSOCK_ESTATE, "tsock_reader_release: batch is not held by this reader");
-  /* Batches after it that were never handed out (rejected or skipped while
+  /* It and every batch before it are released; one used on a CUDA stream
+   * goes back to the producer only once the work queued there has run.
+   * Batches after it that were never handed out (rejected or skipped while
    * it was held) go with it: nothing else would ever release them. */
-  uint64_t cursor = seq + 1;
-  while (cursor < r->next && !r->held[cursor % r->max_held].handed) cursor++;
-  publish_cursor(r, cursor);
+  for (uint64_t s = r->released; s <= seq; s++) {
+    held_batch *x = &r->held[s % r->max_held];
+    if (!x->handed || x->user_released) continue;
+    x->user_released = 1;
+    if (x->stream_set && r->hooks != NULL) {
+      r->hooks->arm(x);
+      if (x->fence != NULL) r->fenced++;
+    }
+  }
+  advance(r, 0);
   return check_claim(r);
 }
 
@@ -612,6 +665,27 @@ int tsock__reader_map(tsock_reader_t *h, tsock_map_ref **m, const void **base, u
   return TSOCK_OK;
 }
 
+int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v) {
+  int rc;
+  struct reader_impl *r = handle_get(h, &rc);
+  if (r == NULL) return rc;
+  *v = (tsock_reader_view){.hdr = r->hdr, .slots = r->slots, .rec = r->rec,
+                           .slot_count = (uint32_t)(r->mask + 1),
+                           .slot_payload_bytes = r->slot_payload_bytes, .device = r->device};
+  return TSOCK_OK;
+}
+
+int tsock__reader_set_device(tsock_reader_t *h, void *device, const tsock_device_hooks *hooks) {
+  int rc;
+  struct reader_impl *r = handle_get(h, &rc);
+  if (r == NULL) return rc;
+  if (r->device != NULL) return tsock__fail(TSOCK_ESTATE, "reader already has a device");
+  r->device = device;
+  r->hooks = hooks;
+  for (uint32_t i = 0; i < r->max_held; i++) r->held[i].device = device;
+  return TSOCK_OK;
+}
+
 int tsock_reader_pin_mapping(tsock_reader_t *h, void **token) {
   int rc;
   struct reader_impl *r = handle_get(h, &rc);
@@ -628,6 +702,11 @@ int tsock_reader_detach(tsock_reader_t *h) {
   int rc;
   struct reader_impl *r = handle_take(h, &rc);
   if (r == NULL) return rc;
+  /* GPU work queued before a release may still read its slot: let it
+   * finish before the record (and with it the hold on those slots) goes. */
+  for (uint32_t i = 0; r->hooks != NULL && i < r->max_held; i++)
+    if (r->held[i].fence != NULL) r->hooks->pending(&r->held[i], 1);
+  if (r->hooks != NULL) r->hooks->detach(r->device);
   /* Leave the record free for the next reader, then wake a producer that
    * may have been gated on us. Only our own claim is changed: if the
    * producer already reclaimed or evicted it, the CAS fails harmlessly. */

@@ -74,8 +74,16 @@ const (
 	ReaderActive  = uint32(C.TSOCK_READER_ACTIVE)
 	ReaderEvicted = uint32(C.TSOCK_READER_EVICTED)
 
-	FlagEpochEnd = uint32(C.TSOCK_BATCH_EPOCH_END)
-	PayloadHost  = uint32(C.TSOCK_PAYLOAD_HOST)
+	FlagEpochEnd      = uint32(C.TSOCK_BATCH_EPOCH_END)
+	PayloadHost       = uint32(C.TSOCK_PAYLOAD_HOST)
+	PayloadHostDevice = uint32(C.TSOCK_PAYLOAD_HOST_DEVICE)
+
+	PlacementHost   = uint32(C.TSOCK_PLACEMENT_HOST)
+	PlacementPinned = uint32(C.TSOCK_PLACEMENT_PINNED)
+	PlacementDevice = uint32(C.TSOCK_PLACEMENT_DEVICE)
+
+	CUDAHandleBytes = int(C.TSOCK_CUDA_HANDLE_BYTES)
+	CUDAUUIDBytes   = int(C.TSOCK_CUDA_UUID_BYTES)
 
 	HeaderSize       = uintptr(C.sizeof_tsock_header)
 	ReaderSharedSize = uintptr(C.sizeof_tsock_reader_shared)
@@ -109,6 +117,7 @@ const (
 	StatusForked       = int(C.TSOCK_EFORKED)
 	StatusNoMem        = int(C.TSOCK_ENOMEM)
 	StatusNoCUDA       = int(C.TSOCK_ENOCUDA)
+	StatusNoDevice     = int(C.TSOCK_ENODEVICE)
 )
 
 // Dtypes of tsock.h.

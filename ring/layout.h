@@ -31,7 +31,7 @@
 #include "tsock.h"
 
 #define TSOCK_MAGIC 0x4d48534b434f5354ull /* "TSOCKSHM" in a little-endian word */
-#define TSOCK_LAYOUT_VERSION 1u
+#define TSOCK_LAYOUT_VERSION 2u
 
 #define TSOCK_PAGE 4096u
 #define TSOCK_CACHE_LINE 64u
@@ -61,8 +61,19 @@
 #define TSOCK_CLAIM_GEN(c) ((c) >> 8)
 #define TSOCK_CLAIM(gen, state) (((uint64_t)(gen) << 8) | (uint64_t)(state))
 
-/* Slot payload kinds (tsock_slot.payload_kind). GPU kinds come later. */
-#define TSOCK_PAYLOAD_HOST 0u
+/* Slot payload kinds (tsock_slot.payload_kind). */
+#define TSOCK_PAYLOAD_HOST 0u        /* in the host payload only */
+#define TSOCK_PAYLOAD_HOST_DEVICE 1u /* in the host payload and copied to the slot's
+                                        part of the device pool; the copy is done
+                                        when the slot's CUDA event has fired */
+
+/* Where a reader reads batches from (tsock_reader_record.placement). */
+#define TSOCK_PLACEMENT_HOST 0u   /* host payload, not registered with CUDA */
+#define TSOCK_PLACEMENT_PINNED 1u /* host payload, registered as pinned memory */
+#define TSOCK_PLACEMENT_DEVICE 2u /* the producer's device pool, through CUDA IPC */
+
+#define TSOCK_CUDA_HANDLE_BYTES 64u /* CUipcMemHandle, CUipcEventHandle */
+#define TSOCK_CUDA_UUID_BYTES 16u   /* CUuuid */
 
 /* ---- Header page ---------------------------------------------------------
  * Written by the producer only. Identity fields are written once before
@@ -108,7 +119,17 @@ typedef struct tsock_header {
   uint64_t stat_readers_evicted;
   uint64_t stat_payload_bytes;
   uint8_t pad4[96];
-  uint8_t pad_page[TSOCK_PAGE - 512];
+  /* lines 8-9: the device pool (written once, before layout_version).
+   * gpu_pool = 1 when the producer copies each batch into one CUDA
+   * allocation of gpu_pool_bytes (slot s at s * slot_payload_bytes),
+   * exported once as gpu_mem_handle. */
+  uint32_t gpu_pool;             /* 0 or 1 */
+  int32_t gpu_ordinal;           /* the producer's CUDA ordinal (informational) */
+  uint64_t gpu_pool_bytes;       /* slot_count * slot_payload_bytes */
+  uint8_t gpu_uuid[TSOCK_CUDA_UUID_BYTES]; /* the pool's GPU; readers match on it */
+  uint8_t pad5[32];
+  uint8_t gpu_mem_handle[TSOCK_CUDA_HANDLE_BYTES]; /* CUipcMemHandle of the pool */
+  uint8_t pad_page[TSOCK_PAGE - 640];
 } tsock_header;
 
 /* ---- Reader area ---------------------------------------------------------
@@ -133,8 +154,11 @@ typedef struct tsock_reader_record {
   uint64_t heartbeat_ns;   /* CLOCK_MONOTONIC of last acquire/release */
   uint64_t wait_ns;        /* total time spent waiting for data (data stall) */
   uint64_t batches;        /* batches acquired */
-  /* line 1 */
-  uint8_t pad[64];
+  /* line 1: where the reader reads from, informational (tsock gpus) */
+  uint32_t placement;      /* TSOCK_PLACEMENT_* */
+  int32_t cuda_ordinal;    /* the reader's device, in its own process's numbering; -1 none */
+  uint8_t gpu_uuid[TSOCK_CUDA_UUID_BYTES]; /* that device's UUID */
+  uint8_t pad[40];
 } tsock_reader_record;
 
 typedef struct tsock_reader_area {
@@ -166,10 +190,14 @@ typedef struct tsock_slot {
   uint32_t meta_len;
   uint32_t payload_kind;    /* TSOCK_PAYLOAD_* */
   uint64_t publish_ns;      /* CLOCK_MONOTONIC */
-  uint32_t device;          /* reserved for GPU payloads (device ordinal) */
-  uint32_t event;           /* reserved for GPU payloads (IPC event index) */
+  uint32_t reserved0;
+  uint32_t reserved1;
   tsock_shm_tensor tensors[TSOCK_MAX_TENSORS];
   uint8_t meta[TSOCK_META_MAX];
+  /* Written once, before layout_version, when the header has a device
+   * pool: the CUipcEventHandle of the event the producer records after
+   * copying this slot to the pool. Outside the seqlock: it never changes. */
+  uint8_t cuda_event[TSOCK_CUDA_HANDLE_BYTES];
 } tsock_slot;
 
 /* ---- Pinned sizes and offsets ----------------------------------------------- */
@@ -193,7 +221,10 @@ TSOCK_STATIC_ASSERT(sizeof(tsock_reader_record) == 128, "reader record");
 TSOCK_STATIC_ASSERT(offsetof(tsock_reader_record, cursor) == 24, "cursor");
 TSOCK_STATIC_ASSERT(sizeof(tsock_shm_tensor) == 152, "tensor descriptor");
 TSOCK_STATIC_ASSERT(offsetof(tsock_slot, tensors) == 64, "slot head");
-TSOCK_STATIC_ASSERT(sizeof(tsock_slot) == 64 + TSOCK_MAX_TENSORS * 152 + TSOCK_META_MAX,
+TSOCK_STATIC_ASSERT(offsetof(tsock_header, gpu_pool) == 512, "gpu line");
+TSOCK_STATIC_ASSERT(offsetof(tsock_header, gpu_mem_handle) == 576, "gpu handle line");
+TSOCK_STATIC_ASSERT(offsetof(tsock_reader_record, placement) == 64, "record line 1");
+TSOCK_STATIC_ASSERT(sizeof(tsock_slot) == 64 + TSOCK_MAX_TENSORS * 152 + TSOCK_META_MAX + 64,
                     "slot size");
 TSOCK_STATIC_ASSERT(sizeof(tsock_slot) % TSOCK_CACHE_LINE == 0, "slots are whole lines");
 
@@ -272,7 +303,7 @@ static inline int tsock_layout_geometry(uint32_t slot_count, uint32_t reader_cap
 /* Checks a mapped header against this layout and a file of `file_size`
  * bytes. Returns 0; TSOCK_EAGAIN while layout_version is still 0 (being
  * built); TSOCK_ECORRUPT for a foreign or inconsistent header (bad magic is
- * reported through *why = 1, sizes 2, geometry 3, file size 4);
+ * reported through *why = 1, sizes 2, geometry 3, file size 4, device pool 5);
  * TSOCK_EVERSION for another layout version. */
 static inline int tsock_layout_check_header(const tsock_header *h, uint64_t file_size, int *why) {
   *why = 0;
@@ -290,6 +321,9 @@ static inline int tsock_layout_check_header(const tsock_header *h, uint64_t file
       g.total_bytes != h->total_bytes)
     return *why = 3, TSOCK_ECORRUPT;
   if (file_size != h->total_bytes) return *why = 4, TSOCK_ECORRUPT;
+  if (h->gpu_pool > 1 ||
+      (h->gpu_pool == 1 && h->gpu_pool_bytes != (uint64_t)h->slot_count * h->slot_payload_bytes))
+    return *why = 5, TSOCK_ECORRUPT;
   return 0;
 }
 
@@ -319,6 +353,7 @@ static inline const char *tsock_layout_status_str(int status) {
   case TSOCK_EFORKED: return "handle used in a forked child";
   case TSOCK_ENOMEM: return "out of memory";
   case TSOCK_ENOCUDA: return "CUDA driver not available";
+  case TSOCK_ENODEVICE: return "no device path to the producer's GPU";
   default: return "unknown status";
   }
 }

@@ -328,7 +328,7 @@ func TestErrors(t *testing.T) {
 	assert.Equal(t, "producer gone", ring.Status(ring.StatusProducerGone).Error())
 	assert.Equal(t, "unknown status", ring.Status(-99).Error())
 	assert.Equal(t, "ok", ring.Status(0).Error())
-	for st := ring.StatusNoCUDA; st <= ring.StatusOK; st++ {
+	for st := ring.StatusNoDevice; st <= ring.StatusOK; st++ {
 		assert.NotEqual(t, "unknown status", ring.Status(st).Error(), "status %d", st)
 	}
 }

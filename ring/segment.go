@@ -136,6 +136,9 @@ type RecordSnapshot struct {
 	HeartbeatNs uint64
 	WaitNs      uint64
 	Batches     uint64
+	Placement   uint32 // PlacementHost, PlacementPinned, PlacementDevice (reader-written: validate)
+	CUDAOrdinal int32  // the reader's device in its own numbering, -1 none
+	GPUUUID     [16]byte
 }
 
 // Snapshot reads reader record i.
@@ -151,6 +154,9 @@ func (s *Segment) Snapshot(i uint32) RecordSnapshot {
 		HeartbeatNs: atomic.LoadUint64(u64(&r.heartbeat_ns)),
 		WaitNs:      atomic.LoadUint64(u64(&r.wait_ns)),
 		Batches:     atomic.LoadUint64(u64(&r.batches)),
+		Placement:   atomic.LoadUint32(u32(&r.placement)),
+		CUDAOrdinal: int32(atomic.LoadUint32(u32((*C32)(unsafe.Pointer(&r.cuda_ordinal))))),
+		GPUUUID:     *(*[16]byte)(unsafe.Pointer(&r.gpu_uuid[0])),
 	}
 }
 

@@ -23,6 +23,7 @@ type SlotContents struct {
 	Meta         []byte
 	PayloadBytes uint64 // payload bytes in use
 	PublishNs    uint64
+	PayloadKind  uint32 // PayloadHost, or PayloadHostDevice once copied to the device pool
 }
 
 // Fill converts t into a shared-memory descriptor and checks it against a
@@ -111,7 +112,7 @@ func (s *Segment) WriteSlot(seq uint64, c *SlotContents, descs []ShmTensor) {
 	sl.epoch, sl.index = C64(c.Epoch), C64(c.Index)
 	sl.flags, sl.n_tensors = C32(c.Flags), C32(len(descs))
 	sl.payload_bytes, sl.meta_len = C64(c.PayloadBytes), C32(len(c.Meta))
-	sl.payload_kind, sl.publish_ns = C32(PayloadHost), C64(c.PublishNs)
+	sl.payload_kind, sl.publish_ns = C32(c.PayloadKind), C64(c.PublishNs)
 	copy(sl.tensors[:], descs)
 	if len(c.Meta) > 0 {
 		copy(unsafe.Slice((*byte)(unsafe.Pointer(&sl.meta[0])), MetaMax), c.Meta)

@@ -1,0 +1,325 @@
+/*
+ * device.c - the reader's device path: the producer's device pool opened
+ * through CUDA IPC, batches read zero-copy on the GPU (see tsock.h, "GPU").
+ *
+ * The state belongs to the reader and to every DLPack descriptor of device
+ * memory (refs): the pool stays mapped until the last of them is gone.
+ * Each slot's interprocess event (recorded by the producer after its copy)
+ * is opened once; fences, plain events recorded on the caller's stream at
+ * release, hold the slot back from the producer until that stream's work
+ * has run (reader.c polls them through tsock_device_hooks).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "driver.h"
+
+#define MAX_FENCES 64 /* = the most batches a reader holds (reader.c MAX_HELD) */
+
+typedef struct device_state {
+  const tsock_cuda_driver *d;
+  uint32_t refs; /* the reader, and each DLPack descriptor (atomic) */
+  uint64_t fork_gen;
+  tsock_CUdevice dev;
+  tsock_CUcontext ctx; /* the device's primary context, retained */
+  int32_t ordinal;
+  tsock_CUdeviceptr base; /* the pool, opened with cuIpcOpenMemHandle */
+  uint64_t slot_bytes;
+  uint32_t slot_count;
+  tsock_CUevent *copied; /* per slot: the producer's interprocess event */
+  tsock_CUevent spare[MAX_FENCES]; /* fence events not in use */
+  uint32_t n_spare;
+} device_state;
+
+static void device_free(device_state *g) {
+  const tsock_cuda_driver *d = g->d;
+  if (g->fork_gen == tsock__fork_generation() && g->ctx != NULL) {
+    tsock_CUcontext prev = NULL;
+    if (tsock__cuda_push_ctx(d, g->ctx, &prev) == TSOCK_CUDA_SUCCESS) {
+      for (uint32_t i = 0; i < g->n_spare; i++) d->cuEventDestroy(g->spare[i]);
+      for (uint32_t s = 0; g->copied != NULL && s < g->slot_count; s++)
+        if (g->copied[s] != NULL) d->cuEventDestroy(g->copied[s]);
+      if (g->base != 0) d->cuIpcCloseMemHandle(g->base);
+      tsock__cuda_pop_ctx(d, g->ctx, prev);
+    }
+    d->cuDevicePrimaryCtxRelease(g->dev);
+  }
+  free(g->copied);
+  free(g);
+}
+
+static void device_unref(void *p) {
+  device_state *g = p;
+  if (__atomic_sub_fetch(&g->refs, 1, __ATOMIC_ACQ_REL) == 0) device_free(g);
+}
+
+/* ---- fences (tsock_device_hooks) ---- */
+
+static void fence_arm(tsock_held_batch *hb) {
+  device_state *g = hb->device;
+  const tsock_cuda_driver *d = g->d;
+  tsock_CUcontext prev = NULL;
+  if (tsock__cuda_push_ctx(d, g->ctx, &prev) != TSOCK_CUDA_SUCCESS) return;
+  if (hb->use_flags & TSOCK_CUDA_SYNC) {
+    d->cuCtxSynchronize(); /* the caller's streams are unknown: wait for all */
+  } else {
+    tsock_CUevent ev = NULL;
+    tsock_CUresult rc = TSOCK_CUDA_SUCCESS;
+    if (g->n_spare > 0)
+      ev = g->spare[--g->n_spare];
+    else
+      rc = d->cuEventCreate(&ev, TSOCK_CU_EVENT_DISABLE_TIMING);
+    if (rc == TSOCK_CUDA_SUCCESS) rc = d->cuEventRecord(ev, (tsock_CUstream)hb->stream);
+    if (rc == TSOCK_CUDA_SUCCESS) {
+      hb->fence = ev;
+    } else {
+      /* No event: wait for the stream now rather than risk the slot. */
+      d->cuStreamSynchronize((tsock_CUstream)hb->stream);
+      if (ev != NULL && g->n_spare < MAX_FENCES) g->spare[g->n_spare++] = ev;
+    }
+  }
+  tsock__cuda_pop_ctx(d, g->ctx, prev);
+}
+
+static int fence_pending(tsock_held_batch *hb, int wait) {
+  device_state *g = hb->device;
+  const tsock_cuda_driver *d = g->d;
+  tsock_CUevent ev = hb->fence;
+  tsock_CUcontext prev = NULL;
+  if (tsock__cuda_push_ctx(d, g->ctx, &prev) == TSOCK_CUDA_SUCCESS) {
+    tsock_CUresult rc = d->cuEventQuery(ev);
+    if (rc == TSOCK_CUDA_ERROR_NOT_READY && !wait) {
+      tsock__cuda_pop_ctx(d, g->ctx, prev);
+      return 1;
+    }
+    if (rc == TSOCK_CUDA_ERROR_NOT_READY) d->cuEventSynchronize(ev);
+    tsock__cuda_pop_ctx(d, g->ctx, prev);
+  }
+  /* Fired, or the context is broken and nothing will ever run on it. */
+  if (g->n_spare < MAX_FENCES)
+    g->spare[g->n_spare++] = ev;
+  else
+    d->cuEventDestroy(ev);
+  hb->fence = NULL;
+  return 0;
+}
+
+static void device_detach(void *p) { device_unref(p); }
+
+static const tsock_device_hooks hooks = {
+    .arm = fence_arm, .pending = fence_pending, .detach = device_detach};
+
+/* ---- opening the pool ---- */
+
+static void format_uuid(const uint8_t *u, char *out, size_t n) {
+  snprintf(out, n,
+           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+           u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+           u[14], u[15]);
+}
+
+static void record_placement(tsock_reader_record *rec, uint32_t placement, int32_t ordinal,
+                             const void *uuid) {
+  rec->cuda_ordinal = ordinal;
+  if (uuid != NULL) memcpy(rec->gpu_uuid, uuid, sizeof rec->gpu_uuid);
+  __atomic_store_n(&rec->placement, placement, __ATOMIC_RELEASE);
+}
+
+void tsock__record_pinned(tsock_reader_t *h, int32_t ordinal, const void *uuid) {
+  tsock_reader_view v;
+  if (tsock__reader_view(h, &v) != TSOCK_OK || v.device != NULL) return;
+  record_placement(v.rec, TSOCK_PLACEMENT_PINNED, ordinal, uuid);
+}
+
+/* The device of this process whose UUID is the pool's; -1 if none. */
+static int find_device(const tsock_cuda_driver *d, const uint8_t *want, tsock_CUdevice *out,
+                       int *count, int *rc_out) {
+  *count = 0;
+  tsock_CUresult rc = d->cuDeviceGetCount(count);
+  if (rc != TSOCK_CUDA_SUCCESS) return *rc_out = rc, -1;
+  for (int i = 0; i < *count; i++) {
+    tsock_CUdevice dev;
+    tsock_CUuuid u;
+    if (d->cuDeviceGet(&dev, i) != TSOCK_CUDA_SUCCESS) continue;
+    if (d->cuDeviceGetUuid(&u, dev) != TSOCK_CUDA_SUCCESS) continue;
+    if (memcmp(u.bytes, want, sizeof u.bytes) == 0) {
+      *out = dev;
+      return i;
+    }
+  }
+  *rc_out = TSOCK_CUDA_SUCCESS;
+  return -1;
+}
+
+/* Maps the pool and opens the slot events, in g's context (current). */
+static int open_pool(device_state *g, const tsock_reader_view *v) {
+  const tsock_cuda_driver *d = g->d;
+  tsock_CUipcMemHandle mh;
+  memcpy(&mh, v->hdr->gpu_mem_handle, sizeof mh);
+  tsock_CUresult rc = d->cuIpcOpenMemHandle(&g->base, mh, TSOCK_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  if (rc != TSOCK_CUDA_SUCCESS) {
+    g->base = 0;
+    tsock__cuda_fail(d, rc, "cuIpcOpenMemHandle (the producer's device pool)");
+    return TSOCK_ENODEVICE;
+  }
+  for (uint32_t s = 0; s < g->slot_count; s++) {
+    tsock_CUipcEventHandle eh;
+    memcpy(&eh, v->slots[s].cuda_event, sizeof eh);
+    rc = d->cuIpcOpenEventHandle(&g->copied[s], eh);
+    if (rc != TSOCK_CUDA_SUCCESS) {
+      g->copied[s] = NULL;
+      tsock__cuda_fail(d, rc, "cuIpcOpenEventHandle (a slot's copy event)");
+      return TSOCK_ENODEVICE;
+    }
+  }
+  return TSOCK_OK;
+}
+
+int tsock_reader_open_device(tsock_reader_t *h, int32_t *cuda_ordinal) {
+  tsock__clear_error();
+  tsock_reader_view v;
+  int st = tsock__reader_view(h, &v);
+  if (st != TSOCK_OK) return st;
+  if (cuda_ordinal == NULL)
+    return tsock__fail(TSOCK_EINVAL, "tsock_reader_open_device: cuda_ordinal is NULL");
+  if (v.device != NULL) {
+    *cuda_ordinal = ((device_state *)v.device)->ordinal;
+    return TSOCK_OK;
+  }
+  if (v.hdr->gpu_pool != 1)
+    return tsock__fail(TSOCK_ENODEVICE,
+                       "the producer has no device pool (created without a CUDA device): read "
+                       "host memory");
+  const tsock_cuda_driver *d;
+  st = tsock__cuda_driver(&d);
+  if (st != TSOCK_OK) return st;
+  uint8_t want[TSOCK_CUDA_UUID_BYTES];
+  memcpy(want, v.hdr->gpu_uuid, sizeof want);
+  char uuid[48];
+  format_uuid(want, uuid, sizeof uuid);
+  tsock_CUdevice dev = 0;
+  int count = 0, rc = 0;
+  int ordinal = find_device(d, want, &dev, &count, &rc);
+  if (ordinal < 0 && rc != TSOCK_CUDA_SUCCESS)
+    return tsock__cuda_fail(d, rc, "cuDeviceGetCount");
+  if (ordinal < 0)
+    return tsock__fail(TSOCK_ENODEVICE,
+                       "the producer's GPU (%s) is not among this process's %d CUDA devices "
+                       "(another GPU, CUDA_VISIBLE_DEVICES, or a MIG instance, which CUDA IPC "
+                       "cannot reach): use the pinned host path",
+                       uuid, count);
+  device_state *g = calloc(1, sizeof *g);
+  if (g != NULL) g->copied = calloc(v.slot_count, sizeof *g->copied);
+  if (g == NULL || g->copied == NULL) {
+    free(g);
+    return tsock__fail(TSOCK_ENOMEM, "tsock_reader_open_device: out of memory");
+  }
+  g->d = d;
+  g->refs = 1;
+  g->fork_gen = tsock__fork_generation();
+  g->dev = dev;
+  g->ordinal = ordinal;
+  g->slot_bytes = v.slot_payload_bytes;
+  g->slot_count = v.slot_count;
+  tsock_CUresult cr = d->cuDevicePrimaryCtxRetain(&g->ctx, dev);
+  if (cr != TSOCK_CUDA_SUCCESS) {
+    g->ctx = NULL;
+    device_free(g);
+    return tsock__cuda_fail(d, cr, "cuDevicePrimaryCtxRetain");
+  }
+  tsock_CUcontext prev = NULL;
+  cr = tsock__cuda_push_ctx(d, g->ctx, &prev);
+  if (cr != TSOCK_CUDA_SUCCESS) {
+    device_free(g);
+    return tsock__cuda_fail(d, cr, "cuCtxSetCurrent");
+  }
+  st = open_pool(g, &v);
+  tsock__cuda_pop_ctx(d, g->ctx, prev);
+  if (st == TSOCK_OK) st = tsock__reader_set_device(h, g, &hooks);
+  if (st != TSOCK_OK) {
+    device_free(g);
+    return st;
+  }
+  record_placement(v.rec, TSOCK_PLACEMENT_DEVICE, ordinal, want);
+  *cuda_ordinal = ordinal;
+  return TSOCK_OK;
+}
+
+/* ---- batches ---- */
+
+/* The held batch behind b when it has a usable device copy. */
+static int device_batch(const tsock_batch_t *b, const char *fn, tsock_held_batch **out) {
+  if (b == NULL) return tsock__fail(TSOCK_EINVAL, "%s: batch is NULL", fn);
+  tsock_held_batch *hb = (tsock_held_batch *)b; /* from tsock_reader_acquire */
+  if (hb->device == NULL)
+    return tsock__fail(TSOCK_ENODEVICE, "%s: the reader has no device path "
+                                        "(tsock_reader_open_device)", fn);
+  if (hb->payload_kind != TSOCK_PAYLOAD_HOST_DEVICE)
+    return tsock__fail(TSOCK_ENODEVICE, "%s: batch %llu was published without a device copy", fn,
+                       (unsigned long long)b->seq);
+  *out = hb;
+  return TSOCK_OK;
+}
+
+int tsock_batch_cuda_ptr(const tsock_batch_t *b, uint32_t i, uint64_t *dptr) {
+  tsock__clear_error();
+  tsock_held_batch *hb = NULL;
+  int st = device_batch(b, "tsock_batch_cuda_ptr", &hb);
+  if (st != TSOCK_OK) return st;
+  if (dptr == NULL || i >= b->n_tensors)
+    return tsock__fail(TSOCK_EINVAL, "tsock_batch_cuda_ptr: tensor %u of %u, or NULL dptr", i,
+                       b->n_tensors);
+  const device_state *g = hb->device;
+  *dptr = g->base + (uint64_t)hb->slot * g->slot_bytes + b->tensors[i].offset;
+  return TSOCK_OK;
+}
+
+int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flags) {
+  tsock__clear_error();
+  tsock_held_batch *hb = NULL;
+  int st = device_batch(b, "tsock_batch_cuda_use", &hb);
+  if (st != TSOCK_OK) return st;
+  if ((flags & ~TSOCK_CUDA_SYNC) != 0)
+    return tsock__fail(TSOCK_EINVAL, "tsock_batch_cuda_use: unknown flags 0x%x", flags);
+  if (!hb->handed || hb->user_released)
+    return tsock__fail(TSOCK_ESTATE, "tsock_batch_cuda_use: batch is not held");
+  if (hb->stream_set) {
+    if (hb->stream == stream && hb->use_flags == flags) return TSOCK_OK;
+    return tsock__fail(TSOCK_ESTATE, "tsock_batch_cuda_use: batch %llu is already in use on "
+                                     "another stream", (unsigned long long)b->seq);
+  }
+  device_state *g = hb->device;
+  const tsock_cuda_driver *d = g->d;
+  tsock_CUcontext prev = NULL;
+  tsock_CUresult rc = tsock__cuda_push_ctx(d, g->ctx, &prev);
+  if (rc != TSOCK_CUDA_SUCCESS) return tsock__cuda_fail(d, rc, "cuCtxSetCurrent");
+  tsock_CUevent copied = g->copied[hb->slot];
+  if (flags & TSOCK_CUDA_SYNC)
+    rc = d->cuEventSynchronize(copied);
+  else
+    rc = d->cuStreamWaitEvent((tsock_CUstream)stream, copied, 0);
+  tsock__cuda_pop_ctx(d, g->ctx, prev);
+  if (rc != TSOCK_CUDA_SUCCESS)
+    return tsock__cuda_fail(d, rc, flags & TSOCK_CUDA_SYNC ? "cuEventSynchronize (the copy)"
+                                                           : "cuStreamWaitEvent (the copy)");
+  hb->stream = stream;
+  hb->use_flags = flags;
+  hb->stream_set = 1;
+  return TSOCK_OK;
+}
+
+int tsock_batch_dlpack_cuda(const tsock_batch_t *b, uint32_t i, int versioned, void **out) {
+  tsock__clear_error();
+  uint64_t ptr;
+  int st = tsock_batch_cuda_ptr(b, i, &ptr);
+  if (st != TSOCK_OK) return st;
+  if (out == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_batch_dlpack_cuda: out is NULL");
+  device_state *g = ((tsock_held_batch *)b)->device;
+  __atomic_add_fetch(&g->refs, 1, __ATOMIC_RELAXED);
+  enum { DL_CUDA = 2 };
+  st = tsock__dlpack_make(b, i, versioned, (void *)(uintptr_t)ptr, DL_CUDA, g->ordinal,
+                          device_unref, g, out);
+  if (st != TSOCK_OK) device_unref(g);
+  return st;
+}
