@@ -1,6 +1,9 @@
 package ring
 
-import "fmt"
+import (
+	"errors"
+	"fmt"
+)
 
 // Status is a tsock status code (tsock.h); as an error it reads as the
 // status string.
@@ -28,16 +31,20 @@ func Errorf(st int, format string, args ...any) error {
 	return &Error{Status: Status(st), Detail: fmt.Sprintf(format, args...)}
 }
 
-// StatusOf is the status of err: StatusOK for nil, the status of an Error
-// or Status, StatusSys for anything else.
+// StatusOf is the status of err: StatusOK for nil, the status of the first
+// Error or Status in its chain (fmt.Errorf's %w keeps it), StatusSys for
+// anything else.
 func StatusOf(err error) int {
-	switch e := err.(type) {
-	case nil:
+	if err == nil {
 		return StatusOK
-	case *Error:
+	}
+	var e *Error
+	if errors.As(err, &e) {
 		return int(e.Status)
-	case Status:
-		return int(e)
+	}
+	var s Status
+	if errors.As(err, &s) {
+		return int(s)
 	}
 	return StatusSys
 }

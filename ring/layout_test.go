@@ -152,6 +152,8 @@ func TestLayoutPinned(t *testing.T) {
 	// published alone on its two lines; stats on their own lines.
 	assert.Equal(t, uintptr(256+128), off(h, "stat_backpressure_ns"))
 	assert.Less(t, off(h, "epoch"), uintptr(256-8+1))
+	assert.Equal(t, uintptr(512), off(h, "gpu_pool"))
+	assert.Equal(t, uintptr(576), off(h, "gpu_mem_handle"))
 
 	rs := reflect.TypeOf(ring.ReaderShared{})
 	assert.Equal(t, uintptr(128), rs.Size())
@@ -162,6 +164,7 @@ func TestLayoutPinned(t *testing.T) {
 	assert.Equal(t, uintptr(128), rr.Size())
 	assert.Equal(t, uintptr(0), off(rr, "claim"))
 	assert.Equal(t, uintptr(24), off(rr, "cursor"))
+	assert.Equal(t, uintptr(64), off(rr, "placement"))
 
 	st := reflect.TypeOf(ring.ShmTensor{})
 	assert.Equal(t, uintptr(152), st.Size())
@@ -169,7 +172,8 @@ func TestLayoutPinned(t *testing.T) {
 	assert.Equal(t, uintptr(0), off(sl, "stamp"))
 	assert.Equal(t, uintptr(64), off(sl, "tensors"))
 	assert.Equal(t, uintptr(64+ring.MaxTensors*152), off(sl, "meta"))
-	assert.Equal(t, uintptr(64+ring.MaxTensors*152+ring.MetaMax), sl.Size())
+	assert.Equal(t, uintptr(64+ring.MaxTensors*152+ring.MetaMax), off(sl, "cuda_event"))
+	assert.Equal(t, uintptr(64+ring.MaxTensors*152+ring.MetaMax+64), sl.Size())
 	assert.Zero(t, sl.Size()%64)
 
 	assert.Equal(t, ring.HeaderSize, h.Size())

@@ -193,7 +193,7 @@ func TestCheckHeader(t *testing.T) {
 		{"tiny file", good, 100, ring.StatusCorrupt, ring.ErrTruncated},
 		{"file shorter than header says", good, size - 4096, ring.StatusCorrupt, ring.ErrTruncated},
 		{"file longer than header says", good, size + 4096, ring.StatusCorrupt, ring.ErrTruncated},
-		{"version 2", put32(good, offVersion, 2), size, ring.StatusVersion, ring.ErrVersion},
+		{"next version", put32(good, offVersion, ring.LayoutVersion+1), size, ring.StatusVersion, ring.ErrVersion},
 		{"version max", put32(good, offVersion, ^uint32(0)), size, ring.StatusVersion, ring.ErrVersion},
 		{"being built", put32(good, offVersion, 0), size, ring.StatusAgain, nil},
 		{"header size", put32(good, offHeaderSize, 2048), size, ring.StatusCorrupt, ring.ErrTruncated},

@@ -9,14 +9,33 @@
  *
  * Knobs, read at each call: FAKE_CUDA_INIT_RESULT (cuInit's result),
  * FAKE_CUDA_REGISTER_RESULT (cuMemHostRegister's result), FAKE_CUDA_DEVICES
- * (device count, default 2).
+ * (device count, default 2), FAKE_CUDA_UUIDS (comma-separated number per
+ * ordinal that makes its UUID: another process with other numbers sees
+ * other GPUs, as a MIG instance does; default the ordinal),
+ * FAKE_CUDA_ALLOC_RESULT, FAKE_CUDA_IPC_RESULT (cuMemAlloc's and
+ * cuIpcOpenMemHandle's results), FAKE_CUDA_COPY_NS (how long a
+ * host-to-device copy keeps its stream busy).
+ *
+ * The device path is modelled on the CPU, across processes: device memory
+ * is a shared-memory file (/dev/shm/tsockfake.<pid>.<n>) mapped at the
+ * "device address", so IPC handles open in another process and tests read
+ * what a kernel would. Each stream has the time at which its queued work
+ * ends; events take that time when recorded, a stream that waits on an
+ * event moves its end past the event's. Interprocess events live in their
+ * own shared page. Copies move the bytes at once.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "fake_cuda.h"
 
@@ -35,6 +54,8 @@ typedef struct fake_ctx {
 #define ALREADY_REGISTERED 712
 #define NOT_REGISTERED 713
 #define NOT_SUPPORTED 801
+#define OUT_OF_MEMORY 2
+#define NOT_READY 600
 #define MAX_DEVICES 8
 #define MAX_RANGES 64
 
@@ -227,6 +248,8 @@ static const char *err_name(CUresult rc) {
   case ALREADY_REGISTERED: return "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED";
   case NOT_REGISTERED: return "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
   case NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
+  case OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
+  case NOT_READY: return "CUDA_ERROR_NOT_READY";
   default: return NULL;
   }
 }
@@ -242,6 +265,8 @@ static const char *err_string(CUresult rc) {
   case ALREADY_REGISTERED: return "part or all of the requested memory range is already mapped";
   case NOT_REGISTERED: return "pointer does not correspond to a registered memory region";
   case NOT_SUPPORTED: return "operation not supported";
+  case OUT_OF_MEMORY: return "out of memory";
+  case NOT_READY: return "device not ready";
   default: return NULL;
   }
 }
@@ -255,4 +280,441 @@ CUresult cuGetErrorName(CUresult rc, const char **s) {
 CUresult cuGetErrorString(CUresult rc, const char **s) {
   *s = err_string(rc);
   return *s ? SUCCESS : INVALID_VALUE;
+}
+
+/* ---- the device path ---------------------------------------------------- */
+
+typedef unsigned long long CUdeviceptr;
+typedef struct { char bytes[16]; } CUuuid;
+typedef struct { char reserved[64]; } CUipcHandle; /* mem and event handles alike */
+
+#define MAX_MAPS 64
+#define MAX_STREAMS 64
+#define MAX_KERNELS 256
+#define IPC_MAGIC 0x6b616665u /* "fake" */
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_until(uint64_t t) {
+  for (uint64_t n = now_ns(); n < t; n = now_ns()) {
+    uint64_t d = t - n;
+    struct timespec ts = {(time_t)(d / 1000000000ull), (long)(d % 1000000000ull)};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* Device memory: allocations (owned) and IPC mappings (opened). */
+static struct {
+  void *addr;
+  size_t len;
+  int owned;
+  char name[48];
+} maps[MAX_MAPS];
+
+typedef struct fake_stream {
+  uint64_t end_ns;
+} fake_stream;
+static fake_stream legacy_stream; /* stream 0 (and 1, 2: legacy, per-thread) */
+static fake_stream *streams[MAX_STREAMS];
+
+/* An event: in its own shared page when interprocess. */
+typedef struct fake_event {
+  uint32_t magic;
+  uint32_t ipc;
+  uint64_t done_ns;
+  char name[48];
+} fake_event;
+
+static struct {
+  uint64_t due;
+  const unsigned char *p;
+  size_t n;
+  unsigned long long *out;
+} kernels[MAX_KERNELS];
+
+static fake_stream *stream_of(void *s) {
+  return (uintptr_t)s <= 2 ? &legacy_stream : (fake_stream *)s;
+}
+
+static uint64_t max64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+static int in_device_memory(const void *p, size_t n) {
+  for (int i = 0; i < MAX_MAPS; i++) {
+    uintptr_t a = (uintptr_t)maps[i].addr, b = (uintptr_t)p;
+    if (maps[i].addr != NULL && b >= a && b + n <= a + maps[i].len) return 1;
+  }
+  return 0;
+}
+
+static void run_due_locked(void) {
+  uint64_t now = now_ns();
+  for (int i = 0; i < MAX_KERNELS; i++) {
+    if (kernels[i].out == NULL || kernels[i].due > now) continue;
+    unsigned long long h = 1469598103934665603ull;
+    for (size_t k = 0; k < kernels[i].n; k++) h = (h ^ kernels[i].p[k]) * 1099511628211ull;
+    *kernels[i].out = h;
+    kernels[i].out = NULL;
+  }
+}
+
+void fake_cuda_run_due(void) {
+  pthread_mutex_lock(&mu);
+  run_due_locked();
+  pthread_mutex_unlock(&mu);
+}
+
+void fake_cuda_launch_read(void *stream, const void *dptr, size_t n, unsigned long long ns,
+                           unsigned long long *out) {
+  pthread_mutex_lock(&mu);
+  fake_stream *s = stream_of(stream);
+  s->end_ns = max64(s->end_ns, now_ns()) + ns;
+  int i = 0;
+  while (i < MAX_KERNELS && kernels[i].out != NULL) i++;
+  if (i == MAX_KERNELS || !in_device_memory(dptr, n)) abort(); /* a test bug */
+  *out = 0;
+  kernels[i].due = s->end_ns;
+  kernels[i].p = dptr;
+  kernels[i].n = n;
+  kernels[i].out = out;
+  pthread_mutex_unlock(&mu);
+}
+
+unsigned long long fake_cuda_stream_end(void *stream) {
+  pthread_mutex_lock(&mu);
+  unsigned long long t = stream_of(stream)->end_ns;
+  pthread_mutex_unlock(&mu);
+  return t;
+}
+
+CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (u == NULL) return INVALID_VALUE;
+  if (d < 0 || d >= devices()) return INVALID_DEVICE;
+  int tag = d;
+  const char *list = getenv("FAKE_CUDA_UUIDS");
+  for (int i = 0; list != NULL && *list; i++) {
+    if (i == d) {
+      tag = atoi(list);
+      break;
+    }
+    list = strchr(list, ',');
+    if (list != NULL) list++;
+    else break;
+  }
+  memset(u, 0, sizeof *u);
+  memcpy(u->bytes, "fakegpu", 7);
+  u->bytes[15] = (char)tag;
+  return SUCCESS;
+}
+
+CUresult cuCtxSynchronize(void) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  pthread_mutex_lock(&mu);
+  uint64_t end = legacy_stream.end_ns;
+  for (int i = 0; i < MAX_STREAMS; i++)
+    if (streams[i] != NULL) end = max64(end, streams[i]->end_ns);
+  st.ctx_syncs++;
+  pthread_mutex_unlock(&mu);
+  sleep_until(end);
+  fake_cuda_run_due();
+  return SUCCESS;
+}
+
+/* Maps a shared-memory file as device memory. */
+static void *map_file(const char *name, size_t len, int create) {
+  char path[96];
+  snprintf(path, sizeof path, "/dev/shm/%s", name);
+  int fd = open(path, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
+  if (fd < 0) return NULL;
+  if (create && ftruncate(fd, (off_t)len) != 0) {
+    close(fd);
+    unlink(path);
+    return NULL;
+  }
+  void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  return p == MAP_FAILED ? NULL : p;
+}
+
+static void unlink_name(const char *name) {
+  char path[96];
+  snprintf(path, sizeof path, "/dev/shm/%s", name);
+  unlink(path);
+}
+
+static int new_name(char *out, size_t n, const char *kind) {
+  static int counter;
+  return snprintf(out, n, "tsockfake.%s.%d.%d", kind, (int)getpid(), ++counter);
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t len) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  if (dptr == NULL || len == 0) return INVALID_VALUE;
+  CUresult rc = env_int("FAKE_CUDA_ALLOC_RESULT", SUCCESS);
+  if (rc != SUCCESS) return rc;
+  pthread_mutex_lock(&mu);
+  int i = 0;
+  while (i < MAX_MAPS && maps[i].addr != NULL) i++;
+  if (i == MAX_MAPS) rc = OUT_OF_MEMORY;
+  void *p = NULL;
+  if (rc == SUCCESS) {
+    new_name(maps[i].name, sizeof maps[i].name, "mem");
+    p = map_file(maps[i].name, len, 1);
+    if (p == NULL) rc = OUT_OF_MEMORY;
+  }
+  if (rc == SUCCESS) {
+    maps[i].addr = p;
+    maps[i].len = len;
+    maps[i].owned = 1;
+    st.allocs++;
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+  }
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+static int find_map(CUdeviceptr d, int owned) {
+  for (int i = 0; i < MAX_MAPS; i++)
+    if (maps[i].addr != NULL && (CUdeviceptr)(uintptr_t)maps[i].addr == d && maps[i].owned == owned)
+      return i;
+  return -1;
+}
+
+static CUresult drop_map(CUdeviceptr d, int owned) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  pthread_mutex_lock(&mu);
+  int i = find_map(d, owned);
+  if (i >= 0) {
+    munmap(maps[i].addr, maps[i].len);
+    if (owned) unlink_name(maps[i].name);
+    maps[i].addr = NULL;
+    if (owned) st.frees++;
+    else st.ipc_closes++;
+  }
+  pthread_mutex_unlock(&mu);
+  return i >= 0 ? SUCCESS : INVALID_VALUE;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr d) { return drop_map(d, 1); }
+CUresult cuIpcCloseMemHandle(CUdeviceptr d) { return drop_map(d, 0); }
+
+/* Handle layout: magic, owner pid, length, name. */
+typedef struct {
+  uint32_t magic;
+  int32_t pid;
+  uint64_t len;
+  char name[48];
+} ipc_body;
+_Static_assert(sizeof(ipc_body) <= sizeof(CUipcHandle), "handle");
+
+CUresult cuIpcGetMemHandle(CUipcHandle *h, CUdeviceptr d) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  pthread_mutex_lock(&mu);
+  int i = find_map(d, 1);
+  if (i >= 0) {
+    ipc_body b = {IPC_MAGIC, (int32_t)getpid(), maps[i].len, {0}};
+    memcpy(b.name, maps[i].name, sizeof b.name);
+    memset(h, 0, sizeof *h);
+    memcpy(h, &b, sizeof b);
+  }
+  pthread_mutex_unlock(&mu);
+  return i >= 0 ? SUCCESS : INVALID_VALUE;
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *d, CUipcHandle h, unsigned flags) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  CUresult rc = env_int("FAKE_CUDA_IPC_RESULT", SUCCESS);
+  if (rc != SUCCESS) return rc;
+  ipc_body b;
+  memcpy(&b, &h, sizeof b);
+  if (d == NULL || flags > 1 || b.magic != IPC_MAGIC || b.name[sizeof b.name - 1] != '\0')
+    return INVALID_VALUE;
+  if (b.pid == (int32_t)getpid()) return INVALID_CONTEXT; /* as the driver: not in the exporter */
+  pthread_mutex_lock(&mu);
+  int i = 0;
+  while (i < MAX_MAPS && maps[i].addr != NULL) i++;
+  void *p = i < MAX_MAPS ? map_file(b.name, b.len, 0) : NULL;
+  if (p != NULL) {
+    maps[i].addr = p;
+    maps[i].len = b.len;
+    maps[i].owned = 0;
+    memcpy(maps[i].name, b.name, sizeof b.name);
+    st.ipc_opens++;
+    *d = (CUdeviceptr)(uintptr_t)p;
+  }
+  pthread_mutex_unlock(&mu);
+  return p != NULL ? SUCCESS : INVALID_VALUE;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *stream) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  pthread_mutex_lock(&mu);
+  CUresult rc = in_device_memory((void *)(uintptr_t)dst, n) ? SUCCESS : INVALID_VALUE;
+  if (rc == SUCCESS) {
+    memcpy((void *)(uintptr_t)dst, src, n);
+    fake_stream *s = stream_of(stream);
+    s->end_ns = max64(s->end_ns, now_ns()) + (uint64_t)env_int("FAKE_CUDA_COPY_NS", 0);
+    st.copies++;
+    st.copy_bytes += n;
+  }
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+CUresult cuStreamCreate(void **out, unsigned flags) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  if (out == NULL || flags > 1) return INVALID_VALUE;
+  fake_stream *s = calloc(1, sizeof *s);
+  pthread_mutex_lock(&mu);
+  int i = 0;
+  while (i < MAX_STREAMS && streams[i] != NULL) i++;
+  if (i < MAX_STREAMS && s != NULL) {
+    streams[i] = s;
+    st.streams_live++;
+  }
+  pthread_mutex_unlock(&mu);
+  if (i == MAX_STREAMS || s == NULL) {
+    free(s);
+    return OUT_OF_MEMORY;
+  }
+  *out = s;
+  return SUCCESS;
+}
+
+CUresult cuStreamDestroy_v2(void *stream) {
+  if (!initialized) return NOT_INITIALIZED;
+  pthread_mutex_lock(&mu);
+  int found = 0;
+  for (int i = 0; i < MAX_STREAMS; i++)
+    if (streams[i] == stream && stream != NULL) streams[i] = NULL, found = 1;
+  if (found) st.streams_live--;
+  pthread_mutex_unlock(&mu);
+  if (!found) return INVALID_VALUE;
+  free(stream);
+  return SUCCESS;
+}
+
+CUresult cuStreamSynchronize(void *stream) {
+  if (!initialized) return NOT_INITIALIZED;
+  sleep_until(fake_cuda_stream_end(stream));
+  fake_cuda_run_due();
+  return SUCCESS;
+}
+
+CUresult cuStreamWaitEvent(void *stream, fake_event *ev, unsigned flags) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (ev == NULL || ev->magic != IPC_MAGIC || flags != 0) return INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  fake_stream *s = stream_of(stream);
+  s->end_ns = max64(s->end_ns, __atomic_load_n(&ev->done_ns, __ATOMIC_ACQUIRE));
+  st.stream_waits++;
+  pthread_mutex_unlock(&mu);
+  return SUCCESS;
+}
+
+CUresult cuEventCreate(fake_event **out, unsigned flags) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  if (out == NULL || (flags & ~0x7u) != 0) return INVALID_VALUE;
+  int ipc = (flags & 0x4u) != 0;
+  if (ipc && !(flags & 0x2u)) return INVALID_VALUE; /* as the driver: IPC needs DISABLE_TIMING */
+  fake_event *ev;
+  char name[48] = {0};
+  if (ipc) {
+    new_name(name, sizeof name, "ev");
+    ev = map_file(name, 4096, 1);
+  } else {
+    ev = calloc(1, sizeof *ev);
+  }
+  if (ev == NULL) return OUT_OF_MEMORY;
+  ev->magic = IPC_MAGIC;
+  ev->ipc = (uint32_t)ipc;
+  memcpy(ev->name, name, sizeof ev->name);
+  pthread_mutex_lock(&mu);
+  st.events_live++;
+  pthread_mutex_unlock(&mu);
+  *out = ev;
+  return SUCCESS;
+}
+
+CUresult cuEventDestroy_v2(fake_event *ev) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  st.events_live--;
+  pthread_mutex_unlock(&mu);
+  if (ev->ipc) {
+    /* The creator's name goes with its process's handle; an opener only unmaps. */
+    char path[48];
+    memcpy(path, ev->name, sizeof path);
+    int creator = strstr(path, "tsockfake.ev.") == path &&
+                  atoi(path + strlen("tsockfake.ev.")) == (int)getpid();
+    munmap(ev, 4096);
+    if (creator) unlink_name(path);
+  } else {
+    free(ev);
+  }
+  return SUCCESS;
+}
+
+CUresult cuEventRecord(fake_event *ev, void *stream) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  __atomic_store_n(&ev->done_ns, max64(stream_of(stream)->end_ns, now_ns()), __ATOMIC_RELEASE);
+  st.events_recorded++;
+  pthread_mutex_unlock(&mu);
+  return SUCCESS;
+}
+
+CUresult cuEventQuery(fake_event *ev) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
+  fake_cuda_run_due();
+  return now_ns() >= __atomic_load_n(&ev->done_ns, __ATOMIC_ACQUIRE) ? SUCCESS : NOT_READY;
+}
+
+CUresult cuEventSynchronize(fake_event *ev) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
+  sleep_until(__atomic_load_n(&ev->done_ns, __ATOMIC_ACQUIRE));
+  fake_cuda_run_due();
+  return SUCCESS;
+}
+
+CUresult cuIpcGetEventHandle(CUipcHandle *h, fake_event *ev) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (h == NULL || ev == NULL || ev->magic != IPC_MAGIC || !ev->ipc) return INVALID_VALUE;
+  ipc_body b = {IPC_MAGIC, (int32_t)getpid(), 4096, {0}};
+  memcpy(b.name, ev->name, sizeof b.name);
+  memset(h, 0, sizeof *h);
+  memcpy(h, &b, sizeof b);
+  return SUCCESS;
+}
+
+CUresult cuIpcOpenEventHandle(fake_event **out, CUipcHandle h) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  ipc_body b;
+  memcpy(&b, &h, sizeof b);
+  if (out == NULL || b.magic != IPC_MAGIC || b.name[sizeof b.name - 1] != '\0')
+    return INVALID_VALUE;
+  fake_event *ev = map_file(b.name, 4096, 0);
+  if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  st.events_live++;
+  pthread_mutex_unlock(&mu);
+  *out = ev;
+  return SUCCESS;
 }

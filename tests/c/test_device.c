@@ -1,0 +1,428 @@
+/* test_device.c - the device path end to end against the fake CUDA driver
+ * (fake_cuda.c, loaded through TSOCK_LIBCUDA): a producer process with a
+ * device pool, this process as the reader.
+ *
+ * Usage: test_device MODE
+ *   fake       zero-copy device batches with the right bytes; the reader's
+ *              stream waits for the producer's copy; a slow "kernel" queued
+ *              before release still reads its batch intact (the producer
+ *              is held back until its fence fires); detach waits for
+ *              pending work; placement refusals (no pool, the producer's
+ *              own process, another GPU or a MIG instance, IPC refused);
+ *   nodriver   a producer asking for a device without a driver fails with
+ *              TSOCK_ENOCUDA and leaves no channel behind.
+ *   producer NAME N SLOTS   (internal) the producer process.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdint.h>
+#include <sys/wait.h>
+
+#include "fake_cuda.h"
+#include "test_util.h"
+
+extern char **environ;
+
+#define ROWS 4096 /* uint32 per batch: 16 KiB */
+
+static uint32_t value(uint64_t batch, uint32_t k) { return (uint32_t)(batch * 100003u + k); }
+
+static uint64_t fnv(const void *p, size_t n) {
+  const unsigned char *b = p;
+  uint64_t h = 1469598103934665603ull;
+  for (size_t k = 0; k < n; k++) h = (h ^ b[k]) * 1099511628211ull;
+  return h;
+}
+
+static uint64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- the producer process ---- */
+
+static int run_producer(const char *name, int n, int slots) {
+  tsock_producer_options_t po;
+  tsock_producer_options_init(&po);
+  po.slot_count = (uint32_t)slots;
+  po.slot_bytes = ROWS * 4;
+  po.cuda_device = 0;
+  tsock_producer_t *p;
+  int rc = tsock_producer_create(name, &po, &p);
+  if (rc != TSOCK_OK) {
+    fprintf(stderr, "producer: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+    return 2;
+  }
+  rc = tsock_producer_wait_readers(p, 1, 10000000000ll);
+  for (int b = 0; rc == TSOCK_OK && b < n; b++) {
+    void *buf;
+    rc = tsock_producer_reserve(p, ROWS * 4, 10000000000ll, &buf);
+    if (rc != TSOCK_OK) break;
+    for (uint32_t k = 0; k < ROWS; k++) ((uint32_t *)buf)[k] = value((uint64_t)b, k);
+    tsock_tensor_t t;
+    int64_t shape[1] = {ROWS};
+    tsock_tensor_init(&t, TSOCK_DTYPE_UINT32, 1, shape, 0);
+    rc = tsock_producer_publish(p, &t, 1, NULL, 0);
+  }
+  if (rc == TSOCK_OK) rc = tsock_producer_end_epoch(p, 10000000000ll);
+  if (rc != TSOCK_OK) fprintf(stderr, "producer: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+  tsock_producer_close(p);
+  return rc == TSOCK_OK ? 0 : 3;
+}
+
+static pid_t spawn_producer(const char *name, int n, int slots) {
+  char ns[16], ss[16];
+  snprintf(ns, sizeof ns, "%d", n);
+  snprintf(ss, sizeof ss, "%d", slots);
+  char *argv[] = {"/proc/self/exe", "producer", (char *)name, ns, ss, NULL};
+  pid_t pid;
+  if (posix_spawn(&pid, "/proc/self/exe", NULL, NULL, argv, environ) != 0) return -1;
+  return pid;
+}
+
+static int reap(pid_t pid) {
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static tsock_reader_t *attach(const char *name) {
+  tsock_reader_options_t ro;
+  tsock_reader_options_init(&ro);
+  ro.attach_timeout_ns = 10000000000ll;
+  ro.start = TSOCK_START_NOW;
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_OK);
+  return r;
+}
+
+/* ---- the fake driver's extras ---- */
+
+static fake_cuda_query_fn query;
+static fake_cuda_launch_read_fn launch_read;
+static fake_cuda_stream_end_fn stream_end;
+typedef int (*stream_create_fn)(void **s, unsigned flags);
+static stream_create_fn stream_create;
+
+static int load_fake(void) {
+  const char *path = getenv("TSOCK_LIBCUDA");
+  void *fake = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : NULL;
+  if (fake == NULL) return -1;
+  query = (fake_cuda_query_fn)dlsym(fake, "fake_cuda_query");
+  launch_read = (fake_cuda_launch_read_fn)dlsym(fake, "fake_cuda_launch_read");
+  stream_end = (fake_cuda_stream_end_fn)dlsym(fake, "fake_cuda_stream_end");
+  stream_create = (stream_create_fn)dlsym(fake, "cuStreamCreate");
+  /* A trainer's framework has a context current; so does this test. */
+  typedef int (*retain_fn)(void **ctx, int dev);
+  typedef int (*set_fn)(void *ctx);
+  typedef int (*init_fn)(unsigned);
+  init_fn init = (init_fn)dlsym(fake, "cuInit");
+  retain_fn retain = (retain_fn)dlsym(fake, "cuDevicePrimaryCtxRetain");
+  set_fn set_current = (set_fn)dlsym(fake, "cuCtxSetCurrent");
+  void *ctx = NULL;
+  if (!init || !retain || !set_current || init(0) != 0 || retain(&ctx, 0) != 0 ||
+      set_current(ctx) != 0)
+    return -1;
+  return query && launch_read && stream_end && stream_create ? 0 : -1;
+}
+
+static fake_cuda_stats stats(void) {
+  fake_cuda_stats s;
+  query(&s);
+  return s;
+}
+
+/* ---- the cases ---- */
+
+/* Every batch: the device copy holds the producer's bytes, DLPack says
+ * kDLCUDA at the pool address; the stream waited for the copy. */
+static void test_zero_copy(void) {
+  const char *name = test_name("tdev", "zc");
+  const int n = 20;
+  pid_t pid = spawn_producer(name, n, 4);
+  tsock_reader_t *r = attach(name);
+  if (r == NULL) return;
+  int32_t ordinal = -1;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
+  CHECK(ordinal == 0);
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK); /* again: same answer */
+  void *stream = NULL;
+  CHECK(stream_create(&stream, 1) == 0);
+  fake_cuda_stats before = stats();
+  int got = 0;
+  for (;;) {
+    const tsock_batch_t *b;
+    int rc = tsock_reader_acquire(r, &b, 10000000000ll);
+    if (rc != TSOCK_OK) {
+      CHECK_RC(rc, TSOCK_ECLOSED);
+      break;
+    }
+    if (b->flags & TSOCK_BATCH_EPOCH_END) {
+      CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_ENODEVICE);
+      CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+      continue;
+    }
+    uint64_t dptr = 0;
+    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK); /* same stream: fine */
+    CHECK_RC(tsock_batch_cuda_use(b, 0, 0), TSOCK_ESTATE);              /* another: refused */
+    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0x80), TSOCK_EINVAL);
+    CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+    CHECK_RC(tsock_batch_cuda_ptr(b, 1, &dptr), TSOCK_EINVAL);
+    const uint32_t *dev = (const uint32_t *)(uintptr_t)dptr; /* fake device memory is mapped */
+    CHECK(dev != b->tensors[0].data);
+    CHECK(memcmp(dev, b->tensors[0].data, ROWS * 4) == 0);
+    CHECK(dev[0] == value(b->index, 0) && dev[ROWS - 1] == value(b->index, ROWS - 1));
+    void *dl = NULL;
+    CHECK_RC(tsock_batch_dlpack_cuda(b, 0, 1, &dl), TSOCK_OK);
+    if (dl != NULL) {
+      /* DLManagedTensorVersioned: version, ctx, deleter, flags, then the DLTensor. */
+      struct { uint32_t major, minor; void *ctx; void (*deleter)(void *); uint64_t flags;
+               void *data; int32_t device_type, device_id; } *m = dl;
+      CHECK(m->data == dev && m->device_type == 2 && m->device_id == 0 && (m->flags & 1));
+      m->deleter(dl);
+    }
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_ESTATE); /* released */
+    got++;
+  }
+  fake_cuda_stats after = stats();
+  CHECK(got == n);
+  CHECK(after.ipc_opens == before.ipc_opens); /* the pool was opened once, at open_device */
+  CHECK(after.stream_waits - before.stream_waits == n);
+  CHECK(after.events_recorded - before.events_recorded == n); /* a fence per batch */
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(stats().ipc_closes >= 1);
+  CHECK(reap(pid) == 0);
+}
+
+/* The trainer queues a slow read of each batch and releases it at once:
+ * the producer (2 slots) must not overwrite a slot before the read ran. */
+static void test_fences_hold_slots(void) {
+  const char *name = test_name("tdev", "fence");
+  enum { N = 12 };
+  const unsigned long long kernel_ns = 20000000ull; /* 20 ms */
+  pid_t pid = spawn_producer(name, N, 2);
+  tsock_reader_t *r = attach(name);
+  if (r == NULL) return;
+  int32_t ordinal;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
+  void *stream = NULL;
+  CHECK(stream_create(&stream, 1) == 0);
+  unsigned long long sums[N];
+  uint64_t want[N];
+  memset(sums, 0, sizeof sums);
+  uint64_t t0 = mono_ns();
+  int got = 0;
+  for (;;) {
+    const tsock_batch_t *b;
+    int rc = tsock_reader_acquire(r, &b, 10000000000ll);
+    if (rc != TSOCK_OK) {
+      CHECK_RC(rc, TSOCK_ECLOSED);
+      break;
+    }
+    if (!(b->flags & TSOCK_BATCH_EPOCH_END) && got < N) {
+      uint64_t dptr = 0;
+      CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+      CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+      want[got] = fnv(b->tensors[0].data, ROWS * 4);
+      launch_read(stream, (const void *)(uintptr_t)dptr, ROWS * 4, kernel_ns, &sums[got]);
+      got++;
+    }
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK); /* at once: the kernel has not run */
+  }
+  uint64_t took = mono_ns() - t0;
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK); /* waits for what is still queued */
+  CHECK(got == N);
+  int intact = 0;
+  for (int i = 0; i < got; i++) intact += sums[i] == want[i];
+  if (intact != got) fprintf(stderr, "fences: %d of %d reads saw their batch\n", intact, got);
+  CHECK(intact == got);
+  /* the stream's reads are serial: N * 20 ms at least, minus the ones detach waited for */
+  CHECK(took >= (uint64_t)(N - 2) * kernel_ns);
+  CHECK(reap(pid) == 0);
+}
+
+/* A batch released with queued GPU work is waited for at detach. */
+static void test_detach_waits(void) {
+  const char *name = test_name("tdev", "detach");
+  pid_t pid = spawn_producer(name, 1, 2);
+  tsock_reader_t *r = attach(name);
+  if (r == NULL) return;
+  int32_t ordinal;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
+  void *stream = NULL;
+  CHECK(stream_create(&stream, 1) == 0);
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  unsigned long long sum = 0;
+  uint64_t dptr = 0;
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+  uint64_t want = fnv(b->tensors[0].data, ROWS * 4);
+  launch_read(stream, (const void *)(uintptr_t)dptr, ROWS * 4, 50000000ull, &sum);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK(sum == 0); /* still queued */
+  uint64_t t0 = mono_ns();
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(mono_ns() - t0 >= 30000000ull);
+  CHECK(sum == want);
+  CHECK(reap(pid) == 0);
+}
+
+/* TSOCK_CUDA_SYNC: the host waits for the copy; release waits for the device. */
+static void test_sync_mode(void) {
+  const char *name = test_name("tdev", "sync");
+  setenv("FAKE_CUDA_COPY_NS", "60000000", 1); /* the producer's copies take 60 ms */
+  pid_t pid = spawn_producer(name, 3, 4);
+  unsetenv("FAKE_CUDA_COPY_NS");
+  tsock_reader_t *r = attach(name);
+  if (r == NULL) return;
+  int32_t ordinal;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
+  void *stream = NULL;
+  CHECK(stream_create(&stream, 1) == 0);
+  const tsock_batch_t *b;
+  /* first batch on a stream: the stream's work now ends after the copy */
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  uint64_t t = mono_ns();
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  CHECK(mono_ns() - t < 30000000ull);                 /* did not block */
+  CHECK(stream_end(stream) + 1000000ull >= b->publish_ns + 60000000ull); /* but ordered */
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  /* second batch, SYNC: this thread waits for the copy */
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, 0, TSOCK_CUDA_SYNC), TSOCK_OK);
+  CHECK(mono_ns() + 1000000ull >= b->publish_ns + 60000000ull);
+  int syncs = stats().ctx_syncs;
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK(stats().ctx_syncs == syncs + 1);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(reap(pid) == 0);
+}
+
+/* Where the device path is refused, the reader says why and reads host memory. */
+static void test_placement_refusals(void) {
+  /* a producer without a pool */
+  const char *name = test_name("tdev", "nopool");
+  tsock_producer_t *p;
+  CHECK_RC(tsock_producer_create(name, NULL, &p), TSOCK_OK);
+  tsock_reader_t *r = attach(name);
+  int32_t ordinal = 7;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_ENODEVICE);
+  CHECK(strstr(tsock_last_error(), "no device pool") != NULL);
+  CHECK(ordinal == 7);
+  CHECK_RC(tsock_reader_open_device(r, NULL), TSOCK_EINVAL);
+  void *buf;
+  CHECK_RC(tsock_producer_reserve(p, 64, 0, &buf), TSOCK_OK);
+  tsock_tensor_t t;
+  int64_t shape[1] = {16};
+  tsock_tensor_init(&t, TSOCK_DTYPE_FLOAT32, 1, shape, 0);
+  CHECK_RC(tsock_producer_publish(p, &t, 1, NULL, 0), TSOCK_OK);
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000000000ll), TSOCK_OK);
+  uint64_t dptr;
+  CHECK_RC(tsock_batch_cuda_use(b, 0, 0), TSOCK_ENODEVICE);
+  CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_ENODEVICE);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+
+  /* a reader in the producer's own process: the driver refuses the handle */
+  name = test_name("tdev", "self");
+  tsock_producer_options_t po;
+  tsock_producer_options_init(&po);
+  po.cuda_device = 1;
+  CHECK_RC(tsock_producer_create(name, &po, &p), TSOCK_OK);
+  r = attach(name);
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_ENODEVICE);
+  CHECK(strstr(tsock_last_error(), "cuIpcOpenMemHandle") != NULL);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+
+  /* another GPU, or a MIG instance: no device of ours has the pool's UUID */
+  setenv("FAKE_CUDA_UUIDS", "7,8", 1);
+  r = attach(name);
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_ENODEVICE);
+  CHECK(strstr(tsock_last_error(), "MIG") != NULL);
+  CHECK(strstr(tsock_last_error(), "GPU-66616b65") != NULL); /* the pool's UUID, "fake..." */
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  unsetenv("FAKE_CUDA_UUIDS");
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+
+  /* a bad ordinal, and a negative one other than -1 */
+  po.cuda_device = 5;
+  CHECK_RC(tsock_producer_create(test_name("tdev", "ord"), &po, &p), TSOCK_EINVAL);
+  CHECK(strstr(tsock_last_error(), "cuda:5") != NULL);
+  po.cuda_device = -2;
+  CHECK_RC(tsock_producer_create(test_name("tdev", "neg"), &po, &p), TSOCK_EINVAL);
+  /* the driver fails the allocation: a clear error, no channel left */
+  setenv("FAKE_CUDA_ALLOC_RESULT", "2", 1);
+  po.cuda_device = 0;
+  name = test_name("tdev", "oom");
+  CHECK_RC(tsock_producer_create(name, &po, &p), TSOCK_ESYS);
+  CHECK(strstr(tsock_last_error(), "CUDA_ERROR_OUT_OF_MEMORY") != NULL);
+  unsetenv("FAKE_CUDA_ALLOC_RESULT");
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  CHECK(access(path, F_OK) != 0);
+}
+
+/* The same GPU seen under another ordinal is still found by UUID. */
+static void test_reordered_devices(void) {
+  const char *name = test_name("tdev", "reorder");
+  pid_t pid = spawn_producer(name, 1, 2); /* pool on ordinal 0 = UUID 0 */
+  setenv("FAKE_CUDA_UUIDS", "1,0", 1);    /* here that GPU is ordinal 1 */
+  tsock_reader_t *r = attach(name);
+  int32_t ordinal = -1;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
+  CHECK(ordinal == 1);
+  unsetenv("FAKE_CUDA_UUIDS");
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(reap(pid) == 0);
+}
+
+int main(int argc, char **argv) {
+  const char *mode = argc > 1 ? argv[1] : "";
+  if (strcmp(mode, "producer") == 0 && argc == 5)
+    return run_producer(argv[2], atoi(argv[3]), atoi(argv[4]));
+  if (strcmp(mode, "nodriver") == 0) {
+    tsock_producer_options_t po;
+    tsock_producer_options_init(&po);
+    CHECK(po.cuda_device == -1);
+    po.cuda_device = 0;
+    const char *name = test_name("tdev", "nodrv");
+    tsock_producer_t *p;
+    CHECK_RC(tsock_producer_create(name, &po, &p), TSOCK_ENOCUDA);
+    CHECK(strstr(tsock_last_error(), "CUDA driver not available") != NULL);
+    char path[128];
+    snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+    CHECK(access(path, F_OK) != 0);
+  } else if (strcmp(mode, "fake") == 0) {
+    if (load_fake() != 0) {
+      fprintf(stderr, "fake driver: TSOCK_LIBCUDA unset or not the fake\n");
+      return 1;
+    }
+    test_zero_copy();
+    test_fences_hold_slots();
+    test_detach_waits();
+    test_sync_mode();
+    test_placement_refusals();
+    test_reordered_devices();
+    fake_cuda_stats s = stats();
+    CHECK(s.allocs == s.frees); /* the producers of this process freed their pools */
+    CHECK(s.primary_refs == 1); /* the test's own */
+  } else {
+    fprintf(stderr, "usage: test_device fake|nodriver\n");
+    return 2;
+  }
+  if (test_failures == 0) printf("test_device %s: ok\n", mode);
+  return test_failures == 0 ? 0 : 1;
+}
