@@ -2,6 +2,8 @@
 BUILD ?= build
 VENV ?= .venv
 PY = $(VENV)/bin/python
+# Keys Go's build cache on the C sources cgo #includes (see scripts/cgo.sh).
+export CGO_CFLAGS := $(shell sh scripts/cgo.sh)
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
 .PHONY: all build lint go-test c-test py-env py-test test sweep demo bench bench-quick bench-latency soak fuzz clean

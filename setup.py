@@ -81,8 +81,10 @@ def build_libraries(out_dir: Path) -> list[Path]:
         if not (ROOT / src).exists():
             raise BuildError(f"tsock source {src} is missing from {ROOT} (build from a full checkout or sdist)")
 
-    # Same flags as CMakeLists.txt, so both builds share Go's build cache.
-    env = dict(os.environ, CGO_ENABLED="1", CC=" ".join(cc))
+    # Same flags as CMakeLists.txt, so both builds share Go's build cache;
+    # scripts/cgo.sh keys that cache on the C sources (see there).
+    cflags = subprocess.run(["sh", str(ROOT / "scripts" / "cgo.sh")], capture_output=True, text=True, check=True)
+    env = dict(os.environ, CGO_ENABLED="1", CC=" ".join(cc), CGO_CFLAGS=cflags.stdout.strip())
     lib = out_dir / "libtsock.so"
     _run(
         [

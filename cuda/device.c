@@ -246,6 +246,22 @@ int tsock_reader_open_device(tsock_reader_t *h, int32_t *cuda_ordinal) {
   return TSOCK_OK;
 }
 
+int tsock_reader_device_range(tsock_reader_t *h, uint64_t *base, uint64_t *len) {
+  tsock__clear_error();
+  tsock_reader_view v;
+  int st = tsock__reader_view(h, &v);
+  if (st != TSOCK_OK) return st;
+  if (base == NULL || len == NULL)
+    return tsock__fail(TSOCK_EINVAL, "tsock_reader_device_range: NULL out-parameter");
+  const device_state *g = v.device;
+  if (g == NULL)
+    return tsock__fail(TSOCK_ENODEVICE, "tsock_reader_device_range: no device path "
+                                        "(tsock_reader_open_device)");
+  *base = g->base;
+  *len = (uint64_t)g->slot_count * g->slot_bytes;
+  return TSOCK_OK;
+}
+
 /* ---- batches ---- */
 
 /* The held batch behind b when it has a usable device copy. */

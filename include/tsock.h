@@ -335,6 +335,11 @@ int tsock_reader_register_host(tsock_reader_t *r);
  * after success returns 0 again. One thread at a time per reader. */
 int tsock_reader_open_device(tsock_reader_t *r, int32_t *cuda_ordinal);
 
+/* The device pool's address range in this process (after a successful
+ * tsock_reader_open_device): every tsock_batch_cuda_ptr lies inside it.
+ * TSOCK_ENODEVICE before. One thread at a time per reader. */
+int tsock_reader_device_range(tsock_reader_t *r, uint64_t *base, uint64_t *len);
+
 /* The device address (a CUdeviceptr) of tensor `i` of a batch that has a
  * device copy, read after tsock_batch_cuda_use(). TSOCK_ENODEVICE when the
  * reader has no device path or the batch was published without a device

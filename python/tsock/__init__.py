@@ -27,6 +27,7 @@ from .errors import (
     CUDAUnavailable,
     Evicted,
     LayoutMismatch,
+    NoDevicePath,
     ProducerGone,
     ReadOnlyBatchError,
     TsockError,
@@ -48,6 +49,7 @@ __all__ = [
     "ChannelClosed",
     "ReadOnlyBatchError",
     "CUDAUnavailable",
+    "NoDevicePath",
     "ReadOnlyTensor",
     "DLPackTensor",
 ]

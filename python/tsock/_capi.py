@@ -43,6 +43,9 @@ ESYS = -19
 EFORKED = -20
 ENOMEM = -21
 ENOCUDA = -22
+ENODEVICE = -23
+
+CUDA_SYNC = 0x1  # tsock_batch_cuda_use: the host waits instead of a stream
 
 # Dtypes (tsock_dtype).
 DTYPE_BOOL = 1
@@ -109,6 +112,8 @@ class ProducerOptions(ctypes.Structure):
         ("evict_after_ns", ctypes.c_int64),
         ("join_window", ctypes.c_uint32),
         ("reserved", ctypes.c_uint32),
+        ("cuda_device", ctypes.c_int32),
+        ("reserved2", ctypes.c_uint32),
     ]
 
 
@@ -141,6 +146,11 @@ _COMMON = {
     "tsock_reader_pin_mapping": (_I, [_P, ctypes.POINTER(_P)]),
     "tsock_mapping_unpin": (None, [_P]),
     "tsock_reader_register_host": (_I, [_P]),
+    "tsock_reader_open_device": (_I, [_P, ctypes.POINTER(ctypes.c_int32)]),
+    "tsock_reader_device_range": (_I, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
+    "tsock_batch_cuda_ptr": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)]),
+    "tsock_batch_cuda_use": (_I, [ctypes.POINTER(Batch), ctypes.c_size_t, ctypes.c_uint32]),
+    "tsock_batch_dlpack_cuda": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, _I, ctypes.POINTER(_P)]),
 }
 
 _PRODUCER = {

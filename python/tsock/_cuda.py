@@ -1,5 +1,17 @@
-"""Consumer(device="cuda:N"): batches copied to a GPU, the copy of batch n+1
-overlapping the trainer's work on batch n.
+"""Consumer(device="cuda:N"): batches on a GPU, by one of two paths.
+
+The device path (DirectOutput): the producer copies every batch once into
+its device pool; a consumer on the same GPU opens the pool through CUDA IPC
+(tsock_reader_open_device) and gets each tensor as a zero-copy CUDA tensor
+(DLPack kDLCUDA). Its current stream is made to wait for the producer's copy
+and the batch's slot is held back until the work queued on that stream
+before the release has run (tsock_batch_cuda_use): nothing to synchronise by
+hand.
+
+The pinned host path (Staging), used where the device path is not open
+(the producer has no pool, another GPU, a MIG instance): batches copied to
+the GPU by this consumer, the copy of batch n+1 overlapping the trainer's
+work on batch n.
 
 The reader's payload mapping is registered as pinned host memory once
 (tsock_reader_register_host), so copies out of shared memory are truly
@@ -86,6 +98,37 @@ class TorchCuda:
     def on_stream(self):
         return self.torch.cuda.stream(self.stream)
 
+    # ---- the device path ----
+
+    def current_stream(self) -> int:
+        """The CUstream of the caller's current stream on the device."""
+        return self.torch.cuda.current_stream(self.device).cuda_stream
+
+    def from_capsule(self, cap):
+        return self.torch.utils.dlpack.from_dlpack(cap)
+
+    def finish(self, t, code: int, copy: bool):
+        """A zero-copy device tensor as handed out: booleans viewed back
+        from uint8, then a private clone (copy=True) or the read-only guard."""
+        if code == _capi.DTYPE_BOOL:
+            t = t.view(self.torch.bool)
+        if copy:
+            return t.clone()
+        from . import _torch
+
+        return t.as_subclass(_torch.ReadOnlyTensor)
+
+    def to_device(self, host):
+        return host.to(self.device)
+
+    def protect(self, base: int, length: int):
+        """Guards the device pool's range against in-place writes (the same
+        ReadOnlyTensor check as host batches); returns the undo."""
+        from . import _torch
+
+        _torch.add_range(base, length)
+        return lambda: _torch.remove_range(base, length)
+
     def copy(self, host):
         return host.to(self.device, non_blocking=True)
 
@@ -108,6 +151,64 @@ class TorchCuda:
 
 def backend(device) -> TorchCuda:
     return TorchCuda(device)
+
+
+DEVICE_PATHS = ("auto", "require", "never")
+
+
+class DirectOutput:
+    """The torch output on the device path: each leaf is the batch's copy in
+    the producer's device pool, zero-copy, ordered on the caller's current
+    stream."""
+
+    name = "torch"
+
+    def __init__(self, host, backend, copy: bool):
+        self._host = host
+        self._backend = backend
+        self.copy = copy
+
+    def storage_dtype(self, code: int):
+        return self._host.storage_dtype(code)
+
+    def view(self, reader, raw, i: int, start=None, stop=None):
+        from ._dlpack import capsule
+        from ._output import CODE
+
+        lib = reader.lib
+        # Once per batch in effect: the same stream again is a no-op in C.
+        rc = lib.cuda_use(raw.lease.batch, self._backend.current_stream(), 0)
+        if rc:
+            from .errors import check
+
+            check(lib, rc, "order the batch on the current CUDA stream")
+        code = raw.leaves[i][CODE]
+        rows = None if start is None else (start, stop)
+        cap = capsule(lib, raw.lease, i, False, code == _capi.DTYPE_BOOL, rows, device=True)
+        return self._backend.finish(self._backend.from_capsule(cap), code, self.copy)
+
+    def owned(self, arr, code: int):
+        # Batches re-cut across producer batches are assembled on the host.
+        return self._backend.to_device(self._host.owned_tensor(arr, code))
+
+
+def open_direct(reader, device, backend, host, copy: bool, required: bool):
+    """The device path for `reader` if it opens on `device`: (DirectOutput,
+    undo of the range guard, None), else (None, None, why not). With
+    required, NoDevicePath instead of a why."""
+    from .errors import NoDevicePath
+
+    ordinal, why = reader.open_device()
+    index = getattr(device, "index", None)
+    if ordinal is not None and index is not None and ordinal != index:
+        why = f"the producer's pool is on cuda:{ordinal} of this process, not on {device}"
+        ordinal = None
+    if ordinal is None:
+        if required:
+            raise NoDevicePath(f"device_path='require': {why}", _capi.ENODEVICE)
+        return None, None, why
+    base, length = reader.device_range()
+    return DirectOutput(host, backend, copy), backend.protect(base, length), None
 
 
 class Staged:
@@ -154,14 +255,16 @@ class Staging:
         self._issued: list = []
         self._sources: list = []
 
-    def register(self, reader) -> None:
+    def register(self, reader) -> bool:
+        """Pins the reader's mapping; False (with a warning) if that failed."""
         why = self.backend.register(reader)
         if why is not None:
             warnings.warn(
                 f"tsock: pinning the channel's memory failed, copies to the GPU run unpinned (slower): {why}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
+        return why is None
 
     def copy(self, host):
         t = self.backend.copy(host)

@@ -32,6 +32,7 @@ _STRIDES = 32
 DL_UINT = 1
 DL_BOOL = 6
 KDL_CPU = 1
+KDL_CUDA = 2
 
 _Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -82,16 +83,19 @@ class Lease:
         self.valid = True
 
 
-def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool = False, rows=None):
+def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool = False, rows=None, device=False):
     """A new PyCapsule holding the DLPack form of tensor `index` of a held
-    batch. bool_as_uint8 (pass it only for boolean tensors) describes
-    booleans as uint8, for consumers that predate kDLBool; view the result
-    as bool. rows=(start, stop) narrows the
-    tensor to those rows of its first dimension, still without a copy."""
+    batch: its host memory, or with device=True its copy in the producer's
+    device pool (kDLCUDA; the reader must have opened it). bool_as_uint8
+    (pass it only for boolean tensors) describes booleans as uint8, for
+    consumers that predate kDLBool; view the result as bool. rows=(start,
+    stop) narrows the tensor to those rows of its first dimension, still
+    without a copy."""
     if not lease.valid:
         raise BufferError("this tsock batch was released (the next batch was taken); use copy=True to keep batches")
     out = ctypes.c_void_p()
-    rc = lib.dlpack(lease.batch, index, 1 if versioned else 0, ctypes.byref(out))
+    export = lib.dlpack_cuda if device else lib.dlpack
+    rc = export(lease.batch, index, 1 if versioned else 0, ctypes.byref(out))
     if rc:
         check(lib, rc, "DLPack export")
     ptr = out.value
@@ -114,34 +118,57 @@ def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool 
     return _api.PyCapsule_New(ptr, LEGACY, _DESTROY_LEGACY)
 
 
+def use(lib, lease: Lease, stream) -> None:
+    """tsock_batch_cuda_use for a DLPack stream argument."""
+    if not lease.valid:
+        raise BufferError("this tsock batch was released (the next batch was taken); use copy=True to keep batches")
+    if stream is None:
+        stream = 1  # the array API: None means the legacy default stream
+    flags = 0
+    if stream == -1:  # the consumer orders nothing: wait on the host
+        stream, flags = 0, 1
+    rc = lib.cuda_use(lease.batch, int(stream), flags)
+    if rc:
+        check(lib, rc, "order the batch on a CUDA stream")
+
+
 class DLPackTensor:
     """Tensor `index` of a held batch, as a DLPack producer (the Python array
     API's __dlpack__ protocol): np.from_dlpack, torch.from_dlpack and
     jax.dlpack.from_dlpack take it without a copy. Valid until the batch is
     released, which happens when the consumer takes its next batch."""
 
-    __slots__ = ("_lib", "_lease", "_index", "_rows")
+    __slots__ = ("_lib", "_lease", "_index", "_rows", "_cuda")
 
-    def __init__(self, lib, lease: Lease, index: int, rows=None):
+    def __init__(self, lib, lease: Lease, index: int, rows=None, cuda: int | None = None):
         self._lib = lib
         self._lease = lease
         self._index = index
         self._rows = rows
+        self._cuda = cuda  # the device ordinal when exporting the device copy
 
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
         """A DLPack capsule: versioned (read-only flag set) when the caller
         accepts DLPack >= 1.0, else legacy. No copy is ever made: copy=True
-        raises BufferError, as the protocol asks."""
+        raises BufferError, as the protocol asks. For the device copy,
+        `stream` is the consumer's CUDA stream (None or 1: the legacy
+        default stream, 2: per-thread default, -1: none given, so the host
+        waits): it is made to wait for the producer's copy, and the batch's
+        slot is held back until the work queued on it before the release
+        has run (tsock_batch_cuda_use)."""
         if copy:
             raise BufferError("tsock exports shared memory without copying; copy the result instead")
-        if dl_device is not None and tuple(dl_device) != (KDL_CPU, 0):
-            raise BufferError(f"tsock batches live in host memory (kDLCPU), not on device {dl_device}")
+        here = self.__dlpack_device__()
+        if dl_device is not None and tuple(dl_device) != here:
+            raise BufferError(f"this tsock tensor lives on device {here}, not {tuple(dl_device)}")
+        if self._cuda is not None:
+            use(self._lib, self._lease, stream)
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
-        return capsule(self._lib, self._lease, self._index, versioned, rows=self._rows)
+        return capsule(self._lib, self._lease, self._index, versioned, rows=self._rows, device=self._cuda is not None)
 
     def __dlpack_device__(self):
-        """(kDLCPU, 0): batches live in (shared) host memory."""
-        return (KDL_CPU, 0)
+        """(kDLCPU, 0) for host memory, (kDLCUDA, ordinal) for the device copy."""
+        return (KDL_CPU, 0) if self._cuda is None else (KDL_CUDA, self._cuda)
 
     def __repr__(self):
         state = "valid" if self._lease.valid else "released"

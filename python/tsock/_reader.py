@@ -42,6 +42,8 @@ class _Lib:
         self.acquire = self._fn("tsock_reader_acquire", [_P, ctypes.POINTER(_P), ctypes.c_int64])
         self.release = self._fn("tsock_reader_release", [_P, _P])
         self.dlpack = self._fn("tsock_batch_dlpack", [_P, ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(_P)])
+        self.dlpack_cuda = self._fn("tsock_batch_dlpack_cuda", [_P, ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(_P)])
+        self.cuda_use = self._fn("tsock_batch_cuda_use", [_P, ctypes.c_size_t, ctypes.c_uint32])
 
     def _fn(self, name, argtypes):
         fn = self.cdll._FuncPtr((name, self.cdll))
@@ -191,6 +193,30 @@ class Reader:
         tview = memoryview((ctypes.c_char * (_TENSOR.size * _capi.MAX_TENSORS)).from_address(tptr)).cast("B")
         mview = memoryview((ctypes.c_char * _capi.META_MAX).from_address(mptr)).cast("B")
         return bview, tview.toreadonly(), mview.toreadonly()
+
+    def open_device(self):
+        """Opens the producer's device pool (tsock_reader_open_device):
+        (ordinal, None) on success, (None, why) where this reader must read
+        host memory instead. CUDAUnavailable without a driver."""
+        lib = self.lib
+        ordinal = ctypes.c_int32()
+        rc = lib.tsock_reader_open_device(self.handle, ctypes.byref(ordinal))
+        if rc == _capi.OK:
+            return ordinal.value, None
+        detail = lib.tsock_last_error().decode(errors="replace")
+        if rc == _capi.ENODEVICE:
+            return None, detail
+        raise error_for(rc, f"open the device pool: {detail}")
+
+    def device_range(self) -> tuple[int, int]:
+        """(base, length) of the device pool in this process."""
+        base, length = ctypes.c_uint64(), ctypes.c_uint64()
+        check(
+            self.lib,
+            self.lib.tsock_reader_device_range(self.handle, ctypes.byref(base), ctypes.byref(length)),
+            "device range",
+        )
+        return base.value, length.value
 
     def release(self, lease: Lease) -> None:
         """Releases `lease` and every batch acquired before it."""

@@ -16,12 +16,14 @@ from .errors import ChannelClosed, TsockError
 _START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW}
 
 
-def _close_reader(reader: Reader, unprotect) -> None:
+def _close_reader(reader: Reader, unprotect, undo: list) -> None:
     try:
         reader.detach()
     finally:
         if unprotect is not None:
             unprotect(reader.base, reader.length)
+        for fn in undo:
+            fn()
 
 
 class Consumer:
@@ -79,6 +81,13 @@ class Consumer:
         the current one: next() returns batch n once batch n+1 is taken and
         its copy started, with the caller's current stream made to wait for
         n's copy. CUDAUnavailable when PyTorch has no CUDA or sees no GPU.
+        When the producer has a device pool on that same GPU
+        (Producer(device=...)), batches are instead its copy there, as
+        zero-copy read-only CUDA tensors ordered on the caller's current
+        stream (the device path; see `placement`).
+      device_path: with device, "auto" (default): the device path where it
+        opens, else the pinned host path; "require": NoDevicePath where it
+        does not open; "never": always copy (the pinned host path).
 
     Raises ProducerGone when the producer dies (after every batch it
     published), ChannelClosed when an epoch is asked for after the producer
@@ -97,6 +106,7 @@ class Consumer:
         start: str = "epoch",
         timeout: float | None = 30.0,
         device=None,
+        device_path: str = "auto",
     ):
         if not isinstance(name, str):
             raise TypeError(f"channel name must be str, got {type(name).__name__}")
@@ -117,6 +127,8 @@ class Consumer:
         if device is not None:
             from . import _cuda
 
+            if device_path not in _cuda.DEVICE_PATHS:
+                raise ValueError(f"device_path must be one of {_cuda.DEVICE_PATHS}, got {device_path!r}")
             device = _cuda.check_device(device, output)  # before attaching
         self.name = name
         self.batch_size = batch_size
@@ -136,27 +148,52 @@ class Consumer:
         self._closed_seen = False
         self._started = False  # a batch was taken
         self._closed = False
-        # Re-batching holds the batch being cut and the next one at most.
-        self._reader = Reader(name, _START[start], timeout, max_held=2)
+        # Re-batching holds the batch being cut and the next one at most; on
+        # the device path released batches stay held while the GPU reads
+        # them, so it keeps a few more.
+        self._reader = Reader(name, _START[start], timeout, max_held=2 if device is None else 4)
         unprotect = None
         if output == "torch":
             from . import _torch
 
             _torch.add_range(self._reader.base, self._reader.length)
             unprotect = _torch.remove_range
-        self._finalizer = weakref.finalize(self, _close_reader, self._reader, unprotect)
-        #: the CUDA device batches are copied to, or None
+        self._undo: list = []  # more to undo at close (the device range guard)
+        self._finalizer = weakref.finalize(self, _close_reader, self._reader, unprotect, self._undo)
+        #: the CUDA device batches are delivered on, or None
         self.device = device
+        #: where batches come from: "host" (shared memory), "pinned" (shared
+        #: memory pinned for copies to `device`) or "device" (the producer's
+        #: device pool, zero-copy)
+        self.placement = "host"
+        #: why the device path is not used (None when it is, or not asked for)
+        self.placement_note = None
         self._gpu = None
         if device is not None:
             try:
-                self._gpu = _cuda.Staging(_cuda.backend(device), self._out)
-                self._out = self._gpu.output
-                self._reader.on_release = self._gpu.sync
-                self._gpu.register(self._reader)
+                self._open_device(_cuda, device, device_path)
             except BaseException:
                 self.close()
                 raise
+
+    def _open_device(self, _cuda, device, device_path: str) -> None:
+        backend = _cuda.backend(device)
+        if device_path != "never":
+            direct, unguard, why = _cuda.open_direct(
+                self._reader, device, backend, self._out, self.copy, device_path == "require"
+            )
+            if direct is not None:
+                self._out = direct
+                self._undo.append(unguard)
+                self.placement = "device"
+                return
+            self.placement_note = why
+        else:
+            self.placement_note = "device_path='never'"
+        self._gpu = _cuda.Staging(backend, self._out)
+        self._out = self._gpu.output
+        self._reader.on_release = self._gpu.sync
+        self.placement = "pinned" if self._gpu.register(self._reader) else "host"
 
     # ---- lifecycle ----
 

@@ -58,6 +58,13 @@ class CUDAUnavailable(TsockError, RuntimeError):
     (status ENOCUDA)."""
 
 
+class NoDevicePath(TsockError, RuntimeError):
+    """Zero-copy device batches were required (device_path="require") but
+    this consumer cannot read the producer's device pool: the producer has
+    none, or its GPU is not this process's (another GPU, a MIG instance)
+    (status ENODEVICE)."""
+
+
 class ReadOnlyBatchError(TsockError, RuntimeError):
     """An in-place write to a batch that lives in read-only shared memory."""
 
@@ -75,6 +82,7 @@ _BY_STATUS = {
     _capi.EDTYPE: UnsupportedDtype,
     _capi.ECLOSED: ChannelClosed,
     _capi.ENOCUDA: CUDAUnavailable,
+    _capi.ENODEVICE: NoDevicePath,
 }
 
 

@@ -144,6 +144,18 @@ def _close_handle(lib, handle, pid: int) -> None:
         handle.value = None
 
 
+def _cuda_ordinal(device) -> int:
+    """The CUDA ordinal of a device= argument; -1 for None."""
+    if device is None:
+        return -1
+    text = str(device)
+    if text == "cuda":
+        return 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    raise ValueError(f"device must be None or a CUDA device such as 'cuda:0', got {device!r}")
+
+
 class Producer:
     """Publishes every batch of `loader` to the consumers of channel `name`.
 
@@ -180,6 +192,11 @@ class Producer:
       evict_after: evict a live consumer that holds the ring back this many
         seconds (it then gets Evicted); None (default): slow consumers apply
         back-pressure and are never evicted.
+      device: None (default), or a CUDA device ("cuda", "cuda:1", a
+        torch.device): every batch is also copied once into a device pool on
+        that GPU, which consumers with Consumer(device=...) on the same GPU
+        read zero-copy (CUDA IPC); consumers elsewhere read host memory.
+        Needs the NVIDIA driver (CUDAUnavailable without one).
 
     Use it as a context manager or call close(): consumers then read what was
     published and get ChannelClosed. The producer is used by one thread.
@@ -198,8 +215,10 @@ class Producer:
         wait_readers: int = 0,
         timeout: float | None = None,
         evict_after: float | None = None,
+        device=None,
     ):
         self.name = check_name(name)
+        self.cuda_device = _cuda_ordinal(device)
         if not isinstance(slots, int) or slots < 2 or slots > 65536 or slots & (slots - 1):
             raise ValueError(f"slots must be a power of two in 2..65536, got {slots!r}")
         if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes < 1):
@@ -254,6 +273,7 @@ class Producer:
         opts.join_window = self.join_window
         if self.evict_after is not None:
             opts.evict_after_ns = int(self.evict_after * 1e9)
+        opts.cuda_device = self.cuda_device
         check(
             lib,
             lib.tsock_producer_create(self.name.encode(), ctypes.byref(opts), ctypes.byref(self._handle)),

@@ -77,7 +77,9 @@ def run_producer():
 
 def child_env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), env.get("PYTHONPATH")] if p)
+    # The package, and this folder (helpers such as fakecuda).
+    paths = [str(ROOT / "python"), str(Path(__file__).parent), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
     return env
 

@@ -8,11 +8,11 @@ import contextlib
 import os
 from pathlib import Path
 
+import fakecuda
 import numpy as np
 import pytest
 import torch
 import tsock
-from conftest import ROOT
 from tsock import _capi, _cuda, _torch
 
 NO_CUDA = not torch.cuda.is_available()
@@ -66,8 +66,7 @@ def test_register_host_without_driver(channel, run_producer):
 
 
 def _fake_driver() -> Path:
-    d = Path(os.environ.get("TSOCK_LIBRARY_DIR", ROOT / "build"))
-    return d / "libtsock_fake_cuda.so"
+    return fakecuda.path()
 
 
 @pytest.mark.skipif(not _fake_driver().is_file(), reason="fake CUDA driver not built (make build)")
@@ -79,21 +78,10 @@ def test_register_host_with_fake_driver(channel, spawn, monkeypatch):
         import numpy as np
         import tsock
 
-        fields = ["init_calls", "registers", "register_failures", "registered_now", "last_register_addr",
-                  "last_register_len", "last_register_flags", "last_register_device", "unregisters",
-                  "unregister_failures", "last_unregister_addr", "unregistered_after_unmap",
-                  "calls_without_context", "retains", "releases", "release_underflows", "primary_refs"]
-        types = {"last_register_addr": ctypes.c_void_p, "last_unregister_addr": ctypes.c_void_p,
-                 "last_register_len": ctypes.c_size_t, "last_register_flags": ctypes.c_uint}
-
-        class Stats(ctypes.Structure):
-            _fields_ = [(f, types.get(f, ctypes.c_int)) for f in fields]
+        import fakecuda
 
         fake = ctypes.CDLL(sys.argv[2])
-        def stats():
-            s = Stats()
-            fake.fake_cuda_query(ctypes.byref(s))
-            return s
+        stats = fakecuda.reader(fake)
 
         name = sys.argv[1]
         p = tsock.Producer([(np.arange(8),)] * 2, name, wait_readers=1)

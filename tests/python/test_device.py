@@ -1,0 +1,230 @@
+"""The device path from Python without a GPU: Producer(device="cuda:0") and
+Consumer(device=...) in two processes against the fake CUDA driver
+(tests/c/fake_cuda.c, through TSOCK_LIBCUDA), with a CPU stand-in for
+torch's CUDA side. Checked: zero-copy kDLCUDA tensors at the pool's
+addresses with the producer's values, the consumer's stream waiting for the
+producer's copies, fences that keep a slot from the producer while a slow
+"kernel" queued before the release still reads it, and placement: another
+GPU or a MIG instance falls back to the host path, or raises NoDevicePath
+with device_path="require"."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import fakecuda
+import pytest
+import tsock
+from conftest import child_env
+
+FAKE = fakecuda.path()
+needs_fake = pytest.mark.skipif(not FAKE.is_file(), reason="fake CUDA driver not built (make build)")
+
+PRODUCER = """
+import sys
+import numpy as np
+import tsock
+
+name, n, slots = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+batches = [(np.arange(4096, dtype=np.int32) + 7 * i, np.full((4,), i % 2 == 0)) for i in range(n)]
+with tsock.Producer(batches, name, slots=slots, wait_readers=1, device="cuda:0", timeout=30) as p:
+    p.run()
+print("published", n)
+"""
+
+# The consumer's side: torch's CUDA calls replaced by a CPU stand-in that
+# reads fake device memory (host memory in the fake driver) through numpy.
+CONSUMER_PRELUDE = """
+import ctypes, os, sys
+import numpy as np
+import torch
+import tsock
+from tsock import _cuda
+
+fake = ctypes.CDLL(os.environ["TSOCK_LIBCUDA"])
+fake.cuInit(0)
+ctx = ctypes.c_void_p()
+assert fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+assert fake.cuCtxSetCurrent(ctx) == 0  # a framework has a context current
+stream = ctypes.c_void_p()
+assert fake.cuStreamCreate(ctypes.byref(stream), 1) == 0
+fake.fake_cuda_launch_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                       ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong)]
+
+import fakecuda
+stats = fakecuda.reader(fake)
+
+api = ctypes.pythonapi
+api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+class Device:
+    '''What the consumer asks of torch.cuda, answered on the CPU.'''
+    def __init__(self):
+        self.seen = []  # (device_type, device_id, address) per tensor
+        self.guarded = None
+    def current_stream(self):
+        return stream.value
+    def from_capsule(self, cap):
+        p = api.PyCapsule_GetPointer(cap, b"dltensor")
+        data = ctypes.c_void_p.from_address(p).value
+        dev_type, dev_id = ctypes.c_int32.from_address(p + 8).value, ctypes.c_int32.from_address(p + 12).value
+        ndim = ctypes.c_int32.from_address(p + 16).value
+        bits = ctypes.c_uint8.from_address(p + 21).value
+        shape_p = ctypes.c_void_p.from_address(p + 24).value
+        shape = [ctypes.c_int64.from_address(shape_p + 8 * k).value for k in range(ndim)]
+        n = int(np.prod(shape)) if shape else 1
+        self.seen.append((dev_type, dev_id, data))
+        buf = (ctypes.c_char * (n * bits // 8)).from_address(data)
+        return np.frombuffer(buf, {8: np.uint8, 32: np.int32}[bits]).reshape(shape)
+    def finish(self, t, code, copy):
+        return t.copy() if copy else t
+    def to_device(self, host):
+        return host.numpy()
+    def protect(self, base, length):
+        self.guarded = (base, length)
+        return lambda: None
+    # the pinned host path, for the fallback
+    def register(self, reader):
+        return None
+    def on_stream(self):
+        import contextlib
+        return contextlib.nullcontext()
+    def copy(self, host):
+        return host.clone()
+    def record(self):
+        return object()
+    def wait(self, event):
+        pass
+    def hand_out(self, event, tensors):
+        pass
+
+dev = Device()
+_cuda.check_device = lambda device, output: torch.device("cuda", 0)
+_cuda.backend = lambda device: dev
+name = sys.argv[1]
+"""
+
+
+def _run(tmp_path, consumer_code, n, slots, consumer_env=None):
+    env = child_env()
+    env["TSOCK_LIBCUDA"] = str(FAKE)
+    name = f"pt-dev-{tmp_path.name}"[:60]
+    producer = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, name, str(n), str(slots)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    cenv = dict(env, **(consumer_env or {}))
+    try:
+        consumer = subprocess.run(
+            [sys.executable, "-c", CONSUMER_PRELUDE + textwrap.dedent(consumer_code), name],
+            env=cenv,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        out, err = producer.communicate(timeout=60)
+    finally:
+        producer.kill()
+        Path(f"/dev/shm/tsock.{name}").unlink(missing_ok=True)
+    assert consumer.returncode == 0, consumer.stderr + consumer.stdout
+    assert producer.returncode == 0, err
+    return consumer.stdout
+
+
+@needs_fake
+def test_device_batches_are_zero_copy_and_ordered(tmp_path):
+    out = _run(
+        tmp_path,
+        """
+        before = stats()
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30) as c:
+            assert c.placement == "device" and c.placement_note is None, (c.placement, c.placement_note)
+            base, length = dev.guarded  # the pool's range is guarded against writes
+            for i, (x, flag) in enumerate(c):
+                assert (x == np.arange(4096, dtype=np.int32) + 7 * i).all()
+                assert flag.tolist() == [1, 1, 1, 1] if i % 2 == 0 else [0, 0, 0, 0]
+            assert i == 9
+            types = {(t, d) for t, d, _ in dev.seen}
+            assert types == {(2, 0)}, types  # kDLCUDA, device 0
+            assert all(base <= a < base + length for _, _, a in dev.seen)
+            r = c._reader
+            assert not any(r.base <= a < r.base + r.length for _, _, a in dev.seen)  # not host memory
+        after = stats()
+        assert after.ipc_opens - before.ipc_opens == 1, "the pool is opened once"
+        assert after.stream_waits - before.stream_waits == 10, "a wait per batch, on our stream"
+        assert after.events_recorded - before.events_recorded == 10, "a fence per batch at release"
+        print("ok")
+        """,
+        n=10,
+        slots=4,
+    )
+    assert out.strip() == "ok"
+
+
+@needs_fake
+def test_queued_reads_keep_their_batch(tmp_path):
+    # The trainer queues a 20 ms read of each batch and moves on at once;
+    # with 2 slots the producer would overwrite a slot under a pending read
+    # if the release did not wait for the read (its fence).
+    out = _run(
+        tmp_path,
+        """
+        sums, want = [], []
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30) as c:
+            for x, _ in c:
+                s = ctypes.c_ulonglong(0)
+                sums.append(s)
+                want.append(x.tobytes())
+                fake.fake_cuda_launch_read(stream, x.ctypes.data, x.nbytes, 20_000_000, ctypes.byref(s))
+        def fnv(b):
+            h = 1469598103934665603
+            for ch in b:
+                h = ((h ^ ch) * 1099511628211) & (2**64 - 1)
+            return h
+        bad = [i for i, (s, w) in enumerate(zip(sums, want)) if s.value != fnv(w)]
+        assert not bad, f"reads that saw another batch: {bad}"
+        print("ok", len(sums))
+        """,
+        n=8,
+        slots=2,
+    )
+    assert out.split() == ["ok", "8"]
+
+
+@needs_fake
+def test_other_gpu_or_mig_falls_back_or_refuses(tmp_path):
+    out = _run(
+        tmp_path,
+        """
+        try:
+            tsock.Consumer(name, output="torch", device="cuda:0", device_path="require", timeout=30)
+        except tsock.NoDevicePath as e:
+            assert "MIG" in str(e) and e.status == -23, e
+        else:
+            raise AssertionError("device_path='require' opened a pool on another GPU")
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30) as c:
+            assert c.placement == "pinned", c.placement
+            assert "not among this process's" in c.placement_note
+            got = [int(x[0]) for x, _ in c]
+        assert got == [7 * i for i in range(3)], got
+        print("ok")
+        """,
+        n=3,
+        slots=4,
+        consumer_env={"FAKE_CUDA_UUIDS": "5,6"},
+    )
+    assert out.strip() == "ok"
+
+
+def test_device_path_arguments():
+    with pytest.raises(ValueError, match="device_path"):
+        tsock.Consumer("no-such-channel", output="torch", device="cuda:0", device_path="always", timeout=0)
+    with pytest.raises(ValueError, match="CUDA device"):
+        tsock.Producer([], "x", device="cpu")
+    assert tsock.Producer([], "x", device="cuda:3").cuda_device == 3
+    assert tsock.Producer([], "x").cuda_device == -1
