@@ -21,6 +21,9 @@ const (
 	RecordOffHeartbeatNs = unsafe.Offsetof(ReaderRecord{}.heartbeat_ns)
 	RecordOffWaitNs      = unsafe.Offsetof(ReaderRecord{}.wait_ns)
 	RecordOffBatches     = unsafe.Offsetof(ReaderRecord{}.batches)
+	RecordOffPlacement   = unsafe.Offsetof(ReaderRecord{}.placement)
+	RecordOffCUDAOrdinal = unsafe.Offsetof(ReaderRecord{}.cuda_ordinal)
+	RecordOffGPUUUID     = unsafe.Offsetof(ReaderRecord{}.gpu_uuid)
 )
 
 // Byte offsets of the reader area's shared words (tsock_reader_shared).
@@ -58,6 +61,10 @@ const (
 	HeaderOffState         = unsafe.Offsetof(Header{}.state)
 	HeaderOffEpochStart    = unsafe.Offsetof(Header{}.epoch_start)
 	HeaderOffJoinWindow    = unsafe.Offsetof(Header{}.join_window)
+	HeaderOffGPUPool       = unsafe.Offsetof(Header{}.gpu_pool)
+	HeaderOffGPUOrdinal    = unsafe.Offsetof(Header{}.gpu_ordinal)
+	HeaderOffGPUPoolBytes  = unsafe.Offsetof(Header{}.gpu_pool_bytes)
+	HeaderOffGPUUUID       = unsafe.Offsetof(Header{}.gpu_uuid)
 	HeaderOffPublished     = unsafe.Offsetof(Header{}.published)
 )
 

@@ -50,8 +50,20 @@ type readerInfo struct {
 	Lag      uint64 `json:"lag"` // published - cursor: batches not yet released
 	Batches  uint64 `json:"batches"`
 	WaitNs   uint64 `json:"wait_ns"`
+	// Where it reads batches from: host, pinned (host memory registered
+	// with CUDA on GPU) or device (the producer's device pool on GPU).
+	Placement string `json:"placement"`
+	GPU       string `json:"gpu,omitempty"`          // UUID of the reader's device
+	CUDAIndex *int32 `json:"cuda_ordinal,omitempty"` // that device in the reader's own numbering
 
 	startTime uint64
+}
+
+// gpuPoolInfo is a channel's device pool.
+type gpuPoolInfo struct {
+	GPU         string `json:"gpu"`          // UUID
+	CUDAOrdinal int32  `json:"cuda_ordinal"` // in the producer's numbering
+	Bytes       uint64 `json:"bytes"`
 }
 
 // channelInfo is what ls reports for one channel.
@@ -73,6 +85,7 @@ type channelInfo struct {
 	Mode           string       `json:"mode"`              // permission bits, octal
 	Uid            uint32       `json:"uid"`
 	Gid            uint32       `json:"gid"`
+	GPUPool        *gpuPoolInfo `json:"gpu_pool,omitempty"`
 	ReaderList     []readerInfo `json:"reader_list,omitempty"`
 }
 
@@ -135,6 +148,9 @@ func fillChannelInfo(ci *channelInfo, seg *ring.Segment) {
 		ci.Created = time.Unix(0, int64(info.CreatedNs)).UTC().Format(time.RFC3339)
 	}
 	ci.State = channelState(seg)
+	if pool, ok := seg.GPUPool(); ok {
+		ci.GPUPool = &gpuPoolInfo{GPU: formatUUID(pool.UUID), CUDAOrdinal: pool.Ordinal, Bytes: pool.PoolBytes}
+	}
 	recs, err := seg.LiveRecords()
 	if err != nil {
 		ci.Error = "reading reader locks: " + err.Error()
@@ -161,7 +177,33 @@ func readerFromRecord(r ring.RecordLive, published uint64) readerInfo {
 	if r.Cursor < published {
 		ri.Lag = published - r.Cursor
 	}
+	ri.Placement = placementName(r.Placement)
+	if r.Placement == ring.PlacementPinned || r.Placement == ring.PlacementDevice {
+		ri.GPU = formatUUID(r.GPUUUID)
+		ordinal := r.CUDAOrdinal
+		ri.CUDAIndex = &ordinal
+	}
 	return ri
+}
+
+// placementName names a reader-written placement; any other value is shown,
+// not trusted.
+func placementName(p uint32) string {
+	switch p {
+	case ring.PlacementHost:
+		return "host"
+	case ring.PlacementPinned:
+		return "pinned"
+	case ring.PlacementDevice:
+		return "device"
+	}
+	return fmt.Sprintf("invalid(%d)", p)
+}
+
+// formatUUID writes a CUDA UUID as NVML does, without its GPU-/MIG- prefix
+// (the 16 bytes do not say which of the two it is).
+func formatUUID(u [16]byte) string {
+	return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
 }
 
 // channelState is open, closed or dead for a segment with a valid header.

@@ -4,6 +4,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strings"
+	"text/tabwriter"
 )
 
 func init() {
@@ -15,6 +17,12 @@ index, name, UUID, PCI bus id, memory, MIG mode, and each MIG instance
 (GPU and compute instance ids, UUID, memory). Readers on a MIG instance
 cannot open CUDA IPC memory of another instance: they get the pinned-host
 path.
+
+Then, for every channel that has a device pool or a reader using CUDA,
+what each live reader got: "device" (the producer's device pool, read
+zero-copy through CUDA IPC), "pinned" (host memory registered for fast
+copies to its GPU) or "host", with the GPU it uses. Channels are read
+without a driver too.
 
 libnvidia-ml.so.1 is loaded at run time; only this command uses it, so the
 tsock libraries never depend on it. On a node without the NVIDIA driver it
@@ -41,7 +49,16 @@ type gpuReport struct {
 	NVMLVersion   string    `json:"nvml_version,omitempty"`
 	CUDAVersion   string    `json:"cuda_driver_version,omitempty"` // e.g. "12.4"
 	GPUs          []gpuInfo `json:"gpus"`
-	failed        bool      // NVML failed for another reason than a missing driver
+	// Channels that use CUDA: their device pool and their readers' placement.
+	Channels []gpuChannel `json:"channels"`
+	failed   bool         // NVML failed for another reason than a missing driver
+}
+
+// gpuChannel is a channel as tsock gpus shows it.
+type gpuChannel struct {
+	Name    string       `json:"name"`
+	Pool    *gpuPoolInfo `json:"gpu_pool"` // null: host memory only
+	Readers []readerInfo `json:"readers"`  // live readers
 }
 
 // gpuInfo is one physical GPU.
@@ -91,6 +108,7 @@ func runGpus(e *env, args []string) int {
 	if rep.GPUs == nil {
 		rep.GPUs = []gpuInfo{}
 	}
+	rep.Channels = gpuChannels()
 	if jsonOut {
 		_ = writeJSON(e.stdout, rep)
 	} else {
@@ -105,7 +123,72 @@ func runGpus(e *env, args []string) int {
 	return exitOK
 }
 
+// gpuChannels lists the channels that have a device pool or a live
+// reader on CUDA. Unreadable channels are left out (tsock ls shows them).
+func gpuChannels() []gpuChannel {
+	out := []gpuChannel{}
+	names, err := listChannels("*")
+	if err != nil {
+		return out
+	}
+	for _, name := range names {
+		ci, err := inspectChannel(name)
+		if err != nil || ci.State == stateInvalid || ci.State == stateNoAccess {
+			continue
+		}
+		ch := gpuChannel{Name: name, Pool: ci.GPUPool, Readers: []readerInfo{}}
+		usesCUDA := ci.GPUPool != nil
+		for _, r := range ci.ReaderList {
+			if !r.Alive || r.State == "free" {
+				continue
+			}
+			ch.Readers = append(ch.Readers, r)
+			usesCUDA = usesCUDA || r.Placement != "host"
+		}
+		if usesCUDA {
+			out = append(out, ch)
+		}
+	}
+	return out
+}
+
+// gpuName names a UUID after the GPU or MIG instance NVML lists with it.
+func gpuName(r gpuReport, uuid string) string {
+	for _, g := range r.GPUs {
+		if strings.EqualFold(strings.TrimPrefix(g.UUID, "GPU-"), uuid) {
+			return fmt.Sprintf("GPU %d (GPU-%s)", g.Index, uuid)
+		}
+		for _, m := range g.MIGDevices {
+			if strings.EqualFold(strings.TrimPrefix(m.UUID, "MIG-"), uuid) {
+				return fmt.Sprintf("MIG %d of GPU %d (MIG-%s)", m.Index, g.Index, uuid)
+			}
+		}
+	}
+	return uuid
+}
+
+func printGpuChannels(w io.Writer, r gpuReport) {
+	for _, c := range r.Channels {
+		if c.Pool != nil {
+			fmt.Fprintf(w, "channel %s: device pool of %s on %s (the producer's cuda:%d)\n", c.Name,
+				humanBytes(c.Pool.Bytes), gpuName(r, c.Pool.GPU), c.Pool.CUDAOrdinal)
+		} else {
+			fmt.Fprintf(w, "channel %s: no device pool (host memory only)\n", c.Name)
+		}
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		for _, rd := range c.Readers {
+			where := ""
+			if rd.GPU != "" {
+				where = fmt.Sprintf("%s, its cuda:%d", gpuName(r, rd.GPU), *rd.CUDAIndex)
+			}
+			fmt.Fprintf(tw, "  reader %d\tpid %d\t%s\t%s\n", rd.Index, rd.Pid, rd.Placement, where)
+		}
+		_ = tw.Flush()
+	}
+}
+
 func printGpus(w io.Writer, r gpuReport) {
+	defer printGpuChannels(w, r)
 	if !r.DriverLoaded || r.failed {
 		fmt.Fprintln(w, r.Error)
 		return

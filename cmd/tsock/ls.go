@@ -123,14 +123,14 @@ func printLs(w io.Writer, res lsResult, withReaders bool) {
 			}
 			fmt.Fprintf(w, "\nreaders of %s:\n", c.Name)
 			tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-			fmt.Fprintln(tw, "  RECORD\tPID\tSTATE\tPROCESS\tCURSOR\tLAG\tBATCHES\tWAITED")
+			fmt.Fprintln(tw, "  RECORD\tPID\tSTATE\tPROCESS\tCURSOR\tLAG\tBATCHES\tWAITED\tPLACEMENT")
 			for _, r := range c.ReaderList {
 				alive := "alive"
 				if !r.Alive {
 					alive = "dead"
 				}
-				fmt.Fprintf(tw, "  %d\t%d\t%s\t%s\t%d\t%d\t%d\t%s\n", r.Index, r.Pid, r.State, alive, r.Cursor, r.Lag,
-					r.Batches, time.Duration(r.WaitNs).Round(time.Millisecond))
+				fmt.Fprintf(tw, "  %d\t%d\t%s\t%s\t%d\t%d\t%d\t%s\t%s\n", r.Index, r.Pid, r.State, alive, r.Cursor, r.Lag,
+					r.Batches, time.Duration(r.WaitNs).Round(time.Millisecond), r.Placement)
 			}
 			_ = tw.Flush()
 		}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -486,4 +487,92 @@ func TestToolsAsOtherUser(t *testing.T) {
 	assert.Contains(t, out, "permission denied")
 	_, err = os.Stat(ring.ChannelPath(name))
 	assert.NoError(t, err, "still there")
+}
+
+// TestGpusShowsPlacement: tsock gpus lists a channel's device pool and what
+// each live reader got (records patched as a producer with a pool and
+// readers on CUDA would write them; no GPU here).
+func TestGpusShowsPlacement(t *testing.T) {
+	name := chanName(t, "gpus")
+	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.NoError(t, err)
+	defer p.Close()
+	for i := 0; i < 4; i++ {
+		r, err := reader.Attach(name, reader.Options{Start: reader.StartNow})
+		require.NoError(t, err)
+		defer r.Detach()
+	}
+	gpu := [16]byte{0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd, 0xee, 0xff, 0x00}
+	mig := gpu
+	mig[15] = 0x01
+	f, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer f.Close()
+	put := func(off uintptr, b []byte) {
+		_, err := f.WriteAt(b, int64(off))
+		require.NoError(t, err)
+	}
+	le32 := func(v uint32) []byte { return binary.LittleEndian.AppendUint32(nil, v) }
+	put(ring.HeaderOffGPUPool, le32(1))
+	put(ring.HeaderOffGPUOrdinal, le32(0))
+	put(ring.HeaderOffGPUPoolBytes, binary.LittleEndian.AppendUint64(nil, 2*4096))
+	put(ring.HeaderOffGPUUUID, gpu[:])
+	g, ok := ring.ComputeGeometry(2, producer.DefaultMaxReaders, 4096)
+	require.True(t, ok)
+	record := func(i int) uintptr {
+		return uintptr(g.ReadersOffset) + ring.ReaderSharedSize + uintptr(i)*ring.ReaderRecordSize
+	}
+	put(record(0)+ring.RecordOffPlacement, le32(ring.PlacementDevice))
+	put(record(0)+ring.RecordOffCUDAOrdinal, le32(0))
+	put(record(0)+ring.RecordOffGPUUUID, gpu[:])
+	put(record(1)+ring.RecordOffPlacement, le32(ring.PlacementPinned))
+	put(record(1)+ring.RecordOffCUDAOrdinal, le32(1))
+	put(record(1)+ring.RecordOffGPUUUID, mig[:])
+	put(record(3)+ring.RecordOffPlacement, le32(9)) // garbage a reader could write
+
+	saved := gpuQuery
+	t.Cleanup(func() { gpuQuery = saved })
+	gpuQuery = func() gpuReport {
+		return gpuReport{DriverLoaded: true, DriverVersion: "550", NVMLVersion: "12", CUDAVersion: "12.4",
+			GPUs: []gpuInfo{{Index: 0, Name: "H100", UUID: "GPU-11223344-5566-7788-99aa-bbccddeeff00", MIG: "enabled",
+				MIGDevices: []migInfo{{Index: 0, UUID: "MIG-11223344-5566-7788-99aa-bbccddeeff01"}}}}}
+	}
+	rc, out, errs := runInProcess(t, "gpus")
+	require.Equal(t, exitOK, rc, errs)
+	for _, want := range []string{
+		"channel " + name + ": device pool of 8 KiB on GPU 0 (GPU-11223344-5566-7788-99aa-bbccddeeff00) (the producer's cuda:0)",
+		"device      GPU 0 (GPU-11223344-5566-7788-99aa-bbccddeeff00), its cuda:0",
+		"pinned      MIG 0 of GPU 0 (MIG-11223344-5566-7788-99aa-bbccddeeff01), its cuda:1",
+		"reader 2  pid " + strconv.Itoa(os.Getpid()) + "  host",
+		"invalid(9)",
+	} {
+		assert.Contains(t, out, want)
+	}
+	rc, out, _ = runInProcess(t, "gpus", "--json")
+	require.Equal(t, exitOK, rc)
+	var rep gpuReport
+	require.NoError(t, json.Unmarshal([]byte(out), &rep), out)
+	var ch *gpuChannel
+	for i := range rep.Channels {
+		if rep.Channels[i].Name == name {
+			ch = &rep.Channels[i]
+		}
+	}
+	require.NotNil(t, ch, out)
+	require.NotNil(t, ch.Pool)
+	assert.Equal(t, uint64(8192), ch.Pool.Bytes)
+	require.Len(t, ch.Readers, 4)
+	got := []string{}
+	for _, r := range ch.Readers {
+		got = append(got, r.Placement)
+	}
+	assert.Equal(t, []string{"device", "pinned", "host", "invalid(9)"}, got)
+	assert.Equal(t, int32(1), *ch.Readers[1].CUDAIndex)
+
+	// ls shows the placement too.
+	rc, out, _ = runInProcess(t, "ls", "--readers", "--match", name)
+	require.Equal(t, exitOK, rc)
+	assert.Contains(t, out, "PLACEMENT")
+	assert.Contains(t, out, "device")
+
 }
