@@ -79,6 +79,20 @@ class BatchView {
   std::size_t meta_size() const noexcept { return b_->meta_len; }
   const tsock_batch_t *get() const noexcept { return b_; }
 
+  /* The device path (after Reader::open_device() returned true): orders the
+   * batch's device copy on `stream` (a CUstream / cudaStream_t, 0 for the
+   * legacy default stream; see tsock_batch_cuda_use), then tensor i's
+   * device address. */
+  void cuda_use(uintptr_t stream, uint32_t flags = 0) const {
+    detail::check(tsock_batch_cuda_use(b_, stream, flags), "tsock_batch_cuda_use");
+  }
+  template <class T>
+  T *cuda_data(std::size_t i) const {
+    uint64_t p = 0;
+    detail::check(tsock_batch_cuda_ptr(b_, static_cast<uint32_t>(i), &p), "tsock_batch_cuda_ptr");
+    return reinterpret_cast<T *>(static_cast<uintptr_t>(p));
+  }
+
  private:
   const tsock_batch_t *b_;
 };
@@ -132,6 +146,23 @@ class Reader {
   }
 
   bool closed() const noexcept { return closed_; }
+
+  /* Opens the producer's device pool: true (and the device's ordinal in
+   * *cuda_ordinal) when this process can read batches on the GPU
+   * zero-copy; false when it must read host memory (the producer has no
+   * pool, or its GPU is not ours: another GPU, a MIG instance), with the
+   * reason in tsock_last_error(). Throws without a CUDA driver. */
+  bool open_device(int32_t *cuda_ordinal = nullptr) {
+    int32_t ord = -1;
+    int rc = tsock_reader_open_device(r_, &ord);
+    if (rc == TSOCK_ENODEVICE) return false;
+    detail::check(rc, "tsock_reader_open_device");
+    if (cuda_ordinal != nullptr) *cuda_ordinal = ord;
+    return true;
+  }
+
+  /* Registers the payload mapping as pinned memory (tsock_reader_register_host). */
+  void register_host() { detail::check(tsock_reader_register_host(r_), "tsock_reader_register_host"); }
 
   void detach() {
     if (r_ != nullptr) detail::check(tsock_reader_detach(std::exchange(r_, nullptr)), "tsock_reader_detach");

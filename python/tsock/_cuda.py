@@ -40,9 +40,15 @@ from .errors import CUDAUnavailable
 
 def check_device(device, output: str):
     """Validates device= before anything is attached; returns the
-    torch.device (with its index) or raises ValueError / CUDAUnavailable."""
+    torch.device (with its index), or a JaxGPU for output="jax", or raises
+    ValueError / CUDAUnavailable."""
+    if output == "jax":
+        return _check_jax_device(device)
     if output != "torch":
-        raise ValueError(f"device={device!r} delivers torch tensors: pass output='torch' (got output={output!r})")
+        raise ValueError(
+            f"device={device!r} delivers torch tensors or JAX arrays: "
+            f"pass output='torch' or 'jax' (got output={output!r})"
+        )
     import torch
 
     try:
@@ -68,6 +74,45 @@ def check_device(device, output: str):
     if index >= count:
         raise ValueError(f"device={device!r}: only {count} CUDA device(s) are visible")
     return torch.device("cuda", index)
+
+
+class JaxGPU:
+    """A JAX GPU device= resolved: its CUDA ordinal (index) and jax device."""
+
+    type = "cuda"
+
+    def __init__(self, index: int, jax_device):
+        self.index = index
+        self.jax_device = jax_device
+
+    def __str__(self):
+        return f"cuda:{self.index}"
+
+    def __repr__(self):
+        return f"JaxGPU(cuda:{self.index}, {self.jax_device})"
+
+
+def _check_jax_device(device) -> JaxGPU:
+    text = str(device)
+    if text == "cuda":
+        index = 0
+    elif text.startswith("cuda:") and text[5:].isdigit():
+        index = int(text[5:])
+    else:
+        raise ValueError(f"device must be None or a CUDA device such as 'cuda:0', got {device!r}")
+    import jax
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as e:
+        raise CUDAUnavailable(
+            f"device={device!r}: JAX {jax.__version__} has no GPU backend ({e}); install jax[cuda12], "
+            "or leave device=None for host arrays",
+            _capi.ENOCUDA,
+        ) from None
+    if index >= len(gpus):
+        raise ValueError(f"device={device!r}: JAX sees only {len(gpus)} GPU(s)")
+    return JaxGPU(index, gpus[index])
 
 
 class TorchCuda:
@@ -100,6 +145,11 @@ class TorchCuda:
 
     # ---- the device path ----
 
+    #: tsock_batch_cuda_use flags: order on the caller's current stream
+    use_flags = 0
+    #: torch 1.13 knows no kDLBool: booleans travel as uint8, viewed back
+    bool_as_uint8 = True
+
     def current_stream(self) -> int:
         """The CUstream of the caller's current stream on the device."""
         return self.torch.cuda.current_stream(self.device).cuda_stream
@@ -118,8 +168,9 @@ class TorchCuda:
 
         return t.as_subclass(_torch.ReadOnlyTensor)
 
-    def to_device(self, host):
-        return host.to(self.device)
+    def owned(self, host_output, arr, code: int):
+        """A batch assembled on the host (re-batching), moved to the device."""
+        return host_output.owned_tensor(arr, code).to(self.device)
 
     def protect(self, base: int, length: int):
         """Guards the device pool's range against in-place writes (the same
@@ -149,21 +200,84 @@ class TorchCuda:
             t.record_stream(stream)
 
 
-def backend(device) -> TorchCuda:
+class JaxCuda:
+    """The device path for JAX. JAX's streams cannot be named, so the host
+    waits for the producer's copy and a release waits until the device is
+    idle (tsock_batch_cuda_use with TSOCK_CUDA_SYNC); JAX arrays are
+    immutable, so no write guard is needed."""
+
+    use_flags = _capi.CUDA_SYNC
+    bool_as_uint8 = False
+
+    def __init__(self, device: JaxGPU):
+        import jax
+        import jax.dlpack
+
+        self.jax = jax
+        self.device = device
+
+    def current_stream(self) -> int:
+        return 0
+
+    def from_capsule(self, cap):
+        return self.jax.dlpack.from_dlpack(cap)
+
+    def finish(self, t, code: int, copy: bool):
+        return self.jax.numpy.array(t, copy=True) if copy else t
+
+    def owned(self, host_output, arr, code: int):
+        return self.jax.device_put(arr, self.device.jax_device)
+
+    def protect(self, base: int, length: int):
+        return lambda: None
+
+    def register(self, reader):
+        rc = reader.lib.tsock_reader_register_host(reader.handle)
+        return None if rc == _capi.OK else reader.lib.tsock_last_error().decode(errors="replace")
+
+
+def backend(device):
+    if isinstance(device, JaxGPU):
+        return JaxCuda(device)
     return TorchCuda(device)
+
+
+class JaxCopyOutput:
+    """JAX without the device path: each leaf read from host memory and
+    put on the GPU (jax.device_put), waited for before the batch can be
+    released, as the transfer reads shared memory."""
+
+    name = "jax"
+
+    def __init__(self, host, backend):
+        self._host = host
+        self._backend = backend
+
+    def storage_dtype(self, code: int):
+        return self._host.storage_dtype(code)
+
+    def view(self, reader, raw, i: int, start=None, stop=None):
+        from ._dtypes import numpy_dtype
+        from ._output import CODE, numpy_view
+
+        leaf = raw.leaves[i]
+        arr = numpy_view(reader, leaf, numpy_dtype(leaf[CODE]), start, stop)
+        return self._backend.owned(self._host, arr, leaf[CODE]).block_until_ready()
+
+    def owned(self, arr, code: int):
+        return self._backend.owned(self._host, arr, code)
 
 
 DEVICE_PATHS = ("auto", "require", "never")
 
 
 class DirectOutput:
-    """The torch output on the device path: each leaf is the batch's copy in
-    the producer's device pool, zero-copy, ordered on the caller's current
-    stream."""
-
-    name = "torch"
+    """The torch or JAX output on the device path: each leaf is the batch's
+    copy in the producer's device pool, zero-copy, ordered on the caller's
+    current stream (torch) or waited for on the host (JAX)."""
 
     def __init__(self, host, backend, copy: bool):
+        self.name = host.name
         self._host = host
         self._backend = backend
         self.copy = copy
@@ -177,19 +291,21 @@ class DirectOutput:
 
         lib = reader.lib
         # Once per batch in effect: the same stream again is a no-op in C.
-        rc = lib.cuda_use(raw.lease.batch, self._backend.current_stream(), 0)
+        backend = self._backend
+        rc = lib.cuda_use(raw.lease.batch, backend.current_stream(), backend.use_flags)
         if rc:
             from .errors import check
 
             check(lib, rc, "order the batch on the current CUDA stream")
         code = raw.leaves[i][CODE]
         rows = None if start is None else (start, stop)
-        cap = capsule(lib, raw.lease, i, False, code == _capi.DTYPE_BOOL, rows, device=True)
-        return self._backend.finish(self._backend.from_capsule(cap), code, self.copy)
+        as_uint8 = backend.bool_as_uint8 and code == _capi.DTYPE_BOOL
+        cap = capsule(lib, raw.lease, i, False, as_uint8, rows, device=True)
+        return backend.finish(backend.from_capsule(cap), code, self.copy)
 
     def owned(self, arr, code: int):
         # Batches re-cut across producer batches are assembled on the host.
-        return self._backend.to_device(self._host.owned_tensor(arr, code))
+        return self._backend.owned(self._host, arr, code)
 
 
 def open_direct(reader, device, backend, host, copy: bool, required: bool):

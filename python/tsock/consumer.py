@@ -190,6 +190,10 @@ class Consumer:
             self.placement_note = why
         else:
             self.placement_note = "device_path='never'"
+        if isinstance(backend, _cuda.JaxCuda):
+            self._out = _cuda.JaxCopyOutput(self._out, backend)
+            self.placement = "pinned" if backend.register(self._reader) is None else "host"
+            return
         self._gpu = _cuda.Staging(backend, self._out)
         self._out = self._gpu.output
         self._reader.on_release = self._gpu.sync

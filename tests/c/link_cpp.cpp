@@ -103,9 +103,17 @@ static void roundtrip() {
       for (int j = 0; j < 6; j++) seen.push_back(b->data<float>(0)[j]);
       EXPECT(*b->data<int64_t>(1) == 100 + k);
       EXPECT(b->meta_size() == 4 && std::memcmp(b->meta(), "meta", 4) == 0);
+      try {  // no device pool: no device copy
+        b->cuda_use(0);
+        EXPECT(false);
+      } catch (const tsock::Error &e) {
+        EXPECT(e.status() == TSOCK_ENODEVICE);
+      }
     }
     reader.release(*b);
   }
+  int32_t ordinal = 99;
+  EXPECT(!reader.open_device(&ordinal) && ordinal == 99);  // host memory only
   EXPECT(markers == 1 && seen.size() == 18 && seen[17] == 25.0f);
   for (int i = 0; i < 3; i++) {
     producer.reserve(16, 0);

@@ -80,8 +80,10 @@ class Device:
         return np.frombuffer(buf, {8: np.uint8, 32: np.int32}[bits]).reshape(shape)
     def finish(self, t, code, copy):
         return t.copy() if copy else t
-    def to_device(self, host):
-        return host.numpy()
+    use_flags = 0
+    bool_as_uint8 = True
+    def owned(self, host_output, arr, code):
+        return arr
     def protect(self, base, length):
         self.guarded = (base, length)
         return lambda: None
@@ -228,3 +230,43 @@ def test_device_path_arguments():
         tsock.Producer([], "x", device="cpu")
     assert tsock.Producer([], "x", device="cuda:3").cuda_device == 3
     assert tsock.Producer([], "x").cuda_device == -1
+
+
+@needs_fake
+def test_jax_waits_on_the_host(tmp_path):
+    # JAX's streams cannot be named: the host waits for the copy and each
+    # release waits for the device (cuCtxSynchronize), no stream waits.
+    out = _run(
+        tmp_path,
+        """
+        dev.use_flags = 1  # TSOCK_CUDA_SYNC, as JaxCuda
+        before = stats()
+        with tsock.Consumer(name, output="jax", device="cuda:0", timeout=30) as c:
+            assert c.placement == "device", c.placement_note
+            n = 0
+            for i, (x, flag) in enumerate(c):
+                assert (x == np.arange(4096, dtype=np.int32) + 7 * i).all()
+                n += 1
+        after = stats()
+        assert after.stream_waits == before.stream_waits
+        assert after.ctx_syncs - before.ctx_syncs == n, (after.ctx_syncs, before.ctx_syncs, n)
+        print("ok", n)
+        """,
+        n=5,
+        slots=2,
+    )
+    assert out.split() == ["ok", "5"]
+
+
+def test_jax_device_without_gpu_says_why():
+    import jax
+
+    try:
+        jax.devices("gpu")
+        pytest.skip("JAX has a GPU backend here")
+    except RuntimeError:
+        pass
+    with pytest.raises(tsock.CUDAUnavailable, match="no GPU backend"):
+        tsock.Consumer("no-such-channel", output="jax", device="cuda:0", timeout=0)
+    with pytest.raises(ValueError, match="CUDA device"):
+        tsock.Consumer("no-such-channel", output="jax", device="tpu", timeout=0)
