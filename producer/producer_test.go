@@ -45,7 +45,7 @@ func TestCreateErrors(t *testing.T) {
 	name := testkit.Channel(t)
 	bad := []producer.Options{
 		{Slots: 3}, {Slots: 1}, {Slots: 1 << 17}, {MaxReaders: 1025}, {SlotBytes: ring.MaxSlotBytes + 1},
-		{Mode: 0o1777}, {EvictAfter: -time.Second},
+		{Mode: 0o1777}, {EvictAfter: -time.Second}, {Device: "gpu"}, {Device: "cuda:-1"}, {Device: "cuda:x"},
 	}
 	for _, o := range bad {
 		_, err := producer.Create(name, o)
@@ -56,6 +56,26 @@ func TestCreateErrors(t *testing.T) {
 	tmps, _ := os.ReadDir(ring.ShmDir)
 	for _, e := range tmps {
 		assert.False(t, strings.HasPrefix(e.Name(), ".tsock-tmp."+strconv.Itoa(os.Getpid())+"."), "left %s", e.Name())
+	}
+}
+
+// TestDeviceWithoutDriver: a device pool needs the CUDA driver; without one
+// Create says so and leaves nothing behind. (The pool itself is tested
+// against the fake driver in tests/c/test_device.c.)
+func TestDeviceWithoutDriver(t *testing.T) {
+	t.Setenv("TSOCK_LIBCUDA", t.TempDir()+"/no-libcuda.so.1")
+	name := testkit.Channel(t)
+	_, err := producer.Create(name, producer.Options{Device: "cuda:0"})
+	require.Error(t, err)
+	assert.ErrorIs(t, err, ring.Status(ring.StatusNoCUDA))
+	assert.Equal(t, ring.StatusNoCUDA, ring.StatusOf(err))
+	assert.Contains(t, err.Error(), "CUDA driver not available")
+	_, err = os.Stat(ring.ChannelPath(name))
+	assert.ErrorIs(t, err, os.ErrNotExist)
+	for in, want := range map[string]int{"": -1, "cpu": -1, "cuda": 0, "cuda:3": 3} {
+		got, err := producer.ParseDevice(in)
+		require.NoError(t, err)
+		assert.Equal(t, want, got, in)
 	}
 }
 

@@ -28,6 +28,8 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -427,7 +429,7 @@ CUresult cuCtxSynchronize(void) {
 
 /* Maps a shared-memory file as device memory. */
 static void *map_file(const char *name, size_t len, int create) {
-  char path[96];
+  char path[300];
   snprintf(path, sizeof path, "/dev/shm/%s", name);
   int fd = open(path, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
   if (fd < 0) return NULL;
@@ -442,13 +444,31 @@ static void *map_file(const char *name, size_t len, int create) {
 }
 
 static void unlink_name(const char *name) {
-  char path[96];
+  char path[300];
   snprintf(path, sizeof path, "/dev/shm/%s", name);
   unlink(path);
 }
 
+/* Removes what processes of the fake that were killed left in /dev/shm
+ * (a real driver frees device memory with the process). */
+static void sweep_dead(void) {
+  DIR *d = opendir("/dev/shm");
+  if (d == NULL) return;
+  for (struct dirent *e; (e = readdir(d)) != NULL;) {
+    int pid = 0;
+    if (sscanf(e->d_name, "tsockfake.mem.%d.", &pid) != 1 &&
+        sscanf(e->d_name, "tsockfake.ev.%d.", &pid) != 1)
+      continue;
+    if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) unlink_name(e->d_name);
+  }
+  closedir(d);
+}
+
+void fake_cuda_sweep(void) { sweep_dead(); }
+
 static int new_name(char *out, size_t n, const char *kind) {
   static int counter;
+  if (counter == 0) sweep_dead();
   return snprintf(out, n, "tsockfake.%s.%d.%d", kind, (int)getpid(), ++counter);
 }
 

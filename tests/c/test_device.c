@@ -9,9 +9,11 @@
  *              is held back until its fence fires); detach waits for
  *              pending work; placement refusals (no pool, the producer's
  *              own process, another GPU or a MIG instance, IPC refused);
+ *              killed readers and producers behave as on the CPU;
  *   nodriver   a producer asking for a device without a driver fails with
  *              TSOCK_ENOCUDA and leaves no channel behind.
- *   producer NAME N SLOTS   (internal) the producer process.
+ *   producer NAME N SLOTS   (internal) the producer process;
+ *   device-reader NAME      (internal) a reader killed with GPU work queued.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -43,7 +45,39 @@ static uint64_t mono_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* ---- the fake driver's extras (below) ---- */
+static int load_fake(void);
+static tsock_reader_t *attach(const char *name);
+static fake_cuda_launch_read_fn launch_read;
+typedef int (*stream_create_fn)(void **s, unsigned flags);
+static stream_create_fn stream_create;
+
 /* ---- the producer process ---- */
+
+/* A reader process on the device path that queues a 10 s read of each of
+ * its first two batches, releases them, says "ready" on stdout and waits
+ * to be killed. */
+static int run_device_reader(const char *name) {
+  if (load_fake() != 0) return 2;
+  tsock_reader_t *r = attach(name);
+  int32_t ordinal;
+  if (r == NULL || tsock_reader_open_device(r, &ordinal) != TSOCK_OK) return 3;
+  void *stream = NULL;
+  if (stream_create(&stream, 1) != 0) return 4;
+  static unsigned long long sums[2];
+  for (int i = 0; i < 2; i++) {
+    const tsock_batch_t *b;
+    uint64_t dptr;
+    if (tsock_reader_acquire(r, &b, 10000000000ll) != TSOCK_OK) return 5;
+    if (tsock_batch_cuda_use(b, (uintptr_t)stream, 0) != TSOCK_OK) return 6;
+    if (tsock_batch_cuda_ptr(b, 0, &dptr) != TSOCK_OK) return 7;
+    launch_read(stream, (const void *)(uintptr_t)dptr, ROWS * 4, 10000000000ull, &sums[i]);
+    if (tsock_reader_release(r, b) != TSOCK_OK) return 8;
+  }
+  printf("ready\n");
+  fflush(stdout);
+  for (;;) pause();
+}
 
 static int run_producer(const char *name, int n, int slots) {
   tsock_producer_options_t po;
@@ -104,10 +138,7 @@ static tsock_reader_t *attach(const char *name) {
 /* ---- the fake driver's extras ---- */
 
 static fake_cuda_query_fn query;
-static fake_cuda_launch_read_fn launch_read;
 static fake_cuda_stream_end_fn stream_end;
-typedef int (*stream_create_fn)(void **s, unsigned flags);
-static stream_create_fn stream_create;
 
 static int load_fake(void) {
   const char *path = getenv("TSOCK_LIBCUDA");
@@ -372,6 +403,66 @@ static void test_placement_refusals(void) {
   CHECK(access(path, F_OK) != 0);
 }
 
+/* A killed peer on the device path behaves as on the CPU: the producer
+ * goes on after a reader dies with GPU work queued on its batches (the
+ * work dies with it), and a reader drains what a killed producer
+ * published, then gets TSOCK_EPRODUCER_GONE. */
+static void test_killed_peers(void) {
+  const char *name = test_name("tdev", "kill");
+  const int n = 40;
+  pid_t prod = spawn_producer(name, n, 2);
+  int fds[2];
+  CHECK(pipe(fds) == 0);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+  posix_spawn_file_actions_addclose(&fa, fds[0]);
+  char *argv[] = {"/proc/self/exe", "device-reader", (char *)name, NULL};
+  pid_t rd;
+  CHECK(posix_spawn(&rd, "/proc/self/exe", &fa, NULL, argv, environ) == 0);
+  posix_spawn_file_actions_destroy(&fa);
+  close(fds[1]);
+  char buf[16] = {0};
+  CHECK(read(fds[0], buf, sizeof buf - 1) > 0 && strncmp(buf, "ready", 5) == 0);
+  close(fds[0]);
+  /* Its fences hold both slots for 10 s: the producer waits... */
+  usleep(200000);
+  CHECK(waitpid(prod, NULL, WNOHANG) == 0); /* held back by the fences */
+  uint64_t t0 = mono_ns();
+  kill(rd, SIGKILL);
+  reap(rd);
+  /* ...until the reader is gone; then it publishes all, reader-less. */
+  CHECK(reap(prod) == 0);
+  CHECK(mono_ns() - t0 < 5000000000ull);
+
+  name = test_name("tdev", "kprod");
+  prod = spawn_producer(name, 1000000, 4);
+  tsock_reader_t *r = attach(name);
+  int32_t ordinal;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
+  void *stream = NULL;
+  CHECK(stream_create(&stream, 1) == 0);
+  int got = 0, rc;
+  for (;;) {
+    const tsock_batch_t *b;
+    rc = tsock_reader_acquire(r, &b, 10000000000ll);
+    if (rc != TSOCK_OK) break;
+    if (!(b->flags & TSOCK_BATCH_EPOCH_END)) {
+      uint64_t dptr;
+      CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+      CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+      /* the pool stays mapped here after the producer died: still readable */
+      CHECK(((const uint32_t *)(uintptr_t)dptr)[1] == value(b->index, 1));
+    }
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+    if (++got == 10) kill(prod, SIGKILL);
+  }
+  CHECK_RC(rc, TSOCK_EPRODUCER_GONE);
+  CHECK(got >= 10);
+  reap(prod);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+}
+
 /* The same GPU seen under another ordinal is still found by UUID. */
 static void test_reordered_devices(void) {
   const char *name = test_name("tdev", "reorder");
@@ -393,6 +484,7 @@ int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "";
   if (strcmp(mode, "producer") == 0 && argc == 5)
     return run_producer(argv[2], atoi(argv[3]), atoi(argv[4]));
+  if (strcmp(mode, "device-reader") == 0 && argc == 3) return run_device_reader(argv[2]);
   if (strcmp(mode, "nodriver") == 0) {
     tsock_producer_options_t po;
     tsock_producer_options_init(&po);
@@ -416,6 +508,14 @@ int main(int argc, char **argv) {
     test_sync_mode();
     test_placement_refusals();
     test_reordered_devices();
+    test_killed_peers();
+    void (*sweep)(void) = (void (*)(void))dlsym(RTLD_DEFAULT, "fake_cuda_sweep");
+    if (sweep == NULL) {
+      void *fake = dlopen(getenv("TSOCK_LIBCUDA"), RTLD_NOW | RTLD_LOCAL);
+      sweep = fake ? (void (*)(void))dlsym(fake, "fake_cuda_sweep") : NULL;
+    }
+    CHECK(sweep != NULL);
+    if (sweep) sweep(); /* the device memory of the killed producer */
     fake_cuda_stats s = stats();
     CHECK(s.allocs == s.frees); /* the producers of this process freed their pools */
     CHECK(s.primary_refs == 1); /* the test's own */
