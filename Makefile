@@ -6,7 +6,7 @@ PY = $(VENV)/bin/python
 export CGO_CFLAGS := $(shell sh scripts/cgo.sh)
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
-.PHONY: all build lint go-test c-test py-env py-test test sweep demo bench bench-quick bench-latency soak fuzz clean
+.PHONY: all build lint go-test c-test py-env py-test test sweep demo bench bench-quick bench-latency bench-gpu soak fuzz clean
 
 all: build
 
@@ -61,6 +61,11 @@ bench-quick:
 
 bench-latency:
 	go run ./bench/latency
+
+# The GPU path against a copy per trainer and TensorSocket's CUDA mode
+# (needs a GPU and a CUDA PyTorch; says so and stops otherwise).
+bench-gpu: build py-env
+	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) bench/gpu.py $(GPU_ARGS)
 
 # Chaos soak (docs/OPERATIONS.md): SOAK_DURATION=10m by default.
 SOAK_DURATION ?= 10m

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-SECTIONS = ("transport", "python", "e2e")
+SECTIONS = ("transport", "python", "e2e", "gpu")
 
 
 def _cmd(*args: str) -> str:
@@ -122,6 +122,17 @@ def e2e_section(quick: bool, tmp: Path) -> dict:
     return e2e.measure(e2e.parse(["--quick"] if quick else []), tmp)
 
 
+def gpu_section(quick: bool) -> dict:
+    """bench/gpu.py where there is a GPU; else why not, for the document."""
+    import gpu
+
+    why = gpu.gpu_missing()
+    if why is not None:
+        print(f"  skipped: {why}", flush=True)
+        return {"skipped": why}
+    return gpu.measure(gpu.parse(["--k", "1,2", "--batches", "100"] if quick else []))
+
+
 def measure(a, only: list[str]) -> dict:
     os.environ.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
     t0 = time.monotonic()
@@ -132,6 +143,7 @@ def measure(a, only: list[str]) -> dict:
             ("transport", lambda: transport(a.quick, Path(tmp))),
             ("python", lambda: python_section(a.quick)),
             ("e2e", lambda: e2e_section(a.quick, Path(tmp))),
+            ("gpu", lambda: gpu_section(a.quick)),
         ):
             if section in only:
                 print(f"== {section} ({time.monotonic() - t0:.0f} s)", flush=True)
