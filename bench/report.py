@@ -856,7 +856,9 @@ def gpu_md(g: dict) -> list[str]:
     for r in g["runs"]:
         p99 = max(t["p99_ms"] for t in r["per_trainer"])
         placement = ",".join(sorted({t["placement"] for t in r["per_trainer"]}))
-        rows.append([r["system"], r["k"], f"{r['p50_ms']:.3f}", f"{p99:.3f}", f"{r['h2d_bytes'] / 2**30:.2f}", placement])
+        rows.append(
+            [r["system"], r["k"], f"{r['p50_ms']:.3f}", f"{p99:.3f}", f"{r['h2d_bytes'] / 2**30:.2f}", placement]
+        )
     L.append(_table(["system", "K", "latency p50 ms", "p99 ms", "H2D GiB", "placement"], rows, 1))
     L.append("")
     for name, why in g.get("failures", {}).items():

@@ -50,3 +50,34 @@ def test_quick_benchmark_writes_the_document(tmp_path):
     # every figure comes with its baseline from the same run
     assert all(r["list_s"] > 0 for r in res["python"]["rows"])
     assert all(m["memcpy_gb_per_s"] > 0 for m in t["memcpy"])
+    # No GPU here: the GPU section says why instead of figures.
+    assert "skipped" in res["gpu"] and "## GPU" in doc and "Not run:" in doc
+
+
+def test_gpu_section_renders_runs():
+    # The document's GPU table from a result shaped like bench/gpu.py's.
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report
+
+    trainer = {"batches": 100, "p50_ms": 1.25, "p99_ms": 3.5, "batches_per_s": 400.0, "placement": "device"}
+    g = {"gpu": "NVIDIA H100", "torch": "2.4", "batch_mb": 16, "step_ms": 2.0, "failures": {"tensorsocket/4": "x"}}
+    g["runs"] = [
+        {
+            "system": "tsock-device",
+            "k": 2,
+            "per_trainer": [trainer, trainer],
+            "p50_ms": 1.25,
+            "h2d_bytes": 100 * 16 << 20,
+        },
+        {
+            "system": "tsock-copy",
+            "k": 2,
+            "per_trainer": [dict(trainer, placement="pinned")] * 2,
+            "p50_ms": 2.0,
+            "h2d_bytes": 2 * 100 * 16 << 20,
+        },
+    ]
+    md = "\n".join(report.gpu_md(g))
+    assert "| tsock-device | 2 | 1.250 | 3.500 | 1.56 | device |" in md, md
+    assert "| tsock-copy | 2 | 2.000 | 3.500 | 3.12 | pinned |" in md, md
+    assert "tensorsocket/4 failed: x" in md
