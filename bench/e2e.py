@@ -342,24 +342,36 @@ producer starts once all K trainers have answered its heartbeat; its sockets are
 all interfaces)."""
 
 
+def run_all(a: Namespace, run, describe, log) -> tuple[list, dict]:
+    """run(system, k) for every K and system of a: the results, and the
+    failures by "system/K" (reported in the document, never hidden)."""
+    runs, failures = [], {}
+    for k in a.k:
+        for system in a.systems:
+            try:
+                r = run(system, k)
+            except Exception as e:  # noqa: BLE001 - kept as a failure
+                failures[f"{system}/{k}"] = f"{type(e).__name__}: {e}"
+                log(f"  {system:>13} K={k}: FAILED: {e}")
+                continue
+            runs.append(r)
+            log(f"  {system:>13} K={k}: {describe(r)}")
+    return runs, failures
+
+
 def measure(a: Namespace, tmp: Path, log=print) -> dict:
     res = {"epochs": a.epochs, "train": a.train, "workers": WORKERS, "batch": 64, "runs": [], "failures": {}}
     res["costs"] = costs(a)
     log(f"  pipeline {res['costs']['pipeline_ms']:.3f} ms/sample, model step {res['costs']['model_ms']:.4f} ms/sample")
-    for k in a.k:
-        for system in a.systems:
-            try:
-                r = run_config(system, k, a, tmp)
-            except Exception as e:  # reported in the document, never hidden
-                res["failures"][f"{system}/{k}"] = f"{type(e).__name__}: {e}"
-                log(f"  {system:>12} K={k}: FAILED: {e}")
-                continue
-            res["runs"].append(r)
-            log(
-                f"  {system:>12} K={k}: {r['trainer_rate']:7.0f} samples/s per trainer, "
-                f"aggregate {r['aggregate']:7.0f}, "
-                f"{r['cpu_epoch']:6.2f} CPU s/epoch, peak PSS {r['peak_pss'] / 2**20:6.0f} MiB ({r['wall']:.0f} s)"
-            )
+    res["runs"], res["failures"] = run_all(
+        a,
+        lambda system, k: run_config(system, k, a, tmp),
+        lambda r: (
+            f"{r['trainer_rate']:7.0f} samples/s per trainer, aggregate {r['aggregate']:7.0f}, "
+            f"{r['cpu_epoch']:6.2f} CPU s/epoch, peak PSS {r['peak_pss'] / 2**20:6.0f} MiB ({r['wall']:.0f} s)"
+        ),
+        log,
+    )
     return res
 
 

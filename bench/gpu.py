@@ -38,7 +38,7 @@ from argparse import Namespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import ROOT, Out, _check, _free_ports, _read  # noqa: E402 - the runner's plumbing, shared
+from e2e import ROOT, Out, _check, _free_ports, _read, run_all  # noqa: E402 - the runner's plumbing, shared
 
 SYSTEMS = ("tsock-device", "tsock-copy", "tensorsocket")
 
@@ -217,23 +217,18 @@ def run_config(system: str, k: int, a: Namespace, tmp: Path) -> dict:
 def measure(a: Namespace, log=print) -> dict:
     torch = _torch()
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch_mb": a.batch_mb}
-    res.update(batches=a.batches, step_ms=a.step_ms, runs=[], failures={})
+    res.update(batches=a.batches, step_ms=a.step_ms)
     with tempfile.TemporaryDirectory(prefix="tsock-gpu-") as tmp:
-        for k in a.k:
-            for system in a.systems:
-                try:
-                    r = run_config(system, k, a, Path(tmp))
-                except Exception as e:  # reported, never hidden
-                    res["failures"][f"{system}/{k}"] = f"{type(e).__name__}: {e}"
-                    log(f"  {system:>13} K={k}: FAILED: {e}")
-                    continue
-                res["runs"].append(r)
-                log(
-                    f"  {system:>13} K={k}: latency p50 {r['p50_ms']:7.3f} ms, "
-                    f"p99 {max(t['p99_ms'] for t in r['per_trainer']):7.3f} ms, "
-                    f"H2D {r['h2d_bytes'] / 2**30:6.2f} GiB for {r['batches']} batches, "
-                    f"placement {','.join(sorted({t['placement'] for t in r['per_trainer']}))}"
-                )
+        res["runs"], res["failures"] = run_all(
+            a,
+            lambda system, k: run_config(system, k, a, Path(tmp)),
+            lambda r: (
+                f"latency p50 {r['p50_ms']:7.3f} ms, p99 {max(t['p99_ms'] for t in r['per_trainer']):7.3f} ms, "
+                f"H2D {r['h2d_bytes'] / 2**30:6.2f} GiB for {r['batches']} batches, "
+                f"placement {','.join(sorted({t['placement'] for t in r['per_trainer']}))}"
+            ),
+            log,
+        )
     return res
 
 

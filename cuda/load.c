@@ -29,6 +29,18 @@ static void *cuda_resolve(void *lib, const char *name, const char *fallback) {
   return p;
 }
 
+/* "<what>: CUDA_ERROR_X: text" into buf. */
+static void cuda_describe(const tsock_cuda_driver *d, tsock_CUresult rc, const char *what,
+                          char *buf, size_t n) {
+  const char *name = NULL, *text = NULL;
+  if (d->cuGetErrorName(rc, &name) != TSOCK_CUDA_SUCCESS) name = NULL;
+  if (d->cuGetErrorString(rc, &text) != TSOCK_CUDA_SUCCESS) text = NULL;
+  if (name == NULL)
+    snprintf(buf, n, "%s: CUDA error %d", what, rc);
+  else
+    snprintf(buf, n, "%s: %s: %s", what, name, text ? text : "");
+}
+
 static void cuda_load(void) {
   const char *path = getenv("TSOCK_LIBCUDA");
   if (path == NULL || path[0] == '\0') path = TSOCK_DEFAULT_LIBCUDA;
@@ -87,12 +99,10 @@ static void cuda_load(void) {
 #undef RESOLVE
   tsock_CUresult rc = d.cuInit(0);
   if (rc != TSOCK_CUDA_SUCCESS) {
-    const char *name = NULL, *text = NULL;
-    if (d.cuGetErrorName(rc, &name) != TSOCK_CUDA_SUCCESS) name = NULL;
-    if (d.cuGetErrorString(rc, &text) != TSOCK_CUDA_SUCCESS) text = NULL;
-    snprintf(cuda_load_error, sizeof cuda_load_error,
-             "CUDA driver not available: cuInit (%s): %s: %s", path, name ? name : "CUDA error",
-             text ? text : "unknown error");
+    char why[300];
+    cuda_describe(&d, rc, "cuInit", why, sizeof why);
+    snprintf(cuda_load_error, sizeof cuda_load_error, "CUDA driver not available: %s (%s)", why,
+             path);
     return;
   }
   cuda_table = d;
@@ -108,18 +118,6 @@ static const tsock_cuda_driver *cuda_driver(const char **why) {
     return NULL;
   }
   return &cuda_table;
-}
-
-/* "<what>: CUDA_ERROR_X: text" into buf. */
-static void cuda_describe(const tsock_cuda_driver *d, tsock_CUresult rc, const char *what,
-                          char *buf, size_t n) {
-  const char *name = NULL, *text = NULL;
-  if (d->cuGetErrorName(rc, &name) != TSOCK_CUDA_SUCCESS) name = NULL;
-  if (d->cuGetErrorString(rc, &text) != TSOCK_CUDA_SUCCESS) text = NULL;
-  if (name == NULL)
-    snprintf(buf, n, "%s: CUDA error %d", what, rc);
-  else
-    snprintf(buf, n, "%s: %s: %s", what, name, text ? text : "");
 }
 
 /* Makes ctx current on this thread if it is not, the previous one in *prev

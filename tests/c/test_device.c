@@ -135,6 +135,19 @@ static tsock_reader_t *attach(const char *name) {
   return r;
 }
 
+/* Acquires batches until the stream ends, passing each (markers too) to
+ * fn and then releasing it; returns the status that ended the stream. */
+typedef void (*batch_fn)(const tsock_batch_t *b, void *ctx);
+static int drain(tsock_reader_t *r, batch_fn fn, void *ctx) {
+  for (;;) {
+    const tsock_batch_t *b;
+    int rc = tsock_reader_acquire(r, &b, 10000000000ll);
+    if (rc != TSOCK_OK) return rc;
+    fn(b, ctx);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+}
+
 /* ---- the fake driver's extras ---- */
 
 static fake_cuda_query_fn query;
@@ -170,6 +183,51 @@ static fake_cuda_stats stats(void) {
 
 /* ---- the cases ---- */
 
+/* A reader of channel name on the device path, and a stream of its own. */
+static tsock_reader_t *attach_device(const char *name, void **stream) {
+  tsock_reader_t *r = attach(name);
+  int32_t ordinal = -1;
+  if (r == NULL) return NULL;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
+  CHECK(stream_create(stream, 1) == 0);
+  return r;
+}
+
+/* One batch of test_zero_copy (ctx: struct zc). */
+struct zc {
+  void *stream;
+  int got;
+};
+static void check_device_batch(const tsock_batch_t *b, void *ctx) {
+  struct zc *z = ctx;
+  uintptr_t stream = (uintptr_t)z->stream;
+  if (b->flags & TSOCK_BATCH_EPOCH_END) {
+    CHECK_RC(tsock_batch_cuda_use(b, stream, 0), TSOCK_ENODEVICE);
+    return;
+  }
+  uint64_t dptr = 0;
+  CHECK_RC(tsock_batch_cuda_use(b, stream, 0), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, stream, 0), TSOCK_OK); /* same stream: fine */
+  CHECK_RC(tsock_batch_cuda_use(b, 0, 0), TSOCK_ESTATE);  /* another: refused */
+  CHECK_RC(tsock_batch_cuda_use(b, stream, 0x80), TSOCK_EINVAL);
+  CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_ptr(b, 1, &dptr), TSOCK_EINVAL);
+  const uint32_t *dev = (const uint32_t *)(uintptr_t)dptr; /* fake device memory is mapped */
+  CHECK(dev != b->tensors[0].data);
+  CHECK(memcmp(dev, b->tensors[0].data, ROWS * 4) == 0);
+  CHECK(dev[0] == value(b->index, 0) && dev[ROWS - 1] == value(b->index, ROWS - 1));
+  void *dl = NULL;
+  CHECK_RC(tsock_batch_dlpack_cuda(b, 0, 1, &dl), TSOCK_OK);
+  if (dl != NULL) {
+    /* DLManagedTensorVersioned: version, ctx, deleter, flags, then the DLTensor. */
+    struct { uint32_t major, minor; void *ctx; void (*deleter)(void *); uint64_t flags;
+             void *data; int32_t device_type, device_id; } *m = dl;
+    CHECK(m->data == dev && m->device_type == 2 && m->device_id == 0 && (m->flags & 1));
+    m->deleter(dl);
+  }
+  z->got++;
+}
+
 /* Every batch: the device copy holds the producer's bytes, DLPack says
  * kDLCUDA at the pool address; the stream waited for the copy. */
 static void test_zero_copy(void) {
@@ -185,43 +243,9 @@ static void test_zero_copy(void) {
   void *stream = NULL;
   CHECK(stream_create(&stream, 1) == 0);
   fake_cuda_stats before = stats();
-  int got = 0;
-  for (;;) {
-    const tsock_batch_t *b;
-    int rc = tsock_reader_acquire(r, &b, 10000000000ll);
-    if (rc != TSOCK_OK) {
-      CHECK_RC(rc, TSOCK_ECLOSED);
-      break;
-    }
-    if (b->flags & TSOCK_BATCH_EPOCH_END) {
-      CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_ENODEVICE);
-      CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
-      continue;
-    }
-    uint64_t dptr = 0;
-    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
-    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK); /* same stream: fine */
-    CHECK_RC(tsock_batch_cuda_use(b, 0, 0), TSOCK_ESTATE);              /* another: refused */
-    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0x80), TSOCK_EINVAL);
-    CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
-    CHECK_RC(tsock_batch_cuda_ptr(b, 1, &dptr), TSOCK_EINVAL);
-    const uint32_t *dev = (const uint32_t *)(uintptr_t)dptr; /* fake device memory is mapped */
-    CHECK(dev != b->tensors[0].data);
-    CHECK(memcmp(dev, b->tensors[0].data, ROWS * 4) == 0);
-    CHECK(dev[0] == value(b->index, 0) && dev[ROWS - 1] == value(b->index, ROWS - 1));
-    void *dl = NULL;
-    CHECK_RC(tsock_batch_dlpack_cuda(b, 0, 1, &dl), TSOCK_OK);
-    if (dl != NULL) {
-      /* DLManagedTensorVersioned: version, ctx, deleter, flags, then the DLTensor. */
-      struct { uint32_t major, minor; void *ctx; void (*deleter)(void *); uint64_t flags;
-               void *data; int32_t device_type, device_id; } *m = dl;
-      CHECK(m->data == dev && m->device_type == 2 && m->device_id == 0 && (m->flags & 1));
-      m->deleter(dl);
-    }
-    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
-    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_ESTATE); /* released */
-    got++;
-  }
+  struct zc z = {stream, 0};
+  CHECK_RC(drain(r, check_device_batch, &z), TSOCK_ECLOSED);
+  int got = z.got;
   fake_cuda_stats after = stats();
   CHECK(got == n);
   CHECK(after.ipc_opens == before.ipc_opens); /* the pool was opened once, at open_device */
@@ -232,6 +256,25 @@ static void test_zero_copy(void) {
   CHECK(reap(pid) == 0);
 }
 
+/* Queues a slow read of a batch's device copy (ctx: struct fq). */
+struct fq {
+  void *stream;
+  unsigned long long kernel_ns;
+  int max, got;
+  unsigned long long *sums;
+  uint64_t *want;
+};
+static void queue_read(const tsock_batch_t *b, void *ctx) {
+  struct fq *q = ctx;
+  if ((b->flags & TSOCK_BATCH_EPOCH_END) || q->got >= q->max) return;
+  uint64_t dptr = 0;
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)q->stream, 0), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+  q->want[q->got] = fnv(b->tensors[0].data, ROWS * 4);
+  launch_read(q->stream, (const void *)(uintptr_t)dptr, ROWS * 4, q->kernel_ns, &q->sums[q->got]);
+  q->got++;
+}
+
 /* The trainer queues a slow read of each batch and releases it at once:
  * the producer (2 slots) must not overwrite a slot before the read ran. */
 static void test_fences_hold_slots(void) {
@@ -239,34 +282,16 @@ static void test_fences_hold_slots(void) {
   enum { N = 12 };
   const unsigned long long kernel_ns = 20000000ull; /* 20 ms */
   pid_t pid = spawn_producer(name, N, 2);
-  tsock_reader_t *r = attach(name);
-  if (r == NULL) return;
-  int32_t ordinal;
-  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
   void *stream = NULL;
-  CHECK(stream_create(&stream, 1) == 0);
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
   unsigned long long sums[N];
   uint64_t want[N];
   memset(sums, 0, sizeof sums);
   uint64_t t0 = mono_ns();
-  int got = 0;
-  for (;;) {
-    const tsock_batch_t *b;
-    int rc = tsock_reader_acquire(r, &b, 10000000000ll);
-    if (rc != TSOCK_OK) {
-      CHECK_RC(rc, TSOCK_ECLOSED);
-      break;
-    }
-    if (!(b->flags & TSOCK_BATCH_EPOCH_END) && got < N) {
-      uint64_t dptr = 0;
-      CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
-      CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
-      want[got] = fnv(b->tensors[0].data, ROWS * 4);
-      launch_read(stream, (const void *)(uintptr_t)dptr, ROWS * 4, kernel_ns, &sums[got]);
-      got++;
-    }
-    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK); /* at once: the kernel has not run */
-  }
+  struct fq q = {stream, kernel_ns, N, 0, sums, want};
+  CHECK_RC(drain(r, queue_read, &q), TSOCK_ECLOSED); /* each released at once: its read has not run */
+  int got = q.got;
   uint64_t took = mono_ns() - t0;
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK); /* waits for what is still queued */
   CHECK(got == N);
@@ -283,12 +308,9 @@ static void test_fences_hold_slots(void) {
 static void test_detach_waits(void) {
   const char *name = test_name("tdev", "detach");
   pid_t pid = spawn_producer(name, 1, 2);
-  tsock_reader_t *r = attach(name);
-  if (r == NULL) return;
-  int32_t ordinal;
-  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
   void *stream = NULL;
-  CHECK(stream_create(&stream, 1) == 0);
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
   const tsock_batch_t *b;
   CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
   unsigned long long sum = 0;
@@ -298,6 +320,7 @@ static void test_detach_waits(void) {
   uint64_t want = fnv(b->tensors[0].data, ROWS * 4);
   launch_read(stream, (const void *)(uintptr_t)dptr, ROWS * 4, 50000000ull, &sum);
   CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_ESTATE); /* released */
   CHECK(sum == 0); /* still queued */
   uint64_t t0 = mono_ns();
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
@@ -312,12 +335,9 @@ static void test_sync_mode(void) {
   setenv("FAKE_CUDA_COPY_NS", "60000000", 1); /* the producer's copies take 60 ms */
   pid_t pid = spawn_producer(name, 3, 4);
   unsetenv("FAKE_CUDA_COPY_NS");
-  tsock_reader_t *r = attach(name);
-  if (r == NULL) return;
-  int32_t ordinal;
-  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
   void *stream = NULL;
-  CHECK(stream_create(&stream, 1) == 0);
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
   const tsock_batch_t *b;
   /* first batch on a stream: the stream's work now ends after the copy */
   CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
@@ -403,6 +423,24 @@ static void test_placement_refusals(void) {
   CHECK(access(path, F_OK) != 0);
 }
 
+/* Reads a device batch; kills the producer at the tenth (ctx: struct kp). */
+struct kp {
+  void *stream;
+  pid_t producer;
+  int got;
+};
+static void read_then_kill(const tsock_batch_t *b, void *ctx) {
+  struct kp *k = ctx;
+  if (!(b->flags & TSOCK_BATCH_EPOCH_END)) {
+    uint64_t dptr;
+    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)k->stream, 0), TSOCK_OK);
+    CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+    /* the pool stays mapped here after the producer died: still readable */
+    CHECK(((const uint32_t *)(uintptr_t)dptr)[1] == value(b->index, 1));
+  }
+  if (++k->got == 10) kill(k->producer, SIGKILL);
+}
+
 /* A killed peer on the device path behaves as on the CPU: the producer
  * goes on after a reader dies with GPU work queued on its batches (the
  * work dies with it), and a reader drains what a killed producer
@@ -437,26 +475,12 @@ static void test_killed_peers(void) {
 
   name = test_name("tdev", "kprod");
   prod = spawn_producer(name, 1000000, 4);
-  tsock_reader_t *r = attach(name);
-  int32_t ordinal;
-  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
   void *stream = NULL;
-  CHECK(stream_create(&stream, 1) == 0);
-  int got = 0, rc;
-  for (;;) {
-    const tsock_batch_t *b;
-    rc = tsock_reader_acquire(r, &b, 10000000000ll);
-    if (rc != TSOCK_OK) break;
-    if (!(b->flags & TSOCK_BATCH_EPOCH_END)) {
-      uint64_t dptr;
-      CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
-      CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
-      /* the pool stays mapped here after the producer died: still readable */
-      CHECK(((const uint32_t *)(uintptr_t)dptr)[1] == value(b->index, 1));
-    }
-    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
-    if (++got == 10) kill(prod, SIGKILL);
-  }
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  struct kp k = {stream, prod, 0};
+  int rc = drain(r, read_then_kill, &k);
+  int got = k.got;
   CHECK_RC(rc, TSOCK_EPRODUCER_GONE);
   CHECK(got >= 10);
   reap(prod);
