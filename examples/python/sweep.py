@@ -93,6 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="auto: tqdm bars or one status line per process on a terminal, epoch lines otherwise",
     )
     ap.add_argument("--json", type=Path, help="also write the results to this file")
+    ap.add_argument(
+        "--device",
+        help="train on this GPU (e.g. cuda:0): the producer copies each batch there once and every trainer reads "
+        "it zero-copy (default: CPU)",
+    )
     args = ap.parse_args(argv)
     preset = QUICK if args.quick else DEFAULT
     args.epochs = args.epochs or preset["epochs"]
@@ -104,6 +109,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("sizes and counts must be positive")
     args.name = args.name or f"sweep-{os.getpid()}"
     args.data_dir = args.data_dir or default_data_dir()
+    if args.device is not None:
+        # Checked here, before any process starts, so a machine without a
+        # GPU gets one clear line rather than failing trainers.
+        try:
+            torch.device(args.device)
+        except RuntimeError:
+            ap.error(f"--device {args.device!r}: not a device name (cuda, cuda:1, ...)")
+        if not args.device.startswith("cuda"):
+            ap.error(f"--device {args.device!r}: only CUDA devices (the default is the CPU)")
+        if not torch.cuda.is_available():
+            ap.error(f"--device {args.device}: PyTorch {torch.__version__} sees no CUDA GPU here")
     return args
 
 
@@ -230,7 +246,9 @@ def producer_main(args, folder: Path, q, ppid: int) -> None:
         last = 0.0
         # Created before the loaders fork their workers; the channel itself
         # appears with the first batch and waits there for every trainer.
-        with tsock.Producer(None, name=args.name, slots=16, wait_readers=args.trainers, timeout=300) as p:
+        with tsock.Producer(
+            None, name=args.name, slots=16, wait_readers=args.trainers, timeout=300, device=args.device
+        ) as p:
             (self0, kids0), t0 = cpu_split(), time.monotonic()
             samples = 0
             for epoch in range(args.epochs):
@@ -288,7 +306,7 @@ def trainer_main(idx: int, hp: dict, args, q, ppid: int) -> None:
     try:
         torch.set_num_threads(1)
         torch.manual_seed(args.seed * 1000 + idx)
-        model = make_model(hp["width"])
+        model = make_model(hp["width"]).to(args.device or "cpu")
         opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=0.9, weight_decay=5e-4, nesterov=True)
         total_steps = args.epochs * steps_per_epoch(args)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, hp["lr"], total_steps=total_steps)
@@ -296,7 +314,7 @@ def trainer_main(idx: int, hp: dict, args, q, ppid: int) -> None:
         train_samples, train_time, wait_time = 0, 0.0, 0.0
         accs = []
         last = 0.0
-        with tsock.Consumer(args.name, output="torch", timeout=300) as c:
+        with tsock.Consumer(args.name, output="torch", timeout=300, device=args.device) as c:
             cpu0 = cpu_seconds()
             for epoch in range(args.epochs):
                 # Training epoch: the producer's augmented batches.
@@ -359,6 +377,7 @@ def trainer_main(idx: int, hp: dict, args, q, ppid: int) -> None:
                 "wait": wait_time / max(1e-9, train_time),
                 "cpu": cpu_seconds() - cpu0,
                 "params": sum(p.numel() for p in model.parameters()),
+                "placement": c.placement,  # host; with --device: device (zero-copy) or pinned
             }
         q.put(("done", idx, result))
     except KeyboardInterrupt:  # Interrupted: Ctrl-C, SIGTERM, parent gone

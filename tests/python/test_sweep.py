@@ -50,6 +50,7 @@ def test_quick_sweep_trains_every_trainer(tmp_path):
         assert "failed" not in t, t
         assert t["acc"] > 0.2, t  # ten balanced classes: chance is 0.1
         assert t["rate"] > 0, t
+        assert t["placement"] == "host", t  # no --device
     prod = res["producer"]
     assert prod["cpu"] > 0 and prod["published"] > 0
     # Four separate loaders cost more CPU than the one shared producer.
@@ -193,3 +194,21 @@ def test_ctrl_c_stops_everything(when):
     assert took < 30, f"sweep took {took:.1f} s to stop after Ctrl-C"
     wait_group_gone(s)
     assert not channel_path(s.name).exists()
+
+
+def test_device_without_gpu_is_one_clear_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    p = subprocess.run(
+        [sys.executable, str(SWEEP), "--device", "cuda:0", "--name", f"sw-dev-{os.getpid()}"],
+        env=sweep_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--device cuda:0: PyTorch" in p.stderr and "sees no CUDA GPU" in p.stderr
+    p = subprocess.run([sys.executable, str(SWEEP), "--device", "cpu"], env=sweep_env(), capture_output=True, text=True)
+    assert p.returncode == 2 and "only CUDA devices" in p.stderr
