@@ -29,19 +29,27 @@ static int pool_fail(const tsock_pool *p, tsock_CUresult rc, const char *what, c
   return TSOCK_ESYS;
 }
 
+void tsock_pool_quiesce(tsock_pool *p) {
+  if (p == NULL || p->ctx == NULL) return;
+  const tsock_cuda_driver *d = p->d;
+  tsock_CUcontext prev = NULL;
+  if (cuda_push_ctx(d, p->ctx, &prev) != TSOCK_CUDA_SUCCESS) return;
+  if (p->stream != NULL) d->cuStreamSynchronize(p->stream); /* no copy reads the host range after this */
+  if (p->host_registered) d->cuMemHostUnregister(p->host);
+  p->host_registered = 0;
+  cuda_pop_ctx(d, p->ctx, prev);
+}
+
 void tsock_pool_close(tsock_pool *p) {
   if (p == NULL) return;
   const tsock_cuda_driver *d = p->d;
+  tsock_pool_quiesce(p);
   tsock_CUcontext prev = NULL;
-  if (cuda_push_ctx(d, p->ctx, &prev) == TSOCK_CUDA_SUCCESS) {
-    if (p->stream != NULL) {
-      d->cuStreamSynchronize(p->stream); /* no copy may read the host range after this */
-      d->cuStreamDestroy(p->stream);
-    }
+  if (p->ctx != NULL && cuda_push_ctx(d, p->ctx, &prev) == TSOCK_CUDA_SUCCESS) {
+    if (p->stream != NULL) d->cuStreamDestroy(p->stream);
     for (uint32_t s = 0; p->events != NULL && s < p->slots; s++)
       if (p->events[s] != NULL) d->cuEventDestroy(p->events[s]);
     if (p->base != 0) d->cuMemFree(p->base);
-    if (p->host_registered) d->cuMemHostUnregister(p->host);
     cuda_pop_ctx(d, p->ctx, prev);
   }
   if (p->ctx != NULL) d->cuDevicePrimaryCtxRelease(p->dev);

@@ -45,8 +45,13 @@ int tsock_pool_copy(tsock_pool *p, uint32_t slot, uint64_t nbytes, char *err, si
  * so the producer may write the slot again. */
 int tsock_pool_wait_slot(tsock_pool *p, uint32_t slot, char *err, size_t errn);
 
-/* Finishes the queued copies, then frees everything; the host range is
- * unregistered (before the caller unmaps it). */
+/* Finishes the queued copies and unregisters the host range (before the
+ * caller unmaps it); the device memory and events stay. */
+void tsock_pool_quiesce(tsock_pool *p);
+
+/* tsock_pool_quiesce, then frees everything. Only once no other process has
+ * the pool open: freeing exported memory an importer still has open is
+ * undefined behaviour in CUDA. */
 void tsock_pool_close(tsock_pool *p);
 
 #endif

@@ -89,6 +89,14 @@ func (d *devicePool) waitSlot(slot uint32) error {
 	return nil
 }
 
+// quiesce finishes the queued copies and unregisters the host range; the
+// device memory stays for readers that have it open.
+func (d *devicePool) quiesce() {
+	if d != nil && d.p != nil {
+		C.tsock_pool_quiesce(d.p)
+	}
+}
+
 // close finishes the queued copies and frees the pool.
 func (d *devicePool) close() {
 	if d != nil && d.p != nil {

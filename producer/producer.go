@@ -649,33 +649,40 @@ func (p *Producer) Close() error {
 	return err
 }
 
-// poolDrainTimeout bounds how long Close keeps the device pool for readers
-// that still read it through CUDA IPC.
-const poolDrainTimeout = 2 * time.Second
+// poolDrainTimeout bounds how long Close waits for readers on the device
+// path to detach before it gives up freeing the device pool.
+const poolDrainTimeout = 5 * time.Second
 
-// releasePool frees the device pool at Close, once every live reader on
-// the device path has released all it was given (bounded by
-// poolDrainTimeout: a stuck reader must not hold the producer forever).
+// releasePool ends the device pool at Close. Its queued copies finish and
+// the host range is unregistered first (the mapping is about to go). The
+// device memory and events are freed only once no live reader has the pool
+// open (CUDA: freeing exported memory that another process still has open
+// is undefined behaviour); readers detach after draining the closed
+// channel. One still attached after poolDrainTimeout (stuck, or keeping
+// its consumer open) leaves them to the driver, which frees them when this
+// process exits.
 func (p *Producer) releasePool() {
 	if p.pool == nil {
 		return
 	}
+	p.pool.quiesce()
 	deadline := time.Now().Add(poolDrainTimeout)
-	for time.Now().Before(deadline) && p.deviceReadersBehind() {
+	for time.Now().Before(deadline) && p.deviceReadersAttached() {
 		time.Sleep(time.Millisecond)
 	}
-	p.pool.close()
+	if !p.deviceReadersAttached() {
+		p.pool.close()
+	}
 	p.pool = nil
 }
 
-// deviceReadersBehind reports whether a live reader on the device path has
-// not released every published batch.
-func (p *Producer) deviceReadersBehind() bool {
+// deviceReadersAttached reports whether a live reader says it has the
+// device pool open (a reader-written claim: a false one costs Close at most
+// poolDrainTimeout).
+func (p *Producer) deviceReadersAttached() bool {
 	for i := uint32(0); i < p.seg.Readers; i++ {
 		r := p.seg.Snapshot(i)
-		st := ring.ClaimState(r.Claim)
-		if r.Placement != ring.PlacementDevice || (st != ring.ReaderActive && st != ring.ReaderJoining) ||
-			r.Cursor >= p.next {
+		if r.Placement != ring.PlacementDevice || ring.ClaimState(r.Claim) == ring.ReaderFree {
 			continue
 		}
 		if locked, err := p.seg.ReaderLocked(i); err == nil && locked {

@@ -9,13 +9,15 @@
  *              is held back until its fence fires); detach waits for
  *              pending work; placement refusals (no pool, the producer's
  *              own process, another GPU or a MIG instance, IPC refused);
- *              killed readers and producers behave as on the CPU;
+ *              killed readers and producers behave as on the CPU; the
+ *              producer frees its pool only once no reader has it open;
  *   nodriver   a producer asking for a device without a driver fails with
  *              TSOCK_ENOCUDA and leaves no channel behind.
  *   producer NAME N SLOTS   (internal) the producer process;
  *   device-reader NAME      (internal) a reader killed with GPU work queued.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <signal.h>
@@ -304,6 +306,40 @@ static void test_fences_hold_slots(void) {
   CHECK(reap(pid) == 0);
 }
 
+/* How many device-memory files the fake driver has for process pid. */
+static int fake_allocations(pid_t pid) {
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "tsockfake.mem.%d.", (int)pid);
+  DIR *d = opendir("/dev/shm");
+  int n = 0;
+  for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;)
+    n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+  if (d != NULL) closedir(d);
+  return n;
+}
+
+/* The producer's close frees the pool only once no reader has it open
+ * (freeing exported memory an importer still maps is undefined in CUDA). */
+static void test_close_waits_for_device_readers(void) {
+  const char *name = test_name("tdev", "close");
+  pid_t pid = spawn_producer(name, 2, 2);
+  void *stream = NULL;
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  CHECK(fake_allocations(pid) == 1);
+  const tsock_batch_t *b;
+  int rc;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK)
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(rc, TSOCK_ECLOSED); /* the producer is closing... */
+  usleep(300000);
+  CHECK(waitpid(pid, NULL, WNOHANG) == 0); /* ...and waits for us */
+  CHECK(fake_allocations(pid) == 1);        /* the pool is still there */
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(reap(pid) == 0);
+  CHECK(fake_allocations(pid) == 0); /* freed once we had closed it */
+}
+
 /* A batch released with queued GPU work is waited for at detach. */
 static void test_detach_waits(void) {
   const char *name = test_name("tdev", "detach");
@@ -529,6 +565,7 @@ int main(int argc, char **argv) {
     test_zero_copy();
     test_fences_hold_slots();
     test_detach_waits();
+    test_close_waits_for_device_readers();
     test_sync_mode();
     test_placement_refusals();
     test_reordered_devices();
