@@ -650,44 +650,53 @@ func (p *Producer) Close() error {
 }
 
 // poolDrainTimeout bounds how long Close waits for readers on the device
-// path to detach before it gives up freeing the device pool.
+// path that make no progress (release nothing) and do not detach.
 const poolDrainTimeout = 5 * time.Second
 
 // releasePool ends the device pool at Close. Its queued copies finish and
 // the host range is unregistered first (the mapping is about to go). The
 // device memory and events are freed only once no live reader has the pool
 // open (CUDA: freeing exported memory that another process still has open
-// is undefined behaviour); readers detach after draining the closed
-// channel. One still attached after poolDrainTimeout (stuck, or keeping
-// its consumer open) leaves them to the driver, which frees them when this
-// process exits.
+// is undefined behaviour): readers drain the closed channel, then detach,
+// and Close waits for that as long as they release batches. A reader
+// still attached after poolDrainTimeout without progress (stuck, or
+// keeping its consumer open) leaves them to the driver, which frees them
+// when this process exits.
 func (p *Producer) releasePool() {
 	if p.pool == nil {
 		return
 	}
 	p.pool.quiesce()
 	deadline := time.Now().Add(poolDrainTimeout)
-	for time.Now().Before(deadline) && p.deviceReadersAttached() {
+	attached, progress := p.deviceReaders()
+	for attached && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
+		var now uint64
+		attached, now = p.deviceReaders()
+		if now != progress {
+			progress, deadline = now, time.Now().Add(poolDrainTimeout)
+		}
 	}
-	if !p.deviceReadersAttached() {
+	if !attached {
 		p.pool.close()
 	}
 	p.pool = nil
 }
 
-// deviceReadersAttached reports whether a live reader says it has the
-// device pool open (a reader-written claim: a false one costs Close at most
-// poolDrainTimeout).
-func (p *Producer) deviceReadersAttached() bool {
+// deviceReaders reports whether a live reader says it has the device pool
+// open (a reader-written claim: a false one costs Close at most
+// poolDrainTimeout), and the sum of their cursors, which grows while they
+// drain.
+func (p *Producer) deviceReaders() (attached bool, cursors uint64) {
 	for i := uint32(0); i < p.seg.Readers; i++ {
 		r := p.seg.Snapshot(i)
 		if r.Placement != ring.PlacementDevice || ring.ClaimState(r.Claim) == ring.ReaderFree {
 			continue
 		}
 		if locked, err := p.seg.ReaderLocked(i); err == nil && locked {
-			return true
+			attached = true
+			cursors += r.Cursor
 		}
 	}
-	return false
+	return attached, cursors
 }
