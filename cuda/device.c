@@ -24,6 +24,7 @@ typedef struct device_state {
   tsock_CUdevice dev;
   tsock_CUcontext ctx; /* the device's primary context, retained */
   int32_t ordinal;
+  int fd; /* the reader's segment, for the producer's liveness lock */
   tsock_CUdeviceptr base; /* the pool, opened with cuIpcOpenMemHandle */
   uint64_t slot_bytes;
   uint32_t slot_count;
@@ -222,6 +223,7 @@ int tsock_reader_open_device(tsock_reader_t *h, int32_t *cuda_ordinal) {
   g->ordinal = ordinal;
   g->slot_bytes = v.slot_payload_bytes;
   g->slot_count = v.slot_count;
+  g->fd = v.fd;
   tsock_CUresult cr = d->cuDevicePrimaryCtxRetain(&g->ctx, dev);
   if (cr != TSOCK_CUDA_SUCCESS) {
     g->ctx = NULL;
@@ -306,6 +308,14 @@ int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flag
                                      "another stream", (unsigned long long)b->seq);
   }
   device_state *g = hb->device;
+  /* The pool and its events belong to the producer's process: once it is
+   * gone, CUDA leaves their use undefined. Its batches' host copies stay
+   * valid, so say so and let the caller read those. */
+  if (tsock__byte_locked(g->fd, TSOCK_LOCK_PRODUCER) == 0)
+    return tsock__fail(TSOCK_EPRODUCER_GONE,
+                       "tsock_batch_cuda_use: the producer died, and its device pool with it; "
+                       "batch %llu is still readable in host memory (tensors[i].data)",
+                       (unsigned long long)b->seq);
   const tsock_cuda_driver *d = g->d;
   tsock_CUcontext prev = NULL;
   tsock_CUresult rc = tsock__cuda_push_ctx(d, g->ctx, &prev);

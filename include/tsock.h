@@ -361,7 +361,11 @@ int tsock_batch_cuda_ptr(const tsock_batch_t *batch, uint32_t i, uint64_t *dptr)
  * and release waits until the device is idle (cuCtxSynchronize): for
  * frameworks whose streams cannot be named (JAX). One stream per batch: a
  * second call with another stream or flags returns TSOCK_ESTATE.
- * TSOCK_ENODEVICE as tsock_batch_cuda_ptr. One thread at a time per reader. */
+ * TSOCK_ENODEVICE as tsock_batch_cuda_ptr. TSOCK_EPRODUCER_GONE once the
+ * producer's process is gone: its device pool went with it (CUDA leaves
+ * the use of an exporter's memory and events undefined then), but the
+ * batch's host copy (tensors[i].data) is still valid to read.
+ * One thread at a time per reader. */
 int tsock_batch_cuda_use(const tsock_batch_t *batch, uintptr_t stream, uint32_t flags);
 
 /* As tsock_batch_dlpack, for the device copy: device kDLCUDA with the

@@ -107,6 +107,7 @@ typedef struct tsock_reader_view {
   tsock_reader_record *rec; /* our record: placement fields */
   uint32_t slot_count;
   uint64_t slot_payload_bytes;
+  int fd;       /* the segment: its producer lock tells whether the producer lives */
   void *device; /* set by tsock__reader_set_device, else NULL */
 } tsock_reader_view;
 

@@ -671,7 +671,8 @@ int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v) {
   if (r == NULL) return rc;
   *v = (tsock_reader_view){.hdr = r->hdr, .slots = r->slots, .rec = r->rec,
                            .slot_count = (uint32_t)(r->mask + 1),
-                           .slot_payload_bytes = r->slot_payload_bytes, .device = r->device};
+                           .slot_payload_bytes = r->slot_payload_bytes, .fd = r->fd,
+                           .device = r->device};
   return TSOCK_OK;
 }
 

@@ -293,6 +293,10 @@ class DirectOutput:
         # Once per batch in effect: the same stream again is a no-op in C.
         backend = self._backend
         rc = lib.cuda_use(raw.lease.batch, backend.current_stream(), backend.use_flags)
+        if rc == _capi.EPRODUCER_GONE:
+            # The producer died, and its device pool with it; the batches
+            # it published are still in host memory: copy this one up.
+            return self._from_host(reader, raw, i, start, stop)
         if rc:
             from .errors import check
 
@@ -305,6 +309,15 @@ class DirectOutput:
 
     def owned(self, arr, code: int):
         # Batches re-cut across producer batches are assembled on the host.
+        return self._backend.owned(self._host, arr, code)
+
+    def _from_host(self, reader, raw, i: int, start, stop):
+        import numpy as np
+
+        from ._output import CODE, numpy_view
+
+        code = raw.leaves[i][CODE]
+        arr = np.array(numpy_view(reader, raw.leaves[i], self._host.storage_dtype(code), start, stop))
         return self._backend.owned(self._host, arr, code)
 
 

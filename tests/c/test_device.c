@@ -463,18 +463,28 @@ static void test_placement_refusals(void) {
 struct kp {
   void *stream;
   pid_t producer;
-  int got;
+  int got, host_reads;
 };
 static void read_then_kill(const tsock_batch_t *b, void *ctx) {
   struct kp *k = ctx;
   if (!(b->flags & TSOCK_BATCH_EPOCH_END)) {
     uint64_t dptr;
-    CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)k->stream, 0), TSOCK_OK);
-    CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
-    /* the pool stays mapped here after the producer died: still readable */
-    CHECK(((const uint32_t *)(uintptr_t)dptr)[1] == value(b->index, 1));
+    if (k->got < 10) {
+      CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)k->stream, 0), TSOCK_OK);
+      CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+      CHECK(((const uint32_t *)(uintptr_t)dptr)[1] == value(b->index, 1));
+    } else {
+      /* Dead producer: its pool is not to be used; the host copy is. */
+      CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)k->stream, 0), TSOCK_EPRODUCER_GONE);
+      CHECK(strstr(tsock_last_error(), "host memory") != NULL);
+      k->host_reads++;
+    }
+    CHECK(((const uint32_t *)b->tensors[0].data)[1] == value(b->index, 1));
   }
-  if (++k->got == 10) kill(k->producer, SIGKILL);
+  if (++k->got == 10) {
+    kill(k->producer, SIGKILL);
+    reap(k->producer); /* its locks are gone once it is reaped */
+  }
 }
 
 /* A killed peer on the device path behaves as on the CPU: the producer
@@ -514,12 +524,12 @@ static void test_killed_peers(void) {
   void *stream = NULL;
   tsock_reader_t *r = attach_device(name, &stream);
   if (r == NULL) return;
-  struct kp k = {stream, prod, 0};
+  struct kp k = {stream, prod, 0, 0};
   int rc = drain(r, read_then_kill, &k);
   int got = k.got;
+  CHECK(k.host_reads >= 1); /* the ring held batches published before the kill */
   CHECK_RC(rc, TSOCK_EPRODUCER_GONE);
   CHECK(got >= 10);
-  reap(prod);
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
 }
 

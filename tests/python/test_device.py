@@ -109,7 +109,7 @@ name = sys.argv[1]
 """
 
 
-def _run(tmp_path, consumer_code, n, slots, consumer_env=None):
+def _run(tmp_path, consumer_code, n, slots, consumer_env=None, killed=False):
     env = child_env()
     env["TSOCK_LIBCUDA"] = str(FAKE)
     name = f"pt-dev-{tmp_path.name}"[:60]
@@ -123,7 +123,7 @@ def _run(tmp_path, consumer_code, n, slots, consumer_env=None):
     cenv = dict(env, **(consumer_env or {}))
     try:
         consumer = subprocess.run(
-            [sys.executable, "-c", CONSUMER_PRELUDE + textwrap.dedent(consumer_code), name],
+            [sys.executable, "-c", CONSUMER_PRELUDE + textwrap.dedent(consumer_code), name, str(producer.pid)],
             env=cenv,
             capture_output=True,
             text=True,
@@ -134,7 +134,7 @@ def _run(tmp_path, consumer_code, n, slots, consumer_env=None):
         producer.kill()
         Path(f"/dev/shm/tsock.{name}").unlink(missing_ok=True)
     assert consumer.returncode == 0, consumer.stderr + consumer.stdout
-    assert producer.returncode == 0, err
+    assert producer.returncode == (-9 if killed else 0), err
     return consumer.stdout
 
 
@@ -196,6 +196,38 @@ def test_queued_reads_keep_their_batch(tmp_path):
         slots=2,
     )
     assert out.split() == ["ok", "8"]
+
+
+@needs_fake
+def test_killed_producer_batches_come_from_host_memory(tmp_path):
+    # Once the producer is gone its device pool is not to be used; the
+    # batches it published still reach the trainer (copied up from host
+    # memory), then ProducerGone.
+    out = _run(
+        tmp_path,
+        """
+        import signal
+        got = []
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30) as c:
+            assert c.placement == "device"
+            try:
+                for i, (x, flag) in enumerate(c):
+                    assert (np.asarray(x) == np.arange(4096, dtype=np.int32) + 7 * i).all(), i
+                    got.append(i)
+                    if i == 3:
+                        os.kill(int(sys.argv[2]), signal.SIGKILL)
+                        time.sleep(0.3)
+                raise AssertionError("the epoch ended")
+            except tsock.ProducerGone:
+                pass
+        assert got[:4] == [0, 1, 2, 3] and got == list(range(len(got))) and len(got) > 4, got
+        print("ok", len(got))
+        """.replace("import signal", "import signal, time"),
+        n=1000,
+        slots=2,
+        killed=True,
+    )
+    assert out.split()[0] == "ok"
 
 
 @needs_fake
