@@ -42,6 +42,26 @@ static inline int rd_detach(uintptr_t r, char **msg) {
 	return rc;
 }
 static inline const tsock_tensor_t *rd_tensor(const tsock_batch_t *b, uint32_t i) { return &b->tensors[i]; }
+static inline int rd_open_device(uintptr_t r, int32_t *ordinal, char **msg) {
+	int rc = tsock_reader_open_device((tsock_reader_t *)r, ordinal);
+	rd_msg(rc, msg);
+	return rc;
+}
+static inline int rd_register_host(uintptr_t r, char **msg) {
+	int rc = tsock_reader_register_host((tsock_reader_t *)r);
+	rd_msg(rc, msg);
+	return rc;
+}
+static inline int rd_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flags, char **msg) {
+	int rc = tsock_batch_cuda_use(b, stream, flags);
+	rd_msg(rc, msg);
+	return rc;
+}
+static inline int rd_cuda_ptr(const tsock_batch_t *b, uint32_t i, uint64_t *ptr, char **msg) {
+	int rc = tsock_batch_cuda_ptr(b, i, ptr);
+	rd_msg(rc, msg);
+	return rc;
+}
 */
 import "C"
 
@@ -80,6 +100,11 @@ var (
 	ErrEvicted      = ring.Status(ring.StatusEvicted)
 	ErrVersion      = ring.Status(ring.StatusVersion)
 	ErrCorrupt      = ring.Status(ring.StatusCorrupt)
+	// ErrNoDevice: no device path (the producer has no device pool, or its
+	// GPU is not this process's); read host memory.
+	ErrNoDevice = ring.Status(ring.StatusNoDevice)
+	// ErrNoCUDA: no usable CUDA driver.
+	ErrNoCUDA = ring.Status(ring.StatusNoCUDA)
 )
 
 // Reader is an attached reader.
@@ -209,4 +234,56 @@ func (r *Reader) Detach() error {
 		return lastError(rc, msg)
 	}
 	return nil
+}
+
+// OpenDevice opens the producer's device pool, so that batches can be read
+// on the GPU zero-copy (tsock_reader_open_device). It returns the GPU's
+// CUDA ordinal in this process, ErrNoDevice (with the reason) where this
+// reader must read host memory instead, ErrNoCUDA without a driver.
+func (r *Reader) OpenDevice() (int, error) {
+	var ordinal C.int32_t
+	var msg *C.char
+	if rc := C.rd_open_device(C.uintptr_t(r.h), &ordinal, &msg); rc != 0 {
+		return -1, lastError(rc, msg)
+	}
+	return int(ordinal), nil
+}
+
+// RegisterHost registers the reader's payload mapping as pinned memory
+// for fast copies to a GPU (tsock_reader_register_host).
+func (r *Reader) RegisterHost() error {
+	var msg *C.char
+	if rc := C.rd_register_host(C.uintptr_t(r.h), &msg); rc != 0 {
+		return lastError(rc, msg)
+	}
+	return nil
+}
+
+// CUDAUse orders the batch's device copy on stream (a CUstream; 0 is the
+// legacy default stream): the stream waits for the producer's copy, and
+// the batch's slot is held back after Release until the work queued on the
+// stream has run (tsock_batch_cuda_use). With hostWait the calling thread
+// waits for the copy instead and Release waits for the device.
+// ErrProducerGone once the producer's process is gone: read Tensors[i].Data.
+func (b *Batch) CUDAUse(stream uintptr, hostWait bool) error {
+	flags := C.uint32_t(0)
+	if hostWait {
+		flags = C.TSOCK_CUDA_SYNC
+	}
+	var msg *C.char
+	if rc := C.rd_cuda_use(b.c, C.uintptr_t(stream), flags, &msg); rc != 0 {
+		return lastError(rc, msg)
+	}
+	return nil
+}
+
+// CUDAPtr is the device address (a CUdeviceptr) of tensor i's copy in the
+// producer's device pool; read it in work ordered by CUDAUse.
+func (b *Batch) CUDAPtr(i int) (uintptr, error) {
+	var p C.uint64_t
+	var msg *C.char
+	if rc := C.rd_cuda_ptr(b.c, C.uint32_t(i), &p, &msg); rc != 0 {
+		return 0, lastError(rc, msg)
+	}
+	return uintptr(p), nil
 }

@@ -404,3 +404,37 @@ func TestBadSegments(t *testing.T) {
 		})
 	}
 }
+
+// TestDevicePathRefusedWithoutPool: a channel without a device pool has no
+// device path (no driver needed to say so), its batches no device copy;
+// RegisterHost needs a driver. The device path itself is tested against
+// the fake driver in tests/c/test_device.c (same C code).
+func TestDevicePathRefusedWithoutPool(t *testing.T) {
+	name := testkit.Channel(t)
+	p, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 1 << 16})
+	require.NoError(t, err)
+	defer p.Close()
+	r, err := reader.Attach(name, reader.Options{Start: reader.StartNow})
+	require.NoError(t, err)
+	defer r.Detach()
+	ordinal, err := r.OpenDevice()
+	assert.ErrorIs(t, err, reader.ErrNoDevice)
+	assert.Equal(t, -1, ordinal)
+	assert.Contains(t, err.Error(), "no device pool")
+	publish(t, p, 0)
+	b, err := r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	assert.ErrorIs(t, b.CUDAUse(0, false), reader.ErrNoDevice)
+	_, err = b.CUDAPtr(0)
+	assert.ErrorIs(t, err, reader.ErrNoDevice)
+	require.NoError(t, r.Release(b))
+
+	if _, err := os.Stat("/proc/driver/nvidia"); err == nil {
+		return // a real driver would answer RegisterHost
+	}
+	t.Setenv("TSOCK_LIBCUDA", t.TempDir()+"/no-libcuda.so.1")
+	err = r.RegisterHost()
+	assert.ErrorIs(t, err, reader.ErrNoCUDA)
+	assert.Contains(t, err.Error(), "CUDA driver not available")
+}
