@@ -21,6 +21,13 @@
 // records), every reader record must be free and unlocked, the producer
 // closes, and no file may be left in /dev/shm.
 //
+// With --device the producer keeps a device pool (on the fake CUDA driver
+// of tests/c/fake_cuda.c, built here, or with --libcuda on a real one) and
+// the C readers read every batch on the device path as well: the device
+// copy must equal the host copy, and a slow read queued on the GPU before
+// each release must still see its batch when it runs (fences under chaos).
+// After a producer's death they fall back to the host copies.
+//
 // Usage:
 //
 //	go run ./bench/soak [--duration 10m] [--readers 8] [--c-readers 4] [--json]
@@ -75,6 +82,8 @@ type config struct {
 	cReader       string
 	repo          string
 	jsonOut       bool
+	device        bool
+	libcuda       string
 }
 
 func realMain(args []string, stdout, stderr io.Writer) int {
@@ -107,6 +116,8 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&cfg.cReader, "c-reader", "", "prebuilt creader/soak_reader (default: build it with cc)")
 	fs.StringVar(&cfg.repo, "repo", "", "repository root, to build the C reader (default: where this source is)")
 	fs.BoolVar(&cfg.jsonOut, "json", false, "print the result as JSON")
+	fs.BoolVar(&cfg.device, "device", false, "device pool and C readers on the device path (fake CUDA driver)")
+	fs.StringVar(&cfg.libcuda, "libcuda", "", "with --device: the CUDA driver to use (default: build the fake)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -165,6 +176,9 @@ type Result struct {
 	LatencyMaxMs     float64                `json:"kill_to_publish_max_ms"`
 	RecordsChecked   int                    `json:"records_checked"`
 	CBuild           string                 `json:"c_reader,omitempty"`
+	Device           string                 `json:"device_driver,omitempty"` // --device: the libcuda used
+	DeviceVerified   uint64                 `json:"device_batches_verified"` // device copies checked by C readers
+	DeviceReads      uint64                 `json:"device_reads_verified"`   // queued GPU reads that saw their batch
 }
 
 // KindCounts are the counts of one kind of reader ("c", "go", "python").
@@ -206,6 +220,7 @@ type child struct {
 
 	// set by the output reader, under soak.mu
 	n           uint64
+	devN, reads uint64    // device copies and queued GPU reads verified (C readers, --device)
 	lastMove    time.Time // when n last grew
 	attaches    int
 	fatal       string // MISMATCH or error line
@@ -237,6 +252,7 @@ type soak struct {
 	cReader string
 	python  string // venv python of the Python readers
 	pyEnv   []string
+	cudaEnv []string // --device: TSOCK_LIBCUDA for every child
 	rnd     *rand.Rand
 
 	mu        sync.Mutex
@@ -310,6 +326,8 @@ func (s *soak) result() Result {
 	}
 	for _, c := range s.history {
 		r.Verified += c.n
+		r.DeviceVerified += c.devN
+		r.DeviceReads += c.reads
 		k := kinds[c.kind]
 		if k == nil {
 			k = &KindCounts{}
@@ -341,6 +359,14 @@ func (s *soak) setup() error {
 	s.self = self
 	if s.tmpDir, err = os.MkdirTemp("", "tsock-soak-"); err != nil {
 		return err
+	}
+	if s.cfg.device {
+		if s.cfg.cReaders == 0 {
+			return errors.New("--device needs C readers (--c-readers > 0): they read the device copies")
+		}
+		if err := s.setupDevice(); err != nil {
+			return err
+		}
 	}
 	if s.cfg.cReaders > 0 {
 		s.cReader = s.cfg.cReader
@@ -441,6 +467,27 @@ func (s *soak) setupPython() string {
 	return ""
 }
 
+// setupDevice points every child at a CUDA driver: --libcuda, or the fake
+// driver built here from tests/c/fake_cuda.c.
+func (s *soak) setupDevice() error {
+	lib := s.cfg.libcuda
+	if lib == "" {
+		cc := os.Getenv("CC")
+		if cc == "" {
+			cc = "cc"
+		}
+		lib = filepath.Join(s.tmpDir, "libfakecuda.so")
+		src := filepath.Join(s.repoRoot(), "tests", "c", "fake_cuda.c")
+		out, err := exec.Command(cc, "-shared", "-fPIC", "-O2", "-std=gnu11", src, "-lpthread", "-o", lib).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("building the fake CUDA driver: %v\n%s", err, out)
+		}
+	}
+	s.cudaEnv = []string{"TSOCK_LIBCUDA=" + lib}
+	s.res.Device = lib
+	return nil
+}
+
 // buildCReader compiles creader/soak_reader.c with the C reader sources.
 func (s *soak) buildCReader() (string, error) {
 	repo := s.repoRoot()
@@ -453,10 +500,13 @@ func (s *soak) buildCReader() (string, error) {
 		cc = "cc"
 	}
 	exe := filepath.Join(s.tmpDir, "soak_reader")
-	out, err := exec.Command(cc, "-O2", "-std=c11", "-Wall", "-Werror", "-I"+filepath.Join(repo, "include"),
-		"-I"+filepath.Join(repo, "ring"), src, filepath.Join(repo, "reader", "status.c"),
-		filepath.Join(repo, "reader", "platform.c"), filepath.Join(repo, "reader", "reader.c"),
-		"-lpthread", "-o", exe).CombinedOutput()
+	args := []string{"-O2", "-std=c11", "-Wall", "-Werror", "-I" + filepath.Join(repo, "include"),
+		"-I" + filepath.Join(repo, "ring"), src}
+	for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/dlpack.c",
+		"cuda/driver.c", "cuda/host.c", "cuda/device.c"} {
+		args = append(args, filepath.Join(repo, f))
+	}
+	out, err := exec.Command(cc, append(args, "-ldl", "-lpthread", "-o", exe)...).CombinedOutput()
 	if err != nil {
 		return "", fmt.Errorf("building the C reader: %v\n%s", err, out)
 	}
@@ -467,6 +517,7 @@ func (s *soak) start(c *child, name string, args ...string) error {
 	c.done = make(chan struct{})
 	c.cmd = exec.Command(name, args...)
 	c.cmd.Env = append(os.Environ(), asMainEnv+"=1")
+	c.cmd.Env = append(c.cmd.Env, s.cudaEnv...)
 	if c.kind == "python" {
 		c.cmd.Env = append(c.cmd.Env, s.pyEnv...)
 	}
@@ -539,6 +590,12 @@ func (s *soak) onLine(c *child, l string) {
 			c.n = uint64(n)
 			c.lastMove = time.Now()
 		}
+		if n := val("dev"); n >= 0 && uint64(n) > c.devN {
+			c.devN = uint64(n)
+		}
+		if n := val("reads"); n >= 0 && uint64(n) > c.reads {
+			c.reads = uint64(n)
+		}
 		if f[0] != "progress" {
 			c.finalLine = l
 		}
@@ -553,8 +610,12 @@ func (s *soak) onLine(c *child, l string) {
 
 func (s *soak) startProducer() error {
 	c := &child{kind: "producer"}
-	err := s.start(c, s.self, "producer", "--name", s.cfg.name, "--slots", strconv.Itoa(int(s.cfg.slots)),
-		"--rate", strconv.Itoa(s.cfg.rate), "--inc", strconv.FormatInt(s.inc, 10))
+	args := []string{"producer", "--name", s.cfg.name, "--slots", strconv.Itoa(int(s.cfg.slots)),
+		"--rate", strconv.Itoa(s.cfg.rate), "--inc", strconv.FormatInt(s.inc, 10)}
+	if s.cfg.device {
+		args = append(args, "--device", "cuda:0")
+	}
+	err := s.start(c, s.self, args...)
 	if err != nil {
 		return err
 	}
@@ -608,7 +669,11 @@ func (s *soak) startReader(slot int) error {
 	var err error
 	switch c.kind {
 	case "c":
-		err = s.start(c, s.cReader, s.cfg.name, strconv.Itoa(c.slowUs))
+		args := []string{s.cfg.name, strconv.Itoa(c.slowUs)}
+		if s.cfg.device {
+			args = append(args, "device")
+		}
+		err = s.start(c, s.cReader, args...)
 	case "python":
 		script := filepath.Join(s.repoRoot(), "bench", "soak", "pyreader", "soak_reader.py")
 		err = s.start(c, s.python, script, s.cfg.name, strconv.Itoa(c.slowUs))
@@ -999,7 +1064,17 @@ func (s *soak) finish() {
 	final := s.seg.Published()
 	s.mu.Lock()
 	s.res.Published += final
+	var devN, reads uint64
+	for _, c := range s.history {
+		devN, reads = devN+c.devN, reads+c.reads
+	}
 	s.mu.Unlock()
+	if s.cfg.device && devN == 0 {
+		s.fail("--device: no C reader verified a device copy")
+	}
+	if s.cfg.device && s.cfg.libcuda == "" && reads == 0 {
+		s.fail("--device: no GPU read queued before a release was verified")
+	}
 	fmt.Fprintln(s.prod.stdin, "close")
 	if l, err := s.producerReply(s.prod, 30*time.Second); err != nil || l != "closed" {
 		s.fail("close the producer: %q %v", l, err)
@@ -1074,6 +1149,10 @@ func printResult(w io.Writer, cfg config, r Result) {
 	fmt.Fprintf(w, "  producer kills and restarts %d (readers re-attached %d times)\n", r.ProducerRestarts, r.Reattaches)
 	fmt.Fprintf(w, "  batches published           %d\n", r.Published)
 	fmt.Fprintf(w, "  batches verified            %d (content, checksum and order, by every reader)\n", r.Verified)
+	if r.Device != "" {
+		fmt.Fprintf(w, "  device copies verified      %d (C readers: device copy = host copy), %d queued GPU reads saw their batch (driver %s)\n",
+			r.DeviceVerified, r.DeviceReads, r.Device)
+	}
 	fmt.Fprintf(w, "  producer-gone checks        %d (a surviving reader read all the dead producer published)\n", r.GoneChecks)
 	if r.GatingKills > 0 {
 		fmt.Fprintf(w, "  kill -> next publish        p50 %.1f ms, p99 %.1f ms, max %.1f ms (bound %v)\n",

@@ -36,11 +36,12 @@ func runProducerRole(args []string) int {
 	rate := fs.Int("rate", 2000, "batches per second (0: unthrottled)")
 	inc := fs.Uint64("inc", 0, "incarnation")
 	every := fs.Uint64("epoch-every", 500, "batches per epoch")
+	device := fs.String("device", "", "device pool (cuda:N)")
 	if fs.Parse(args) != nil {
 		return 2
 	}
 	p, err := producer.Create(*name, producer.Options{Slots: uint32(*slots), SlotBytes: batchgen.MaxPayload,
-		MaxReaders: 32})
+		MaxReaders: 32, Device: *device})
 	if err != nil {
 		fmt.Printf("error create: %v\n", err)
 		return 1

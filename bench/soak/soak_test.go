@@ -64,3 +64,30 @@ func TestSoakShort(t *testing.T) {
 		t.Errorf("reader records were not checked at the end")
 	}
 }
+
+// TestSoakShortDevice runs the soak for 8 seconds on the device path, with
+// the fake CUDA driver (built from tests/c/fake_cuda.c): a producer with a
+// device pool, killed every ~3 s; C readers that check every device copy
+// against the host copy and a GPU read queued before each release.
+func TestSoakShortDevice(t *testing.T) {
+	if testing.Short() {
+		t.Skip("8 s soak")
+	}
+	if _, err := exec.LookPath("cc"); err != nil && os.Getenv("CC") == "" {
+		t.Skip("no C compiler for the C readers and the fake driver")
+	}
+	var out, log bytes.Buffer
+	rc := realMain([]string{"--duration", "8s", "--device", "--readers", "5", "--c-readers", "3", "--py-readers", "0",
+		"--producer-every", "3s", "--rate", "400", "--status-every", "1h", "--json"}, &out, &log)
+	var res Result
+	if err := json.Unmarshal(out.Bytes(), &res); err != nil {
+		t.Fatalf("soak output is not JSON: %v\n%s\nlog:\n%s", err, out.String(), log.String())
+	}
+	t.Logf("soak: %+v", res)
+	if rc != 0 || !res.OK {
+		t.Fatalf("soak failed (exit %d): %v\nlog:\n%s", rc, res.Failures, log.String())
+	}
+	if res.DeviceVerified == 0 || res.DeviceReads == 0 || res.Kills == 0 {
+		t.Errorf("device copies %d, GPU reads %d, kills %d", res.DeviceVerified, res.DeviceReads, res.Kills)
+	}
+}

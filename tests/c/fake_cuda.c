@@ -591,6 +591,19 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *
   return rc;
 }
 
+/* Synchronous, on the legacy stream: waits for the work queued there. */
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+  if (!initialized) return NOT_INITIALIZED;
+  if (current == NULL) return INVALID_CONTEXT;
+  sleep_until(fake_cuda_stream_end(NULL));
+  fake_cuda_run_due();
+  pthread_mutex_lock(&mu);
+  CUresult rc = in_device_memory((void *)(uintptr_t)src, n) ? SUCCESS : INVALID_VALUE;
+  if (rc == SUCCESS) memcpy(dst, (const void *)(uintptr_t)src, n);
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
 CUresult cuStreamCreate(void **out, unsigned flags) {
   if (!initialized) return NOT_INITIALIZED;
   if (current == NULL) return INVALID_CONTEXT;

@@ -6,25 +6,31 @@
  *
  * Built by the soak with:
  *   cc -O2 -std=c11 -Iinclude -Iring bench/soak/creader/soak_reader.c \
- *      reader/status.c reader/platform.c reader/reader.c -lpthread
+ *      reader/{status,platform,reader,dlpack}.c cuda/{driver,host,device}.c -ldl -lpthread
  *
- * Usage: soak_reader NAME SLOW_US
+ * Usage: soak_reader NAME SLOW_US [device]
  *   Attaches with TSOCK_START_NOW (waiting up to 30 s for the channel) and
- *   holds each batch SLOW_US microseconds.
+ *   holds each batch SLOW_US microseconds. With "device" it also reads each
+ *   batch on the device path: the device copy (copied back with
+ *   cuMemcpyDtoH) must equal the host copy, and on the fake driver a 200 us
+ *   read of it is queued on the GPU before the release and must see the
+ *   batch when it runs (the fence holds the slot). Once the producer is
+ *   dead, cuda_use says so and the host copy alone is checked.
  *
  * The producer of incarnation K publishes data batches i = K<<40, K<<40+1,
  * ... Within one attachment every batch must follow the previous one (seq
  * + 1, and i + 1 for data batches); a new attachment must come from a later
  * incarnation than the last one. Output lines (stdout):
  *   attached
- *   progress n=<data batches verified by this process>
+ *   progress n=<data batches verified by this process> [dev=<device copies> reads=<GPU reads>]
  *   gone inc=<K or -1> last_seq=<last seq acquired in the attachment or -1>
  *   closed n=<N>      (the channel was closed; exit 0)
  *   detached n=<N>    (SIGTERM; exit 0)
  *   MISMATCH ...      (exit 2)
  *   error ...         (exit 1)
  */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
@@ -45,6 +51,101 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* ---- the device path (with "device") ---- */
+
+typedef int (*dtoh_fn)(void *dst, uint64_t src, size_t n);
+typedef void (*launch_fn)(void *stream, const void *p, size_t n, unsigned long long ns,
+                          unsigned long long *out);
+static struct {
+  int on;
+  dtoh_fn dtoh;     /* cuMemcpyDtoH_v2 of the same driver */
+  launch_fn launch; /* the fake driver's slow read; NULL on a real one */
+  uint64_t verified, reads;
+  struct { unsigned long long sum; uint64_t want, seq; int used; } pending[64];
+  uint8_t scratch[1 << 20];
+} dev;
+
+static uint64_t fnv(const void *p, size_t n) {
+  const unsigned char *b = p;
+  uint64_t h = 1469598103934665603ull;
+  for (size_t k = 0; k < n; k++) h = (h ^ b[k]) * 1099511628211ull;
+  return h;
+}
+
+/* The driver the library loaded, for the copy back and (fake) slow reads;
+ * a context of the device current on this thread for the copy. */
+static int device_setup(int32_t ordinal) {
+  const char *path = getenv("TSOCK_LIBCUDA");
+  void *lib = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) return -1;
+  typedef int (*retain_fn)(void **ctx, int dev);
+  typedef int (*set_fn)(void *ctx);
+  typedef int (*get_fn)(int *dev, int ordinal);
+  retain_fn retain = (retain_fn)dlsym(lib, "cuDevicePrimaryCtxRetain");
+  set_fn set_current = (set_fn)dlsym(lib, "cuCtxSetCurrent");
+  get_fn get = (get_fn)dlsym(lib, "cuDeviceGet");
+  dev.dtoh = (dtoh_fn)dlsym(lib, "cuMemcpyDtoH_v2");
+  dev.launch = (launch_fn)dlsym(lib, "fake_cuda_launch_read");
+  int d = 0;
+  void *ctx = NULL;
+  if (!retain || !set_current || !get || !dev.dtoh || get(&d, ordinal) != 0 || retain(&ctx, d) != 0 ||
+      set_current(ctx) != 0)
+    return -1;
+  return 0;
+}
+
+/* Reads of earlier batches that have run must have seen their batch. */
+static int device_check_reads(void) {
+  for (int k = 0; k < 64; k++) {
+    if (!dev.pending[k].used || dev.pending[k].sum == 0) continue;
+    if (dev.pending[k].sum != dev.pending[k].want) {
+      printf("MISMATCH batch seq=%" PRIu64 ": a GPU read queued before its release saw other data\n",
+             dev.pending[k].seq);
+      return 2;
+    }
+    dev.pending[k].used = 0;
+    dev.reads++;
+  }
+  return 0;
+}
+
+/* The device copy of a verified batch: equal to the host copy. */
+static int device_verify(const tsock_batch_t *b) {
+  int rc = tsock_batch_cuda_use(b, 0, 0);
+  if (rc == TSOCK_EPRODUCER_GONE) return 0; /* its pool went with it: host copy only */
+  if (rc != TSOCK_OK) {
+    printf("error cuda_use: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+    return 1;
+  }
+  for (uint32_t i = 0; i < b->n_tensors; i++) {
+    uint64_t p;
+    size_t n = b->tensors[i].nbytes;
+    if (tsock_batch_cuda_ptr(b, i, &p) != TSOCK_OK || n > sizeof dev.scratch ||
+        dev.dtoh(dev.scratch, p, n) != 0) {
+      printf("error device copy of batch seq=%" PRIu64 ": %s\n", b->seq, tsock_last_error());
+      return 1;
+    }
+    if (memcmp(dev.scratch, b->tensors[i].data, n) != 0) {
+      printf("MISMATCH batch seq=%" PRIu64 ": device copy of tensor %u differs\n", b->seq, i);
+      return 2;
+    }
+  }
+  dev.verified++;
+  if (dev.launch != NULL && b->n_tensors > 0) {
+    for (int k = 0; k < 64; k++) {
+      if (dev.pending[k].used) continue;
+      uint64_t p;
+      tsock_batch_cuda_ptr(b, 0, &p);
+      dev.pending[k].used = 1;
+      dev.pending[k].seq = b->seq;
+      dev.pending[k].want = fnv(b->tensors[0].data, b->tensors[0].nbytes);
+      dev.launch(NULL, (const void *)(uintptr_t)p, b->tensors[0].nbytes, 200000ull, &dev.pending[k].sum);
+      break;
+    }
+  }
+  return device_check_reads();
+}
+
 static int mismatch(uint64_t seq, const char *what) {
   printf("MISMATCH batch seq=%" PRIu64 ": %s\n", seq, what);
   fflush(stdout);
@@ -59,10 +160,11 @@ static int verify(const tsock_batch_t *b, uint64_t *i_out) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 3) {
-    fprintf(stderr, "usage: %s NAME SLOW_US\n", argv[0]);
+  if (argc != 3 && !(argc == 4 && strcmp(argv[3], "device") == 0)) {
+    fprintf(stderr, "usage: %s NAME SLOW_US [device]\n", argv[0]);
     return 1;
   }
+  dev.on = argc == 4;
   const char *name = argv[1];
   long slow_us = strtol(argv[2], NULL, 10);
   struct sigaction sa;
@@ -86,18 +188,30 @@ int main(int argc, char **argv) {
       return 1;
     }
     printf("attached\n");
+    if (dev.on) {
+      int32_t ordinal = -1;
+      rc = tsock_reader_open_device(r, &ordinal);
+      if (rc != TSOCK_OK || (dev.dtoh == NULL && device_setup(ordinal) != 0)) {
+        printf("error open_device: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+        return 1;
+      }
+    }
     int have_seq = 0, have_i = 0;
     uint64_t last_seq = 0, last_i = 0;
     for (;;) {
       if (term) {
         tsock_reader_detach(r);
-        printf("detached n=%" PRIu64 "\n", n);
+        printf("detached n=%" PRIu64 " dev=%" PRIu64 " reads=%" PRIu64 "\n", n, dev.verified, dev.reads);
         return 0;
       }
       uint64_t now = now_ns();
       if (now - last_progress >= 250000000ull) {
         last_progress = now;
-        printf("progress n=%" PRIu64 "\n", n);
+        if (dev.on)
+          printf("progress n=%" PRIu64 " dev=%" PRIu64 " reads=%" PRIu64 "\n", n, dev.verified,
+                 dev.reads);
+        else
+          printf("progress n=%" PRIu64 "\n", n);
       }
       const tsock_batch_t *b;
       rc = tsock_reader_acquire(r, &b, 100000000LL);
@@ -105,7 +219,7 @@ int main(int argc, char **argv) {
       if (rc == TSOCK_EPRODUCER_GONE) break;
       if (rc == TSOCK_ECLOSED) {
         tsock_reader_detach(r);
-        printf("closed n=%" PRIu64 "\n", n);
+        printf("closed n=%" PRIu64 " dev=%" PRIu64 " reads=%" PRIu64 "\n", n, dev.verified, dev.reads);
         return 0;
       }
       if (rc != TSOCK_OK) {
@@ -137,6 +251,7 @@ int main(int argc, char **argv) {
         have_i = 1;
         last_i = i;
         n++;
+        if (dev.on && (code = device_verify(b)) != 0) return code;
       }
       if (slow_us > 0) {
         struct timespec ts = {slow_us / 1000000, (slow_us % 1000000) * 1000};
