@@ -35,7 +35,7 @@ from __future__ import annotations
 import warnings
 
 from . import _capi
-from .errors import CUDAUnavailable
+from .errors import CUDAUnavailable, NoDevicePath
 
 
 def check_device(device, output: str):
@@ -43,11 +43,13 @@ def check_device(device, output: str):
     torch.device (with its index), or a JaxGPU for output="jax", or raises
     ValueError / CUDAUnavailable."""
     if output == "jax":
-        return _check_jax_device(device)
+        return _check_jax_device(JaxGPU(_cuda_index(device), None))
+    if output == "dlpack":
+        return DLPackGPU(_cuda_index(device))
     if output != "torch":
         raise ValueError(
-            f"device={device!r} delivers torch tensors or JAX arrays: "
-            f"pass output='torch' or 'jax' (got output={output!r})"
+            f"device={device!r} delivers torch tensors, JAX arrays or DLPack objects: "
+            f"pass output='torch', 'jax' or 'dlpack' (got output={output!r})"
         )
     import torch
 
@@ -92,26 +94,76 @@ class JaxGPU:
         return f"JaxGPU(cuda:{self.index}, {self.jax_device})"
 
 
-def _check_jax_device(device) -> JaxGPU:
+def _cuda_index(device) -> int:
+    """The ordinal of "cuda" / "cuda:N" (or a torch.device that prints so)."""
     text = str(device)
     if text == "cuda":
-        index = 0
-    elif text.startswith("cuda:") and text[5:].isdigit():
-        index = int(text[5:])
-    else:
-        raise ValueError(f"device must be None or a CUDA device such as 'cuda:0', got {device!r}")
+        return 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    raise ValueError(f"device must be None or a CUDA device such as 'cuda:0', got {device!r}")
+
+
+class DLPackGPU:
+    """device= with output="dlpack": only the device path, no framework."""
+
+    type = "cuda"
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __str__(self):
+        return f"cuda:{self.index}"
+
+
+class DLPackCuda:
+    """The DLPack output on the device path: DLPackTensor objects exporting
+    the device copy, ordered on the stream the consumer's from_dlpack passes
+    to __dlpack__ (the array API's rule). Without a framework nothing can
+    copy for this consumer, so there is no other path."""
+
+    def __init__(self, device: DLPackGPU):
+        self.device = device
+
+
+class DeviceDLPackOutput:
+    name = "dlpack"
+
+    def __init__(self, host, ordinal: int):
+        self._host = host
+        self._ordinal = ordinal
+
+    def storage_dtype(self, code: int):
+        return self._host.storage_dtype(code)
+
+    def view(self, reader, raw, i: int, start=None, stop=None):
+        from ._dlpack import DLPackTensor
+
+        return DLPackTensor(reader.lib, raw.lease, i, None if start is None else (start, stop), cuda=self._ordinal)
+
+    def owned(self, arr, code: int):
+        raise NoDevicePath(
+            "output='dlpack' with a device cannot re-batch across producer batches (nothing here copies to the "
+            "GPU): use a batch_size that divides the producer's, or output='torch' / 'jax'",
+            _capi.ENODEVICE,
+        )
+
+
+def _check_jax_device(device: JaxGPU) -> JaxGPU:
+    """device with its jax device, or CUDAUnavailable / ValueError."""
+    index = device.index
     import jax
 
     try:
         gpus = jax.devices("gpu")
     except RuntimeError as e:
         raise CUDAUnavailable(
-            f"device={device!r}: JAX {jax.__version__} has no GPU backend ({e}); install jax[cuda12], "
+            f"device='{device}': JAX {jax.__version__} has no GPU backend ({e}); install jax[cuda12], "
             "or leave device=None for host arrays",
             _capi.ENOCUDA,
         ) from None
     if index >= len(gpus):
-        raise ValueError(f"device={device!r}: JAX sees only {len(gpus)} GPU(s)")
+        raise ValueError(f"device='{device}': JAX sees only {len(gpus)} GPU(s)")
     return JaxGPU(index, gpus[index])
 
 
@@ -239,6 +291,8 @@ class JaxCuda:
 def backend(device):
     if isinstance(device, JaxGPU):
         return JaxCuda(device)
+    if isinstance(device, DLPackGPU):
+        return DLPackCuda(device)
     return TorchCuda(device)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from . import _capi
 from ._output import numpy_view
 from ._reader import CODE, SHAPE, Raw, Reader
-from .errors import ChannelClosed, TsockError
+from .errors import ChannelClosed, NoDevicePath, TsockError
 
 _START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW}
 
@@ -178,6 +178,16 @@ class Consumer:
 
     def _open_device(self, _cuda, device, device_path: str) -> None:
         backend = _cuda.backend(device)
+        if isinstance(backend, _cuda.DLPackCuda):
+            if device_path == "never":
+                raise ValueError("output='dlpack' with a device has only the device path: device_path='never' is not")
+            ordinal, why = self._reader.open_device()
+            if ordinal is None or ordinal != device.index:
+                why = why or f"the producer's pool is on cuda:{ordinal} of this process, not on {device}"
+                raise NoDevicePath(f"output='dlpack', device={device}: {why}", _capi.ENODEVICE)
+            self._out = _cuda.DeviceDLPackOutput(self._out, ordinal)
+            self.placement = "device"
+            return
         if device_path != "never":
             direct, unguard, why = _cuda.open_direct(
                 self._reader, device, backend, self._out, self.copy, device_path == "require"

@@ -35,7 +35,7 @@ def test_device_without_cuda_says_why():
 
 
 def test_device_needs_torch_output_and_a_cuda_device():
-    with pytest.raises(ValueError, match="output='torch' or 'jax'"):
+    with pytest.raises(ValueError, match="output='torch', 'jax' or 'dlpack'"):
         tsock.Consumer("no-such-channel", device="cuda:0", timeout=0)
     for bad in ("cpu", "meta", "gpu7", 3.5):
         with pytest.raises(ValueError, match="CUDA device"):

@@ -103,6 +103,7 @@ class Device:
         pass
 
 dev = Device()
+orig_check, orig_backend = _cuda.check_device, _cuda.backend
 _cuda.check_device = lambda device, output: torch.device("cuda", 0)
 _cuda.backend = lambda device: dev
 name = sys.argv[1]
@@ -215,6 +216,14 @@ def test_killed_producer_batches_come_from_host_memory(tmp_path):
                     assert (np.asarray(x) == np.arange(4096, dtype=np.int32) + 7 * i).all(), i
                     got.append(i)
                     if i == 3:
+                        # Once the ring is full (batch 4 published behind
+                        # the one we hold; header.published is at byte 256).
+                        deadline = time.monotonic() + 20
+                        while time.monotonic() < deadline:
+                            with open(f"/dev/shm/tsock.{name}", "rb") as f:
+                                if int.from_bytes(f.read(264)[256:264], "little") >= 5:
+                                    break
+                            time.sleep(0.01)
                         os.kill(int(sys.argv[2]), signal.SIGKILL)
                         time.sleep(0.3)
                 raise AssertionError("the epoch ended")
@@ -235,13 +244,14 @@ def test_other_gpu_or_mig_falls_back_or_refuses(tmp_path):
     out = _run(
         tmp_path,
         """
-        try:
-            tsock.Consumer(name, output="torch", device="cuda:0", device_path="require", timeout=30)
-        except tsock.NoDevicePath as e:
-            assert "MIG" in str(e) and e.status == -23, e
-        else:
-            raise AssertionError("device_path='require' opened a pool on another GPU")
+        # The fallback consumer first: it keeps the producer (and channel) waiting.
         with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30) as c:
+            try:
+                tsock.Consumer(name, output="torch", device="cuda:0", device_path="require", timeout=30)
+            except tsock.NoDevicePath as e:
+                assert "MIG" in str(e) and e.status == -23, e
+            else:
+                raise AssertionError("device_path='require' opened a pool on another GPU")
             assert c.placement == "pinned", c.placement
             assert "not among this process's" in c.placement_note
             got = [int(x[0]) for x, _ in c]
@@ -249,7 +259,7 @@ def test_other_gpu_or_mig_falls_back_or_refuses(tmp_path):
         print("ok")
         """,
         n=3,
-        slots=4,
+        slots=2,
         consumer_env={"FAKE_CUDA_UUIDS": "5,6"},
     )
     assert out.strip() == "ok"
@@ -302,3 +312,55 @@ def test_jax_device_without_gpu_says_why():
         tsock.Consumer("no-such-channel", output="jax", device="cuda:0", timeout=0)
     with pytest.raises(ValueError, match="CUDA device"):
         tsock.Consumer("no-such-channel", output="jax", device="tpu", timeout=0)
+
+
+@needs_fake
+def test_dlpack_output_exports_the_device_copy(tmp_path):
+    # output="dlpack" needs no framework: DLPackTensor objects of the device
+    # copy, ordered on the stream the consumer's from_dlpack passes.
+    out = _run(
+        tmp_path,
+        """
+        _cuda.check_device, _cuda.backend = orig_check, orig_backend  # no framework stand-in
+        before = stats()
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30) as c:
+            assert c.placement == "device"
+            n = 0
+            for i, (x, flag) in enumerate(c):
+                assert x.__dlpack_device__() == (2, 0)
+                cap = x.__dlpack__(stream=stream.value)
+                assert (dev.from_capsule(cap) == np.arange(4096, dtype=np.int32) + 7 * i).all()
+                n += 1
+        after = stats()
+        assert after.stream_waits - before.stream_waits == n  # on the stream it was given
+        print("ok", n)
+        """,
+        n=4,
+        slots=2,
+    )
+    assert out.split() == ["ok", "4"]
+
+
+@needs_fake
+def test_dlpack_output_without_device_path_refuses(tmp_path):
+    # Another GPU (or a MIG instance): nothing could copy for a framework-less
+    # consumer, so it refuses; a host consumer then drains the channel.
+    out = _run(
+        tmp_path,
+        """
+        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        with tsock.Consumer(name, timeout=30) as host:  # first: it keeps the producer (and channel) waiting
+            try:
+                tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30)
+            except tsock.NoDevicePath as e:
+                assert "MIG" in str(e) and e.status == -23, e
+            else:
+                raise AssertionError("opened a pool on another GPU")
+            assert host.placement == "host" and len(list(host)) == 3
+        print("ok")
+        """,
+        n=3,
+        slots=2,
+        consumer_env={"FAKE_CUDA_UUIDS": "5,6"},
+    )
+    assert out.strip() == "ok"
