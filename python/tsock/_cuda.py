@@ -43,9 +43,9 @@ def check_device(device, output: str):
     torch.device (with its index), or a JaxGPU for output="jax", or raises
     ValueError / CUDAUnavailable."""
     if output == "jax":
-        return _check_jax_device(JaxGPU(_cuda_index(device), None))
+        return _check_jax_device(JaxGPU(cuda_index(device), None))
     if output == "dlpack":
-        return DLPackGPU(_cuda_index(device))
+        return DLPackGPU(cuda_index(device))
     if output != "torch":
         raise ValueError(
             f"device={device!r} delivers torch tensors, JAX arrays or DLPack objects: "
@@ -94,7 +94,7 @@ class JaxGPU:
         return f"JaxGPU(cuda:{self.index}, {self.jax_device})"
 
 
-def _cuda_index(device) -> int:
+def cuda_index(device) -> int:
     """The ordinal of "cuda" / "cuda:N" (or a torch.device that prints so)."""
     text = str(device)
     if text == "cuda":

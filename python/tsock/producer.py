@@ -148,12 +148,9 @@ def _cuda_ordinal(device) -> int:
     """The CUDA ordinal of a device= argument; -1 for None."""
     if device is None:
         return -1
-    text = str(device)
-    if text == "cuda":
-        return 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
-    raise ValueError(f"device must be None or a CUDA device such as 'cuda:0', got {device!r}")
+    from ._cuda import cuda_index
+
+    return cuda_index(device)
 
 
 class Producer:
