@@ -35,7 +35,7 @@ from __future__ import annotations
 import warnings
 
 from . import _capi
-from .errors import CUDAUnavailable, NoDevicePath
+from .errors import CUDAUnavailable, NoDevicePath, TsockError
 
 
 def check_device(device, output: str):
@@ -197,6 +197,10 @@ class TorchCuda:
 
     # ---- the device path ----
 
+    #: capsules through tsock_batch_cuda_use on the current stream (torch
+    #: takes legacy capsules; not DLPack objects, whose versioned capsules
+    #: carry a read-only flag older torch refuses)
+    takes_objects = False
     #: tsock_batch_cuda_use flags: order on the caller's current stream
     use_flags = 0
     #: torch 1.13 knows no kDLBool: booleans travel as uint8, viewed back
@@ -253,11 +257,14 @@ class TorchCuda:
 
 
 class JaxCuda:
-    """The device path for JAX. JAX's streams cannot be named, so the host
-    waits for the producer's copy and a release waits until the device is
-    idle (tsock_batch_cuda_use with TSOCK_CUDA_SYNC); JAX arrays are
+    """The device path for JAX: DLPackTensor objects to
+    jax.dlpack.from_dlpack (JAX >= 0.7.2 takes no bare capsules), which
+    names the stream to order the batch on in __dlpack__(stream=...); where
+    it names none, the host waits for the producer's copy and a release
+    waits until the device is idle (TSOCK_CUDA_SYNC). JAX arrays are
     immutable, so no write guard is needed."""
 
+    takes_objects = True
     use_flags = _capi.CUDA_SYNC
     bool_as_uint8 = False
 
@@ -271,8 +278,8 @@ class JaxCuda:
     def current_stream(self) -> int:
         return 0
 
-    def from_capsule(self, cap):
-        return self.jax.dlpack.from_dlpack(cap)
+    def from_object(self, obj):
+        return self.jax.dlpack.from_dlpack(obj)
 
     def finish(self, t, code: int, copy: bool):
         return self.jax.numpy.array(t, copy=True) if copy else t
@@ -330,22 +337,35 @@ class DirectOutput:
     copy in the producer's device pool, zero-copy, ordered on the caller's
     current stream (torch) or waited for on the host (JAX)."""
 
-    def __init__(self, host, backend, copy: bool):
+    def __init__(self, host, backend, copy: bool, ordinal: int):
         self.name = host.name
         self._host = host
         self._backend = backend
         self.copy = copy
+        self._ordinal = ordinal
 
     def storage_dtype(self, code: int):
         return self._host.storage_dtype(code)
 
     def view(self, reader, raw, i: int, start=None, stop=None):
-        from ._dlpack import capsule
+        from ._dlpack import DLPackTensor, capsule
         from ._output import CODE
 
         lib = reader.lib
-        # Once per batch in effect: the same stream again is a no-op in C.
         backend = self._backend
+        code = raw.leaves[i][CODE]
+        rows = None if start is None else (start, stop)
+        if backend.takes_objects:
+            # The array API: the framework's from_dlpack names its stream in
+            # __dlpack__(stream=...), which orders the batch there.
+            obj = DLPackTensor(lib, raw.lease, i, rows, cuda=self._ordinal, host_wait=True)
+            try:
+                return backend.finish(backend.from_object(obj), code, self.copy)
+            except TsockError as e:
+                if e.status != _capi.EPRODUCER_GONE:
+                    raise
+                return self._from_host(reader, raw, i, start, stop)
+        # Once per batch in effect: the same stream again is a no-op in C.
         rc = lib.cuda_use(raw.lease.batch, backend.current_stream(), backend.use_flags)
         if rc == _capi.EPRODUCER_GONE:
             # The producer died, and its device pool with it; the batches
@@ -355,8 +375,6 @@ class DirectOutput:
             from .errors import check
 
             check(lib, rc, "order the batch on the current CUDA stream")
-        code = raw.leaves[i][CODE]
-        rows = None if start is None else (start, stop)
         as_uint8 = backend.bool_as_uint8 and code == _capi.DTYPE_BOOL
         cap = capsule(lib, raw.lease, i, False, as_uint8, rows, device=True)
         return backend.finish(backend.from_capsule(cap), code, self.copy)
@@ -391,7 +409,7 @@ def open_direct(reader, device, backend, host, copy: bool, required: bool):
             raise NoDevicePath(f"device_path='require': {why}", _capi.ENODEVICE)
         return None, None, why
     base, length = reader.device_range()
-    return DirectOutput(host, backend, copy), backend.protect(base, length), None
+    return DirectOutput(host, backend, copy, ordinal), backend.protect(base, length), None
 
 
 class Staged:

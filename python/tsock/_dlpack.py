@@ -118,13 +118,17 @@ def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool 
     return _api.PyCapsule_New(ptr, LEGACY, _DESTROY_LEGACY)
 
 
-def use(lib, lease: Lease, stream) -> None:
-    """tsock_batch_cuda_use for a DLPack stream argument."""
+def use(lib, lease: Lease, stream, host_wait_without_stream: bool = False) -> None:
+    """tsock_batch_cuda_use for a DLPack stream argument. host_wait_without_stream:
+    for a consumer whose None does not mean the legacy default stream (JAX
+    computes on streams of its own), wait on the host instead."""
     if not lease.valid:
         raise BufferError("this tsock batch was released (the next batch was taken); use copy=True to keep batches")
-    if stream is None:
-        stream = 1  # the array API: None means the legacy default stream
     flags = 0
+    if stream is None and host_wait_without_stream:
+        stream, flags = 0, 1
+    elif stream is None:
+        stream = 1  # the array API: None means the legacy default stream
     if stream == -1:  # the consumer orders nothing: wait on the host
         stream, flags = 0, 1
     rc = lib.cuda_use(lease.batch, int(stream), flags)
@@ -138,14 +142,15 @@ class DLPackTensor:
     jax.dlpack.from_dlpack take it without a copy. Valid until the batch is
     released, which happens when the consumer takes its next batch."""
 
-    __slots__ = ("_lib", "_lease", "_index", "_rows", "_cuda")
+    __slots__ = ("_lib", "_lease", "_index", "_rows", "_cuda", "_host_wait")
 
-    def __init__(self, lib, lease: Lease, index: int, rows=None, cuda: int | None = None):
+    def __init__(self, lib, lease: Lease, index: int, rows=None, cuda: int | None = None, host_wait=False):
         self._lib = lib
         self._lease = lease
         self._index = index
         self._rows = rows
         self._cuda = cuda  # the device ordinal when exporting the device copy
+        self._host_wait = host_wait  # stream=None: wait on the host (see use())
 
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
         """A DLPack capsule: versioned (read-only flag set) when the caller
@@ -162,7 +167,7 @@ class DLPackTensor:
         if dl_device is not None and tuple(dl_device) != here:
             raise BufferError(f"this tsock tensor lives on device {here}, not {tuple(dl_device)}")
         if self._cuda is not None:
-            use(self._lib, self._lease, stream)
+            use(self._lib, self._lease, stream, self._host_wait)
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
         return capsule(self._lib, self._lease, self._index, versioned, rows=self._rows, device=self._cuda is not None)
 

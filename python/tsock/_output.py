@@ -176,17 +176,16 @@ class JaxOutput:
         if self.copy:
             return self._jnp.array(numpy_view(reader, leaf, _dtypes.numpy_dtype(leaf[CODE]), start, stop))
         rows = None if start is None else (start, stop)
-        cap = capsule(reader.lib, raw.lease, i, False, False, rows)
         direct = self._direct
         # 64-bit data without jax_enable_x64 must go through JAX's own
         # conversion to 32 bits.
         if direct is not None and (leaf[CODE] not in self._WIDE or self._jax.config.jax_enable_x64):
             try:
-                return direct(cap, self._device, None)
+                return direct(capsule(reader.lib, raw.lease, i, False, False, rows), self._device, None)
             except TypeError:
                 self._direct = None  # another signature: fall back for good
-                cap = capsule(reader.lib, raw.lease, i, False, False, rows)
-        return self._from_dlpack(cap)
+        # The array API's protocol: JAX >= 0.7.2 takes no bare capsules.
+        return self._from_dlpack(DLPackTensor(reader.lib, raw.lease, i, rows))
 
     def owned(self, arr: np.ndarray, code: int):
         return self._jnp.asarray(arr)

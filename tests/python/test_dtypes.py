@@ -89,6 +89,21 @@ def test_jax_output_every_dtype_with_x64(channel, run_producer):
             np.testing.assert_array_equal(np.asarray(x), sample(name))
 
 
+def test_jax_output_through_the_array_api(channel, run_producer):
+    # Without the XLA shortcut (newer JAX) leaves go through
+    # jax.dlpack.from_dlpack(DLPackTensor): JAX >= 0.7.2 takes no bare capsule.
+    names = ["float32", "int64", "uint8", "bool", "float64"]
+    _publish_each(channel, run_producer, [(sample(n)[:2],) for n in names])
+    with tsock.Consumer(channel, output="jax", timeout=10) as c:
+        c._out._direct = None
+        for name, (x,) in zip(names, c):
+            want = sample(name)[:2]
+            if name in ("int64", "float64"):  # no jax_enable_x64: 32 bits, as jnp.asarray
+                want = want.astype(np.int32 if name == "int64" else np.float32)
+            assert x.dtype == want.dtype, name
+            np.testing.assert_array_equal(np.asarray(x), want)
+
+
 def test_jax_output_without_x64_narrows_like_jax(channel, run_producer):
     import jax
 
