@@ -352,8 +352,8 @@ static int in_device_memory(const void *p, size_t n) {
   return 0;
 }
 
-static void run_due_locked(void) {
-  uint64_t now = now_ns();
+/* Runs the kernels due by `now`. */
+static void run_due_locked(uint64_t now) {
   for (int i = 0; i < MAX_KERNELS; i++) {
     if (kernels[i].out == NULL || kernels[i].due > now) continue;
     unsigned long long h = 1469598103934665603ull;
@@ -363,11 +363,19 @@ static void run_due_locked(void) {
   }
 }
 
-void fake_cuda_run_due(void) {
+/* Runs the kernels due by now; returns that now, so that a caller that
+ * then reports an event complete has run every kernel before the event
+ * (one clock reading for both, or a kernel due between two readings would
+ * be skipped by one and counted done by the other). */
+static uint64_t run_due(void) {
   pthread_mutex_lock(&mu);
-  run_due_locked();
+  uint64_t now = now_ns();
+  run_due_locked(now);
   pthread_mutex_unlock(&mu);
+  return now;
 }
+
+void fake_cuda_run_due(void) { run_due(); }
 
 void fake_cuda_launch_read(void *stream, const void *dptr, size_t n, unsigned long long ns,
                            unsigned long long *out) {
@@ -714,8 +722,8 @@ CUresult cuEventRecord(fake_event *ev, void *stream) {
 CUresult cuEventQuery(fake_event *ev) {
   if (!initialized) return NOT_INITIALIZED;
   if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
-  fake_cuda_run_due();
-  return now_ns() >= __atomic_load_n(&ev->done_ns, __ATOMIC_ACQUIRE) ? SUCCESS : NOT_READY;
+  uint64_t now = run_due();
+  return now >= __atomic_load_n(&ev->done_ns, __ATOMIC_ACQUIRE) ? SUCCESS : NOT_READY;
 }
 
 CUresult cuEventSynchronize(fake_event *ev) {
