@@ -358,8 +358,8 @@ int tsock_batch_cuda_ptr(const tsock_batch_t *batch, uint32_t i, uint64_t *dptr)
  *     queued before the release is never overwritten under it. The reader
  *     polls that event while it waits for data; detach waits for it.
  * With flags TSOCK_CUDA_SYNC the calling thread waits for the copy instead,
- * and release waits until the device is idle (cuCtxSynchronize): for
- * frameworks whose streams cannot be named (JAX). One stream per batch: a
+ * and release waits until the device is idle (cuCtxSynchronize): for a
+ * caller that cannot name the stream its work runs on. One stream per batch: a
  * second call with another stream or flags returns TSOCK_ESTATE.
  * TSOCK_ENODEVICE as tsock_batch_cuda_ptr. TSOCK_EPRODUCER_GONE once the
  * producer's process is gone: its device pool went with it (CUDA leaves
