@@ -847,10 +847,9 @@ func (s *soak) status() {
 		r.GatingKills, r.Stops, r.ProducerRestarts)
 }
 
-// killReader SIGKILLs c and starts a new reader in its slot.
-func (s *soak) killReader(c *child) {
-	c.killed = true
-	syscall.Kill(c.pid(), syscall.SIGKILL)
+// replaceKilled waits until the SIGKILLed reader c is reaped, counts the
+// kill and starts a new reader in its slot.
+func (s *soak) replaceKilled(c *child) {
 	select {
 	case <-c.done:
 	case <-time.After(10 * time.Second):
@@ -864,6 +863,13 @@ func (s *soak) killReader(c *child) {
 		return
 	}
 	s.res.Restarts++
+}
+
+// killReader SIGKILLs c and starts a new reader in its slot.
+func (s *soak) killReader(c *child) {
+	c.killed = true
+	syscall.Kill(c.pid(), syscall.SIGKILL)
+	s.replaceKilled(c)
 }
 
 // recordOf is the index of the live record of pid, or -1.
@@ -935,19 +941,7 @@ func (s *soak) gatingKill(c *child) {
 				lat.Round(time.Millisecond), s.cfg.livenessBound)
 		}
 	}
-	select {
-	case <-c.done:
-	case <-time.After(10 * time.Second):
-		s.fail("%s pid %d not reaped 10 s after SIGKILL", c.label(), c.pid())
-		return
-	}
-	s.res.Kills++
-	s.kindOf(c).Kills++
-	if err := s.startReader(c.slot); err != nil {
-		s.fail("restart %s: %v", c.label(), err)
-		return
-	}
-	s.res.Restarts++
+	s.replaceKilled(c)
 }
 
 // restartProducer SIGKILLs the producer, records what it published and

@@ -81,8 +81,6 @@ def check_device(device, output: str):
 class JaxGPU:
     """A JAX GPU device= resolved: its CUDA ordinal (index) and jax device."""
 
-    type = "cuda"
-
     def __init__(self, index: int, jax_device):
         self.index = index
         self.jax_device = jax_device
@@ -105,48 +103,16 @@ def cuda_index(device) -> int:
 
 
 class DLPackGPU:
-    """device= with output="dlpack": only the device path, no framework."""
-
-    type = "cuda"
+    """device= with output="dlpack": DLPackTensor objects of the device copy,
+    ordered on the stream the consumer's from_dlpack passes to __dlpack__.
+    Without a framework nothing can copy for this consumer, so the device
+    path is the only one (the Consumer opens it itself: no backend)."""
 
     def __init__(self, index: int):
         self.index = index
 
     def __str__(self):
         return f"cuda:{self.index}"
-
-
-class DLPackCuda:
-    """The DLPack output on the device path: DLPackTensor objects exporting
-    the device copy, ordered on the stream the consumer's from_dlpack passes
-    to __dlpack__ (the array API's rule). Without a framework nothing can
-    copy for this consumer, so there is no other path."""
-
-    def __init__(self, device: DLPackGPU):
-        self.device = device
-
-
-class DeviceDLPackOutput:
-    name = "dlpack"
-
-    def __init__(self, host, ordinal: int):
-        self._host = host
-        self._ordinal = ordinal
-
-    def storage_dtype(self, code: int):
-        return self._host.storage_dtype(code)
-
-    def view(self, reader, raw, i: int, start=None, stop=None):
-        from ._dlpack import DLPackTensor
-
-        return DLPackTensor(reader.lib, raw.lease, i, None if start is None else (start, stop), cuda=self._ordinal)
-
-    def owned(self, arr, code: int):
-        raise NoDevicePath(
-            "output='dlpack' with a device cannot re-batch across producer batches (nothing here copies to the "
-            "GPU): use a batch_size that divides the producer's, or output='torch' / 'jax'",
-            _capi.ENODEVICE,
-        )
 
 
 def _check_jax_device(device: JaxGPU) -> JaxGPU:
@@ -265,8 +231,6 @@ class JaxCuda:
     immutable, so no write guard is needed."""
 
     takes_objects = True
-    use_flags = _capi.CUDA_SYNC
-    bool_as_uint8 = False
 
     def __init__(self, device: JaxGPU):
         import jax
@@ -274,9 +238,6 @@ class JaxCuda:
 
         self.jax = jax
         self.device = device
-
-    def current_stream(self) -> int:
-        return 0
 
     def from_object(self, obj):
         return self.jax.dlpack.from_dlpack(obj)
@@ -298,8 +259,6 @@ class JaxCuda:
 def backend(device):
     if isinstance(device, JaxGPU):
         return JaxCuda(device)
-    if isinstance(device, DLPackGPU):
-        return DLPackCuda(device)
     return TorchCuda(device)
 
 
@@ -397,7 +356,6 @@ def open_direct(reader, device, backend, host, copy: bool, required: bool):
     """The device path for `reader` if it opens on `device`: (DirectOutput,
     undo of the range guard, None), else (None, None, why not). With
     required, NoDevicePath instead of a why."""
-    from .errors import NoDevicePath
 
     ordinal, why = reader.open_device()
     index = getattr(device, "index", None)

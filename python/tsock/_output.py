@@ -194,22 +194,32 @@ class JaxOutput:
 class DLPackOutput:
     """DLPackTensor objects: the batch for any framework with from_dlpack
     (cupy, numpy, torch, JAX, ...). Batches assembled across producer
-    batches are read-only numpy arrays, which speak DLPack too."""
+    batches are read-only numpy arrays, which speak DLPack too. With cuda
+    (an ordinal on the device path) the objects export the device copy."""
 
     name = "dlpack"
 
-    def __init__(self, copy: bool):
+    def __init__(self, copy: bool, cuda: int | None = None):
         if copy:
             raise ValueError("output='dlpack' exports shared memory; copy=True is for numpy, torch and jax outputs")
         self.copy = False
+        self.cuda = cuda
 
     def storage_dtype(self, code: int) -> np.dtype:
         return _dtypes.numpy_dtype(code)
 
     def view(self, reader, raw, i: int, start=None, stop=None):
-        return DLPackTensor(reader.lib, raw.lease, i, None if start is None else (start, stop))
+        return DLPackTensor(reader.lib, raw.lease, i, None if start is None else (start, stop), cuda=self.cuda)
 
     def owned(self, arr: np.ndarray, code: int):
+        if self.cuda is not None:
+            from .errors import NoDevicePath
+
+            raise NoDevicePath(
+                "output='dlpack' with a device cannot re-batch across producer batches (nothing here copies to the "
+                "GPU): use a batch_size that divides the producer's, or output='torch' / 'jax'",
+                _capi.ENODEVICE,
+            )
         arr.flags.writeable = False
         return arr
 

@@ -177,17 +177,17 @@ class Consumer:
                 raise
 
     def _open_device(self, _cuda, device, device_path: str) -> None:
-        backend = _cuda.backend(device)
-        if isinstance(backend, _cuda.DLPackCuda):
+        if isinstance(device, _cuda.DLPackGPU):
             if device_path == "never":
                 raise ValueError("output='dlpack' with a device has only the device path: device_path='never' is not")
             ordinal, why = self._reader.open_device()
             if ordinal is None or ordinal != device.index:
                 why = why or f"the producer's pool is on cuda:{ordinal} of this process, not on {device}"
                 raise NoDevicePath(f"output='dlpack', device={device}: {why}", _capi.ENODEVICE)
-            self._out = _cuda.DeviceDLPackOutput(self._out, ordinal)
+            self._out = type(self._out)(self.copy, cuda=ordinal)
             self.placement = "device"
             return
+        backend = _cuda.backend(device)
         if device_path != "never":
             direct, unguard, why = _cuda.open_direct(
                 self._reader, device, backend, self._out, self.copy, device_path == "require"

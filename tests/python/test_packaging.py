@@ -40,8 +40,9 @@ def run(cmd: list[str], cwd: Path, env: dict, timeout: float = 600) -> subproces
     return p
 
 
-# Runs inside the fresh venv, from a folder outside the checkout.
-CHECK = textwrap.dedent(
+# Runs inside the fresh venv, from a folder outside the checkout, after
+# the source of c_roundtrip.py (the tests' folder is not on its path).
+CHECK = (Path(__file__).with_name("c_roundtrip.py").read_text() + "\n") + textwrap.dedent(
     """
     import ctypes, json, os, sys, sysconfig, threading
     from pathlib import Path
@@ -60,29 +61,7 @@ CHECK = textwrap.dedent(
     lib = _capi.load()
 
     # Round trip through the C ABI: producer and reader from site-packages.
-    name = f"pkgtest-{os.getpid()}".encode()
-    opts = _capi.ProducerOptions()
-    lib.tsock_producer_options_init(ctypes.byref(opts))
-    opts.slot_count, opts.slot_bytes = 4, 4096
-    prod = ctypes.c_void_p()
-    assert lib.tsock_producer_create(name, ctypes.byref(opts), ctypes.byref(prod)) == 0, lib.tsock_last_error()
-    try:
-        reader = ctypes.c_void_p()
-        assert reader_lib.tsock_reader_attach(name, None, ctypes.byref(reader)) == 0, reader_lib.tsock_last_error()
-        buf = ctypes.c_void_p()
-        assert lib.tsock_producer_reserve(prod, 16, 0, ctypes.byref(buf)) == 0
-        ctypes.memmove(buf, (ctypes.c_float * 4)(1.5, 2.5, 3.5, 4.5), 16)
-        t = _capi.Tensor(dtype=12, ndim=1)
-        t.shape[0], t.strides[0], t.nbytes = 4, 1, 16
-        assert lib.tsock_producer_publish(prod, ctypes.byref(t), 1, None, 0) == 0, lib.tsock_last_error()
-        batch = ctypes.POINTER(_capi.Batch)()
-        assert reader_lib.tsock_reader_acquire(reader, ctypes.byref(batch), 5_000_000_000) == 0
-        got = list((ctypes.c_float * 4).from_address(batch.contents.tensors[0].data))
-        assert got == [1.5, 2.5, 3.5, 4.5], got
-        assert reader_lib.tsock_reader_release(reader, batch) == 0
-        assert reader_lib.tsock_reader_detach(reader) == 0
-    finally:
-        assert lib.tsock_producer_close(prod) == 0
+    roundtrip(_capi, lib, reader_lib, f"pkgtest-{os.getpid()}".encode(), 5_000_000_000)
 
     # The high-level API, once the package has it.
     high_level = hasattr(tsock, "Producer") and hasattr(tsock, "Consumer")
