@@ -617,8 +617,9 @@ def transport_md(t: dict, lat_png: bool, tput_png: bool) -> list[str]:
         base = cost[0].get("mean90_ns")
         L += [
             "Reading cost against batch size: a C reader's `acquire` + `release` of a batch already published "
-            "(the reader naps 2 ms, the ring fills, then it times up to 8 batches; the producer never blocks, so no "
-            "release has a producer to wake), 16 slots, payload not read.",
+            "(the reader naps 2 ms, the ring fills, then it times up to 8 release + acquire pairs, checking each batch "
+            "while it holds it, outside the timed calls; the producer never blocks, so no release has a producer to "
+            "wake), 16 slots, payload not read by tsock.",
             "",
             _table(
                 ["batch", "acquire + release ns", "median ns", "p99 ns", f"/ {_size(cost[0]['bytes'])}"],

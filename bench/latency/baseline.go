@@ -7,10 +7,13 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"runtime"
 	"strconv"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -90,8 +93,34 @@ func (s *sharedPage) remove() {
 type child struct {
 	cmd    *exec.Cmd
 	stdout bytes.Buffer
+	stderr tailBuffer // also passed through to our stderr
 	done   chan struct{}
 	err    error
+}
+
+// tailBuffer keeps the last bytes written to it: what a child said before
+// it failed, for the error (and the report's FAILED row).
+type tailBuffer struct {
+	mu  sync.Mutex
+	buf []byte
+}
+
+const tailBytes = 512
+
+func (t *tailBuffer) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.buf = append(t.buf, p...)
+	if len(t.buf) > tailBytes {
+		t.buf = append([]byte(nil), t.buf[len(t.buf)-tailBytes:]...)
+	}
+	return len(p), nil
+}
+
+func (t *tailBuffer) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return strings.TrimSpace(string(t.buf))
 }
 
 // startChild re-executes this binary in role with args. The child gets
@@ -111,7 +140,7 @@ func startProgram(path string, args ...string) (*child, error) {
 	c := &child{done: make(chan struct{})}
 	c.cmd = exec.Command(path, args...)
 	c.cmd.Stdout = &c.stdout
-	c.cmd.Stderr = os.Stderr
+	c.cmd.Stderr = io.MultiWriter(os.Stderr, &c.stderr)
 	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := c.cmd.Start(); err != nil {
 		return nil, err
@@ -140,6 +169,9 @@ func (c *child) finish(timeout time.Duration) ([]uint64, error) {
 		return nil, fmt.Errorf("child %d did not finish within %v", c.cmd.Process.Pid, timeout)
 	}
 	if c.err != nil {
+		if said := c.stderr.String(); said != "" {
+			return nil, fmt.Errorf("child %d: %v: %s", c.cmd.Process.Pid, c.err, said)
+		}
 		return nil, fmt.Errorf("child %d: %v", c.cmd.Process.Pid, c.err)
 	}
 	return decodeSamples(c.stdout.Bytes())

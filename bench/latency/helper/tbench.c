@@ -6,7 +6,8 @@
  *
  *   tsock NAME MODE WARMUP TOUCH       a tsock reader (libtsock's C reader, no Go)
  *   tsock-cost NAME ROUNDS             times acquire + release of batches already published:
- *                                      ROUNDS x (2 ms nap, then up to 8 batches)
+ *                                      ROUNDS x (2 ms nap, then up to 8 release + acquire
+ *                                      pairs, each payload checked while held)
  *   uds-send PATH READERS INTERVAL_NS SECONDS MSG_BYTES
  *   uds-recv PATH MODE WARMUP          the baseline: the descriptor over a Unix socket
  *   zmq-pub ENDPOINT READERS INTERVAL_NS SECONDS MSG_BYTES HWM
@@ -176,6 +177,17 @@ static int tsock_reader(char **a) {
 
 /* ---- tsock reading cost: acquire + release of a batch that is ready ---- */
 
+/* Checks a batch's first payload word while the batch is held: once it is
+ * released the producer may reuse its slot at once, so a check after the
+ * release reads whatever was published there next (the benchmark's random
+ * failure under load: a reader preempted between release and check). */
+static int cost_check(const tsock_batch_t *b) {
+  if (*(const uint64_t *)b->tensors[0].data == b->seq) return 0;
+  fprintf(stderr, "tbench: batch %llu carries %llu\n", (unsigned long long)b->seq,
+          (unsigned long long)*(const uint64_t *)b->tensors[0].data);
+  return 1;
+}
+
 static int tsock_cost(char **a) {
   int rounds = atoi(a[1]);
   tsock_reader_options_t o;
@@ -190,29 +202,39 @@ static int tsock_cost(char **a) {
   }
   rec_t r = {.paced = 1};
   struct timespec nap = {0, 2000000};
+  /* TBENCH_STALL_NS (tests only): sleep that long before each check, as a
+   * preemption on a loaded machine would (bench/latency/cost_test.go). */
+  const char *stall_env = getenv("TBENCH_STALL_NS");
+  long long stall_ns = stall_env != NULL ? atoll(stall_env) : 0;
+  struct timespec stall = {(time_t)(stall_ns / 1000000000ll), (long)(stall_ns % 1000000000ll)};
   for (int k = 0; k < rounds; k++) {
     nanosleep(&nap, NULL); /* the producer fills the ring meanwhile */
-    for (int i = 0; i < 8; i++) {
-      const tsock_batch_t *b;
+    /* Each sample is one release (of the batch held) plus one acquire (of
+     * the next, already published): the same two calls per batch as
+     * acquire + release, timed together, while the payload check runs
+     * outside the timed window and only on a held batch. tsock itself
+     * never touches the payload (with large power-of-two slots the first
+     * words of all slots share cache sets, and that miss would be counted). */
+    const tsock_batch_t *held;
+    int rc = tsock_reader_acquire(h, &held, 0);
+    for (int i = 0; rc == 0 && i < 8; i++) {
+      if (stall_ns > 0) nanosleep(&stall, NULL);
+      if (cost_check(held) != 0) return 1;
+      const tsock_batch_t *next;
       uint64_t t0 = now_ns();
-      int rc = tsock_reader_acquire(h, &b, 0);
-      if (rc == TSOCK_EAGAIN) break; /* drained */
-      if (rc != 0) {
-        fprintf(stderr, "tbench: acquire: %s\n", tsock_last_error());
-        return 1;
-      }
-      const uint64_t *first = b->tensors[0].data;
-      uint64_t seq = b->seq;
-      tsock_reader_release(h, b);
+      tsock_reader_release(h, held);
+      rc = tsock_reader_acquire(h, &next, 0);
       uint64_t t1 = now_ns();
-      /* Checked outside the timed calls: tsock itself never touches the
-       * payload (with large power-of-two slots, the first words of all
-       * slots share cache sets, and that miss would be counted). */
-      if (*first != seq) {
-        fprintf(stderr, "tbench: batch %llu carries a wrong sequence number\n", (unsigned long long)seq);
-        return 1;
-      }
+      if (rc != 0) break;
       rec_push(&r, t1 - t0);
+      held = next;
+    }
+    if (rc == 0) {
+      if (cost_check(held) != 0) return 1;
+      tsock_reader_release(h, held);
+    } else if (rc != TSOCK_EAGAIN) { /* EAGAIN: drained, the next round refills */
+      fprintf(stderr, "tbench: acquire: %s\n", tsock_last_error());
+      return 1;
     }
   }
   tsock_reader_detach(h);
