@@ -236,7 +236,12 @@ typedef struct tsock_reader_options {
   int64_t attach_timeout_ns;  /* wait this long for the channel to appear;
                                  0 (default) fails at once with TSOCK_ENOENT */
   uint32_t max_held;          /* batches held at once (acquired, not released),
-                                 1..64; default 4 */
+                                 1..64; default 4. Clamped at attach, silently,
+                                 to the channel's slot count: a reader holding
+                                 the whole ring cannot get another batch until
+                                 it releases one, so acquire then returns
+                                 TSOCK_ESTATE instead of waiting for a batch
+                                 the producer cannot publish */
   uint32_t reserved;          /* must be 0 */
   int64_t spin_ns;            /* busy-poll this long before sleeping on the
                                  futex; default 20000 (20 us); 0 never spins */

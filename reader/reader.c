@@ -48,7 +48,8 @@ struct reader_impl {
   uint64_t released;     /* every seq below is released (mirror of rec->cursor) */
   int skipping;          /* TSOCK_START_NEXT_EPOCH: drop batches until index 0 */
   int producer_dead;     /* the producer's lock was seen free */
-  uint32_t max_held;
+  uint32_t max_held;       /* at most the slot count (see attach) */
+  uint32_t max_held_asked; /* the option, for messages */
   int64_t spin_ns;
   uint64_t last_live_check;
   held_batch *held;      /* max_held entries, by seq % max_held */
@@ -346,11 +347,18 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
       rc = tsock__fail(TSOCK_EPRODUCER_GONE, "channel '%s': its producer is gone", name);
     if (rc == TSOCK_OK) {
       r->fork_gen = tsock__fork_generation();
-      r->max_held = o.max_held;
+      /* A reader never needs to hold more than the ring: with max_held >
+       * slot_count, holding every slot it would wait in acquire for a
+       * batch the producer can only publish once it releases one (a
+       * deadlock of the whole ring). Clamped, it always either gets the
+       * next batch or is told to release one (TSOCK_ESTATE). Silently,
+       * since the default (4) must work on a 2-slot ring. */
+      r->max_held = o.max_held < r->mask + 1 ? o.max_held : (uint32_t)(r->mask + 1);
+      r->max_held_asked = o.max_held;
       r->spin_ns = o.spin_ns;
-      r->held = calloc(o.max_held, sizeof *r->held);
+      r->held = calloc(r->max_held, sizeof *r->held);
       /* Every held batch points into the same mapping, for DLPack's refs. */
-      for (uint32_t i = 0; r->held != NULL && i < o.max_held; i++) r->held[i].map = r->map_ref;
+      for (uint32_t i = 0; r->held != NULL && i < r->max_held; i++) r->held[i].map = r->map_ref;
       rc = r->held ? claim_record(r, name, o.start)
                    : tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
     }
@@ -579,9 +587,15 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
     rc = check_claim(r);
     if (rc != TSOCK_OK) return rc;
     if (r->fenced > 0) advance(r, r->next - r->released >= r->max_held);
-    if (r->next - r->released >= r->max_held)
+    if (r->next - r->released >= r->max_held) {
+      if (r->max_held < r->max_held_asked)
+        return tsock__fail(TSOCK_ESTATE,
+                           "reader already holds %u batches, the whole ring of %u slots "
+                           "(max_held %u is clamped to it); release one",
+                           r->max_held, (unsigned)(r->mask + 1), r->max_held_asked);
       return tsock__fail(TSOCK_ESTATE, "reader already holds %u batches (max_held); release one",
                          r->max_held);
+    }
     if (__atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE) <= r->next) {
       if (start == 0) start = tsock__now_ns();
       rc = wait_for_data(r, timeout_ns, start);
