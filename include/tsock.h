@@ -294,8 +294,11 @@ int tsock_reader_payload_range(tsock_reader_t *r, const void **base, uint64_t *l
  * once the batch is released). One thread at a time per reader. */
 int tsock_reader_pin_mapping(tsock_reader_t *r, void **token);
 
-/* Drops a pin taken with tsock_reader_pin_mapping(). Thread-safe. */
-void tsock_mapping_unpin(void *token);
+/* Drops a pin taken with tsock_reader_pin_mapping(). Tokens are handles,
+ * not pointers: a token already unpinned, or anything that is not a token
+ * in use (NULL, another pointer), returns TSOCK_EHANDLE and changes
+ * nothing. Thread-safe. */
+int tsock_mapping_unpin(void *token);
 
 /* Registers the reader's read-only payload mapping (the range
  * tsock_reader_payload_range() returns) as pinned host memory with the CUDA

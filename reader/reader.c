@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,13 +68,13 @@ static struct {
   struct reader_impl *impl;
   uint32_t gen;
 } handles[HANDLE_SLOTS];
-static uint32_t handle_lock; /* spinlock guarding allocation and free */
+/* Guards allocation and free of handles. A mutex, not a spinlock: the
+ * fork handlers below take it, so a child never inherits it held. */
+static pthread_mutex_t handle_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t pin_mu = PTHREAD_MUTEX_INITIALIZER; /* the pin table (below) */
 
-static void handles_lock(void) {
-  while (__atomic_exchange_n(&handle_lock, 1, __ATOMIC_ACQUIRE)) {
-  }
-}
-static void handles_unlock(void) { __atomic_store_n(&handle_lock, 0, __ATOMIC_RELEASE); }
+static void handles_lock(void) { pthread_mutex_lock(&handle_mu); }
+static void handles_unlock(void) { pthread_mutex_unlock(&handle_mu); }
 
 static tsock_reader_t *handle_new(struct reader_impl *impl) {
   tsock_reader_t *h = NULL;
@@ -701,17 +702,68 @@ int tsock__reader_set_device(tsock_reader_t *h, void *device, const tsock_device
   return TSOCK_OK;
 }
 
+/* ---- pin tokens: handles too, so that a second unpin of a token (which
+ * would drop a reference someone else owns and unmap memory a live tensor
+ * uses) or a token that was never handed out is detected, not trusted.
+ * A token is (generation << PIN_INDEX_BITS) | (index + 1); the generation
+ * of an entry changes at every unpin. ---- */
+
+#define PIN_INDEX_BITS 24u
+#define PIN_MAX ((1u << PIN_INDEX_BITS) - 1u)
+static struct pin_entry {
+  tsock_map_ref *map; /* NULL: free */
+  uint64_t gen;
+} *pins;
+static uint32_t pin_cap;
+
 int tsock_reader_pin_mapping(tsock_reader_t *h, void **token) {
   int rc;
   struct reader_impl *r = handle_get(h, &rc);
   if (r == NULL) return rc;
   if (token == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_pin_mapping: token is NULL");
+  pthread_mutex_lock(&pin_mu);
+  uint32_t i = 0;
+  while (i < pin_cap && pins[i].map != NULL) i++;
+  if (i == pin_cap) {
+    uint32_t cap = pin_cap == 0 ? 16 : pin_cap * 2;
+    struct pin_entry *grown = cap <= PIN_MAX ? realloc(pins, cap * sizeof *pins) : NULL;
+    if (grown == NULL) {
+      pthread_mutex_unlock(&pin_mu);
+      return tsock__fail(TSOCK_ENOMEM, "tsock_reader_pin_mapping: out of memory (%u pins)", pin_cap);
+    }
+    memset(grown + pin_cap, 0, (cap - pin_cap) * sizeof *pins);
+    pins = grown;
+    pin_cap = cap;
+  }
   tsock__map_ref(r->map_ref);
-  *token = r->map_ref;
+  pins[i].map = r->map_ref;
+  pins[i].gen = (pins[i].gen + 1) & ((1ull << (64 - PIN_INDEX_BITS)) - 1);
+  if (pins[i].gen == 0) pins[i].gen = 1;
+  *token = (void *)(uintptr_t)((pins[i].gen << PIN_INDEX_BITS) | (i + 1));
+  pthread_mutex_unlock(&pin_mu);
   return TSOCK_OK;
 }
 
-void tsock_mapping_unpin(void *token) { tsock__map_unref(token); }
+int tsock_mapping_unpin(void *token) {
+  tsock__clear_error();
+  uint64_t v = (uint64_t)(uintptr_t)token;
+  uint64_t idx = v & ((1ull << PIN_INDEX_BITS) - 1);
+  tsock_map_ref *m = NULL;
+  pthread_mutex_lock(&pin_mu);
+  if (idx != 0 && idx <= pin_cap && pins[idx - 1].map != NULL &&
+      pins[idx - 1].gen == v >> PIN_INDEX_BITS) {
+    m = pins[idx - 1].map;
+    pins[idx - 1].map = NULL;
+  }
+  pthread_mutex_unlock(&pin_mu);
+  if (m == NULL)
+    return tsock__fail(TSOCK_EHANDLE, "tsock_mapping_unpin: %p is not a pin token in use "
+                                      "(already unpinned, or never returned by "
+                                      "tsock_reader_pin_mapping)",
+                       token);
+  tsock__map_unref(m); /* outside the lock: it may unmap and call CUDA */
+  return TSOCK_OK;
+}
 
 int tsock_reader_detach(tsock_reader_t *h) {
   int rc;

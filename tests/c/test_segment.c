@@ -264,6 +264,84 @@ static void test_fake_producer(void) {
   remove_file(name);
 }
 
+/* Runs fn(arg) in a forked child: 1 if it exited 0, 0 if it failed or died
+ * of a signal (a fault must fail the check, not end the test). */
+static int in_child(int (*fn)(const void *), const void *arg) {
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) _exit(fn(arg));
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid) return 0;
+  if (WIFSIGNALED(status)) fprintf(stderr, "child died of signal %d\n", WTERMSIG(status));
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* The head of a legacy DLManagedTensor: the data pointer comes first. */
+typedef struct dl_head {
+  const uint8_t *data;
+  uint8_t rest[40];
+  void *manager_ctx;
+  void (*deleter)(struct dl_head *self);
+} dl_head;
+
+static int read_ten_bytes(const void *data) {
+  const uint8_t *d = data;
+  for (int j = 0; j < 10; j++)
+    if (d[j] != (uint8_t)j) return 1;
+  return 0;
+}
+
+/* Pin tokens are handles (issue 17, item 3): a second unpin of a token, a
+ * token never handed out, a pointer to something else and NULL return
+ * TSOCK_EHANDLE and change nothing, so memory a DLPack tensor still points
+ * into stays mapped. */
+static void test_pin_tokens(void) {
+  const char *name = test_name("tseg", "pin");
+  fake f;
+  if (fake_open(&f, name, 4, 1) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_OK);
+  if (r == NULL) return;
+  fake_publish(&f, 0, 10);
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b == NULL) return;
+  void *dl = NULL, *pin1 = NULL, *pin2 = NULL;
+  CHECK_RC(tsock_batch_dlpack(b, 0, 0, &dl), TSOCK_OK);
+  CHECK_RC(tsock_reader_pin_mapping(r, &pin1), TSOCK_OK);
+  CHECK_RC(tsock_reader_pin_mapping(r, &pin2), TSOCK_OK);
+  CHECK(pin1 != NULL && pin2 != NULL && pin1 != pin2);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK); /* the mapping lives on: dl, pin1, pin2 */
+  if (dl == NULL) return;
+  const uint8_t *data = ((dl_head *)dl)->data;
+
+  CHECK_RC(tsock_mapping_unpin(pin1), TSOCK_OK);
+  CHECK_RC(tsock_mapping_unpin(pin1), TSOCK_EHANDLE); /* twice */
+  CHECK_RC(tsock_mapping_unpin(pin1), TSOCK_EHANDLE); /* and again */
+  int local = 0;
+  CHECK_RC(tsock_mapping_unpin(NULL), TSOCK_EHANDLE);
+  CHECK_RC(tsock_mapping_unpin(&local), TSOCK_EHANDLE);             /* a stack address */
+  CHECK_RC(tsock_mapping_unpin(dl), TSOCK_EHANDLE);                 /* a heap address */
+  CHECK_RC(tsock_mapping_unpin((void *)(uintptr_t)1), TSOCK_EHANDLE); /* a small integer */
+  CHECK_RC(tsock_mapping_unpin((void *)((uintptr_t)pin2 + (1ull << 32))), TSOCK_EHANDLE);
+  CHECK(local == 0);
+  /* The DLPack tensor and pin2 still hold the mapping. */
+  CHECK(in_child(read_ten_bytes, data));
+  CHECK_RC(tsock_mapping_unpin(pin2), TSOCK_OK);
+  CHECK(in_child(read_ten_bytes, data)); /* dl alone */
+  ((dl_head *)dl)->deleter(dl);
+  CHECK_RC(tsock_mapping_unpin(pin2), TSOCK_EHANDLE);
+
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
 int main(void) {
   test_foreign();
   test_truncated();
@@ -271,5 +349,6 @@ int main(void) {
   test_inconsistent();
   test_no_producer();
   test_fake_producer();
+  test_pin_tokens();
   return test_report("test_segment");
 }
