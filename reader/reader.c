@@ -200,6 +200,9 @@ static int check_header(const tsock_header *h, uint64_t file_size, const char *n
   }
 }
 
+static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, const char *path,
+                       const char *name);
+
 /* Opens and maps the segment. TSOCK_EAGAIN means "not there yet, retry". */
 static int open_segment(const char *name, struct reader_impl *r) {
   char path[sizeof(TSOCK_SHM_DIR) + sizeof(TSOCK_SHM_PREFIX) + TSOCK_NAME_MAX + 2];
@@ -219,28 +222,48 @@ static int open_segment(const char *name, struct reader_impl *r) {
   if ((uint64_t)st.st_size < sizeof(tsock_header))
     return tsock__fail(TSOCK_ECORRUPT, "channel '%s': segment is %lld bytes, truncated", name,
                        (long long)st.st_size);
-  const tsock_header *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, r->fd, 0);
+  /* The mappings are made through a second open of the file, never through
+   * r->fd: a mapping holds the open file description it was made from, and
+   * a forked child inherits mappings (the fork guard closes descriptors, it
+   * cannot unmap). Mapped from r->fd, the description that carries our
+   * record lock would live on in such a child after we die, and the
+   * producer would wait for a dead reader as long as the child lives. */
+  int mfd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  if (mfd < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "open %s", path);
+  int rc = map_segment(r, mfd, &st, path, name);
+  close(mfd); /* the mappings keep what they need */
+  return rc;
+}
+
+/* open_segment's second half: maps the segment through mfd. */
+static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, const char *path,
+                       const char *name) {
+  struct stat st2;
+  if (fstat(mfd, &st2) != 0) return tsock__fail_errno(TSOCK_ESYS, errno, "fstat %s", path);
+  if (st2.st_dev != st->st_dev || st2.st_ino != st->st_ino)
+    return tsock__fail(TSOCK_EAGAIN, "channel '%s' was replaced while attaching", name);
+  const tsock_header *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, mfd, 0);
   if (h == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap %s", path);
-  int rc = check_header(h, (uint64_t)st.st_size, name);
+  int rc = check_header(h, (uint64_t)st->st_size, name);
   uint64_t total = h->total_bytes, readers_off = h->readers_offset, slots_off = h->slots_offset;
   munmap((void *)h, sizeof *h);
   if (rc != TSOCK_OK) return rc;
 
   r->map_len = (size_t)total;
-  void *m = mmap(NULL, r->map_len, PROT_READ, MAP_SHARED, r->fd, 0);
+  void *m = mmap(NULL, r->map_len, PROT_READ, MAP_SHARED, mfd, 0);
   if (m == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap %s", path);
   r->map = m;
   r->map_ref = malloc(sizeof *r->map_ref);
   if (r->map_ref == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
   *r->map_ref = (tsock_map_ref){.addr = m, .len = r->map_len, .refs = 1};
   r->area_len = (size_t)(slots_off - readers_off);
-  void *a = mmap(NULL, r->area_len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, (off_t)readers_off);
+  void *a = mmap(NULL, r->area_len, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, (off_t)readers_off);
   if (a == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap reader area of %s", path);
   r->area = a;
   r->hdr = (const tsock_header *)r->map;
   /* The header can no longer change geometry under us: it is written once
    * before layout_version. Re-check through the long-lived mapping. */
-  rc = check_header(r->hdr, (uint64_t)st.st_size, name);
+  rc = check_header(r->hdr, (uint64_t)st->st_size, name);
   if (rc != TSOCK_OK) return rc == TSOCK_EAGAIN ? TSOCK_ECORRUPT : rc;
   r->slots = (const tsock_slot *)(r->map + r->hdr->slots_offset);
   r->payload = r->map + r->hdr->payload_offset;

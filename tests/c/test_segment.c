@@ -3,6 +3,7 @@
  * files, and a valid segment whose "producer" is this test. */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <signal.h>
 #include <stdint.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -342,6 +343,87 @@ static void test_pin_tokens(void) {
   remove_file(name);
 }
 
+/* 1 while some open file description holds the lock on reader record i's
+ * byte (what the producer asks to decide whether a reader lives). */
+static int reader_byte_locked(int fd, uint32_t i) {
+  struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = TSOCK_LOCK_READER0 + i,
+                     .l_len = 1};
+  if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return -1;
+  return fl.l_type != F_UNLCK;
+}
+
+/* Waits up to limit_ns for reader bytes [0, n) to be free; returns the time
+ * it took, or -1 if some byte was still locked at the limit. */
+static int64_t wait_reader_bytes_free(int fd, uint32_t n, int64_t limit_ns) {
+  int64_t t0 = test_now_ns();
+  for (;;) {
+    uint32_t locked = 0;
+    for (uint32_t i = 0; i < n; i++) locked += reader_byte_locked(fd, i) != 0;
+    if (locked == 0) return test_now_ns() - t0;
+    if (test_now_ns() - t0 > limit_ns) {
+      fprintf(stderr, "%u of %u reader locks still held after %lld ms\n", locked, n,
+              (long long)(limit_ns / MS));
+      return -1;
+    }
+    usleep(200);
+  }
+}
+
+/* A reader process attaches `n` times, forks a child that only sleeps (no
+ * exec) and outlives it, and is then killed: every one of its record locks
+ * must be free at once, while the child lives on. The child of a reader
+ * holds neither the reader's descriptors (the fork guard closes them) nor,
+ * through its inherited mappings, the locked open file descriptions (issue
+ * 17, item 1: the reader maps the segment through a second open). */
+static void forked_child_outlives_reader(const char *tag, uint32_t n) {
+  const char *name = test_name("tseg", tag);
+  fake f;
+  if (fake_open(&f, name, 4, n) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  int pfd[2];
+  if (pipe(pfd) != 0) abort();
+  fflush(NULL);
+  pid_t reader = fork();
+  if (reader == 0) {
+    close(pfd[0]);
+    for (uint32_t i = 0; i < n; i++) {
+      tsock_reader_t *r = NULL;
+      if (tsock_reader_attach(name, NULL, &r) != TSOCK_OK) {
+        fprintf(stderr, "attach %u: %s\n", i, tsock_last_error());
+        _exit(1);
+      }
+    }
+    pid_t child = fork();
+    if (child == 0) {
+      sleep(10); /* a DataLoader worker: it outlives its parent */
+      _exit(0);
+    }
+    if (write(pfd[1], &child, sizeof child) != (ssize_t)sizeof child) _exit(1);
+    for (;;) pause();
+  }
+  close(pfd[1]);
+  pid_t child = -1;
+  CHECK(read(pfd[0], &child, sizeof child) == (ssize_t)sizeof child);
+  close(pfd[0]);
+  uint32_t locked = 0;
+  for (uint32_t i = 0; i < n; i++) locked += reader_byte_locked(f.fd, i) == 1;
+  CHECK(locked == n); /* the reader process holds all its records */
+  kill(reader, SIGKILL);
+  waitpid(reader, NULL, 0);
+  int64_t took = wait_reader_bytes_free(f.fd, n, 2000 * MS);
+  CHECK(took >= 0 && took < 100 * MS);
+  CHECK(child > 0 && kill(child, 0) == 0); /* the child still lives */
+  if (child > 0) kill(child, SIGKILL);
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
+static void test_forked_child_outlives_reader(void) { forked_child_outlives_reader("forkkill", 1); }
+
 int main(void) {
   test_foreign();
   test_truncated();
@@ -350,5 +432,6 @@ int main(void) {
   test_no_producer();
   test_fake_producer();
   test_pin_tokens();
+  test_forked_child_outlives_reader();
   return test_report("test_segment");
 }
