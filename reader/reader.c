@@ -76,6 +76,21 @@ static pthread_mutex_t pin_mu = PTHREAD_MUTEX_INITIALIZER; /* the pin table (bel
 static void handles_lock(void) { pthread_mutex_lock(&handle_mu); }
 static void handles_unlock(void) { pthread_mutex_unlock(&handle_mu); }
 
+/* fork() at any instant: the forking thread takes both locks first, so no
+ * other thread holds one at the fork, and both sides release them. No code
+ * holds one of them while taking the other, or the fork guard's lock. */
+static void tables_prepare(void) {
+  pthread_mutex_lock(&handle_mu);
+  pthread_mutex_lock(&pin_mu);
+}
+static void tables_release(void) {
+  pthread_mutex_unlock(&pin_mu);
+  pthread_mutex_unlock(&handle_mu);
+}
+__attribute__((constructor)) static void tables_fork_safe(void) {
+  pthread_atfork(tables_prepare, tables_release, tables_release);
+}
+
 static tsock_reader_t *handle_new(struct reader_impl *impl) {
   tsock_reader_t *h = NULL;
   handles_lock();
@@ -171,10 +186,7 @@ static void impl_unmap(struct reader_impl *r) {
     tsock__map_unref(r->map_ref);
   else if (r->map != NULL)
     munmap((void *)r->map, r->map_len);
-  if (r->fd >= 0) {
-    tsock__fork_untrack(r->fd);
-    close(r->fd); /* drops our OFD lock, freeing the record's byte */
-  }
+  tsock__fork_close(r->fd); /* drops our OFD lock, freeing the record's byte */
   free(r->held);
   free(r);
 }
@@ -207,7 +219,7 @@ static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, co
 static int open_segment(const char *name, struct reader_impl *r) {
   char path[sizeof(TSOCK_SHM_DIR) + sizeof(TSOCK_SHM_PREFIX) + TSOCK_NAME_MAX + 2];
   snprintf(path, sizeof path, "%s/%s%s", TSOCK_SHM_DIR, TSOCK_SHM_PREFIX, name);
-  r->fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  r->fd = tsock__fork_open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (r->fd < 0) {
     if (errno == ENOENT) return tsock__fail(TSOCK_ENOENT, "no channel '%s' (%s)", name, path);
     if (errno == ELOOP)
@@ -228,10 +240,10 @@ static int open_segment(const char *name, struct reader_impl *r) {
    * cannot unmap). Mapped from r->fd, the description that carries our
    * record lock would live on in such a child after we die, and the
    * producer would wait for a dead reader as long as the child lives. */
-  int mfd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  int mfd = tsock__fork_open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (mfd < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "open %s", path);
   int rc = map_segment(r, mfd, &st, path, name);
-  close(mfd); /* the mappings keep what they need */
+  tsock__fork_close(mfd); /* the mappings keep what they need */
   return rc;
 }
 
@@ -387,7 +399,6 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
                    : tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
     }
     if (rc == TSOCK_OK) {
-      tsock__fork_track(r->fd);
       tsock_reader_t *h = handle_new(r);
       if (h == NULL) {
         impl_unmap(r);

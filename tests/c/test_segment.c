@@ -3,6 +3,7 @@
  * files, and a valid segment whose "producer" is this test. */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <sys/mman.h>
@@ -424,6 +425,82 @@ static void forked_child_outlives_reader(const char *tag, uint32_t n) {
 
 static void test_forked_child_outlives_reader(void) { forked_child_outlives_reader("forkkill", 1); }
 
+/* The fork guard tracks every descriptor, however many readers a process
+ * has open (issue 10, section 4: it tracked 256 while 1024 handles are
+ * allowed, so a child kept the locks of the 257th reader on). */
+static void test_fork_after_300_attaches(void) { forked_child_outlives_reader("fork300", 300); }
+
+typedef struct {
+  const char *name;
+  volatile int stop;
+  uint64_t attaches;
+} attach_loop;
+
+static void *attach_detach_loop(void *arg) {
+  attach_loop *a = arg;
+  while (!a->stop) {
+    tsock_reader_t *r = NULL;
+    if (tsock_reader_attach(a->name, NULL, &r) == TSOCK_OK) {
+      tsock_reader_detach(r);
+      a->attaches++;
+    }
+  }
+  return NULL;
+}
+
+/* Takes and drops the handle table's lock as often as it can (a detach of
+ * a handle that is not open goes through it). */
+static void *bad_detach_loop(void *arg) {
+  attach_loop *a = arg;
+  while (!a->stop) tsock_reader_detach((tsock_reader_t *)(uintptr_t)0x12340001u);
+  return NULL;
+}
+
+/* fork() at any instant is safe: a child forked while other threads attach
+ * and detach can attach and detach itself (issue 10, section 4: the handle
+ * table's lock was a spinlock that a child could inherit held, and spin on
+ * for ever). Each child has 5 s; one that hangs dies of SIGALRM. */
+static void test_fork_while_attaching(void) {
+  const char *name = test_name("tseg", "forkrace");
+  fake f;
+  if (fake_open(&f, name, 4, 16) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  attach_loop a = {.name = name};
+  pthread_t t1, t2;
+  CHECK(pthread_create(&t1, NULL, attach_detach_loop, &a) == 0);
+  CHECK(pthread_create(&t2, NULL, bad_detach_loop, &a) == 0);
+  int hung = 0, failed = 0, forks = 0;
+  int64_t t0 = test_now_ns();
+  while (forks < 400 && test_now_ns() - t0 < 8000 * MS) {
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+      alarm(5);
+      tsock_reader_t *r = NULL;
+      int rc = tsock_reader_attach(name, NULL, &r);
+      if (rc == TSOCK_OK) rc = tsock_reader_detach(r);
+      _exit(rc == TSOCK_OK ? 0 : 1);
+    }
+    if (pid < 0) break;
+    forks++;
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) hung++;
+    else if (WEXITSTATUS(status) != 0) failed++;
+  }
+  a.stop = 1;
+  pthread_join(t1, NULL);
+  pthread_join(t2, NULL);
+  if (hung || failed) fprintf(stderr, "%d of %d children hung, %d failed\n", hung, forks, failed);
+  CHECK(hung == 0 && failed == 0 && forks >= 50 && a.attaches > 0);
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
 int main(void) {
   test_foreign();
   test_truncated();
@@ -433,5 +510,7 @@ int main(void) {
   test_fake_producer();
   test_pin_tokens();
   test_forked_child_outlives_reader();
+  test_fork_after_300_attaches();
+  test_fork_while_attaching();
   return test_report("test_segment");
 }
