@@ -108,6 +108,9 @@ typedef struct tsock_device_hooks {
 
 /* What cuda/ needs to see of an open reader. */
 typedef struct tsock_reader_view {
+  /* The reader's private copy of the header, validated at attach: static
+   * fields (gpu_pool, gpu_uuid, gpu_mem_handle, geometry) are read here,
+   * never from the shared page, which may have changed since the check. */
   const tsock_header *hdr;
   const tsock_slot *slots;
   tsock_reader_record *rec; /* our record: placement fields */

@@ -37,7 +37,15 @@ struct reader_impl {
   tsock_map_ref *map_ref; /* owns `map` once attached */
   tsock_reader_area *area; /* reader area, read-write */
   size_t area_len;
-  const tsock_header *hdr;
+  /* The header as validated at attach, private: every value the reader
+   * derives pointers, sizes or decisions from comes from here, never again
+   * from the shared page, which the producer (or anyone who can write the
+   * file) may change after the check. */
+  tsock_header h;
+  /* The live header page: only the words that change while the channel
+   * runs (published, state, producer_waiting, epoch_start), each used in a
+   * way a wrong value cannot turn into a bad address. */
+  const tsock_header *live;
   const tsock_slot *slots;
   const uint8_t *payload;
   uint64_t mask;
@@ -247,40 +255,43 @@ static int open_segment(const char *name, struct reader_impl *r) {
   return rc;
 }
 
-/* open_segment's second half: maps the segment through mfd. */
+/* open_segment's second half: reads the header once into r->h, checks
+ * that private copy, and maps the segment through mfd at its geometry. */
 static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, const char *path,
                        const char *name) {
   struct stat st2;
   if (fstat(mfd, &st2) != 0) return tsock__fail_errno(TSOCK_ESYS, errno, "fstat %s", path);
   if (st2.st_dev != st->st_dev || st2.st_ino != st->st_ino)
     return tsock__fail(TSOCK_EAGAIN, "channel '%s' was replaced while attaching", name);
-  const tsock_header *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, mfd, 0);
-  if (h == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap %s", path);
-  int rc = check_header(h, (uint64_t)st->st_size, name);
-  uint64_t total = h->total_bytes, readers_off = h->readers_offset, slots_off = h->slots_offset;
-  munmap((void *)h, sizeof *h);
+  ssize_t n = pread(mfd, &r->h, sizeof r->h, 0);
+  if (n < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "read %s", path);
+  if ((size_t)n != sizeof r->h)
+    return tsock__fail(TSOCK_ECORRUPT, "channel '%s': segment is %zd bytes, truncated", name, n);
+  __atomic_thread_fence(__ATOMIC_ACQUIRE); /* pairs with the release store of layout_version */
+  int rc = check_header(&r->h, (uint64_t)st->st_size, name);
   if (rc != TSOCK_OK) return rc;
+  /* The join window only means something below the ring (the producer
+   * refuses others, docs/ARCHITECTURE.md, "Late join window"); a larger
+   * one, which layout.h's rule lets through, is taken as none. */
+  if (r->h.join_window >= r->h.slot_count) r->h.join_window = 0;
 
-  r->map_len = (size_t)total;
+  r->map_len = (size_t)r->h.total_bytes;
   void *m = mmap(NULL, r->map_len, PROT_READ, MAP_SHARED, mfd, 0);
   if (m == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap %s", path);
   r->map = m;
   r->map_ref = malloc(sizeof *r->map_ref);
   if (r->map_ref == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
   *r->map_ref = (tsock_map_ref){.addr = m, .len = r->map_len, .refs = 1};
-  r->area_len = (size_t)(slots_off - readers_off);
-  void *a = mmap(NULL, r->area_len, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, (off_t)readers_off);
+  r->area_len = (size_t)(r->h.slots_offset - r->h.readers_offset);
+  void *a = mmap(NULL, r->area_len, PROT_READ | PROT_WRITE, MAP_SHARED, mfd,
+                 (off_t)r->h.readers_offset);
   if (a == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap reader area of %s", path);
   r->area = a;
-  r->hdr = (const tsock_header *)r->map;
-  /* The header can no longer change geometry under us: it is written once
-   * before layout_version. Re-check through the long-lived mapping. */
-  rc = check_header(r->hdr, (uint64_t)st->st_size, name);
-  if (rc != TSOCK_OK) return rc == TSOCK_EAGAIN ? TSOCK_ECORRUPT : rc;
-  r->slots = (const tsock_slot *)(r->map + r->hdr->slots_offset);
-  r->payload = r->map + r->hdr->payload_offset;
-  r->mask = r->hdr->slot_count - 1;
-  r->slot_payload_bytes = r->hdr->slot_payload_bytes;
+  r->live = (const tsock_header *)r->map;
+  r->slots = (const tsock_slot *)(r->map + r->h.slots_offset);
+  r->payload = r->map + r->h.payload_offset;
+  r->mask = r->h.slot_count - 1;
+  r->slot_payload_bytes = r->h.slot_payload_bytes;
   return TSOCK_OK;
 }
 
@@ -294,12 +305,12 @@ static int producer_alive(struct reader_impl *r) {
  * moment our cursor is stored, so the check after the store decides (see
  * docs/ARCHITECTURE.md, "Late join window"). */
 static void join_in_window(struct reader_impl *r, uint64_t p2) {
-  uint64_t window = __atomic_load_n(&r->hdr->join_window, __ATOMIC_SEQ_CST);
-  uint64_t start = __atomic_load_n(&r->hdr->epoch_start, __ATOMIC_SEQ_CST);
+  uint64_t window = r->h.join_window;
+  uint64_t start = __atomic_load_n(&r->live->epoch_start, __ATOMIC_SEQ_CST);
   if (window == 0 || start > p2 || p2 - start > window || start == p2) return;
   __atomic_store_n(&r->rec->cursor, start, __ATOMIC_SEQ_CST);
-  uint64_t p3 = __atomic_load_n(&r->hdr->published, __ATOMIC_SEQ_CST);
-  uint64_t start2 = __atomic_load_n(&r->hdr->epoch_start, __ATOMIC_SEQ_CST);
+  uint64_t p3 = __atomic_load_n(&r->live->published, __ATOMIC_SEQ_CST);
+  uint64_t start2 = __atomic_load_n(&r->live->epoch_start, __ATOMIC_SEQ_CST);
   if (start2 == start && p3 - start <= window) {
     __atomic_store_n(&r->rec->acquired, start, __ATOMIC_SEQ_CST);
     r->next = r->released = start;
@@ -313,7 +324,7 @@ static void join_in_window(struct reader_impl *r, uint64_t p2) {
  * the record's byte, the claim word's generation guards against the
  * producer reclaiming the record at the same moment. */
 static int claim_record(struct reader_impl *r, const char *name, int start_mode) {
-  uint32_t cap = r->hdr->reader_capacity;
+  uint32_t cap = r->h.reader_capacity;
   for (uint32_t i = 0; i < cap; i++) {
     int lk = tsock__lock_byte(r->fd, TSOCK_LOCK_READER0 + i);
     if (lk == -1) continue;
@@ -339,7 +350,7 @@ static int claim_record(struct reader_impl *r, const char *name, int start_mode)
      * move up to what is published after that: any producer scan that
      * missed us used a minimum no larger than that second value (see
      * docs/ARCHITECTURE.md, "Joining"). */
-    uint64_t p1 = __atomic_load_n(&r->hdr->published, __ATOMIC_SEQ_CST);
+    uint64_t p1 = __atomic_load_n(&r->live->published, __ATOMIC_SEQ_CST);
     __atomic_store_n(&rec->cursor, p1, __ATOMIC_SEQ_CST);
     __atomic_store_n(&rec->acquired, p1, __ATOMIC_SEQ_CST);
     uint64_t active = TSOCK_CLAIM(TSOCK_CLAIM_GEN(joining), TSOCK_READER_ACTIVE);
@@ -348,7 +359,7 @@ static int claim_record(struct reader_impl *r, const char *name, int start_mode)
                                      __ATOMIC_SEQ_CST))
       return tsock__fail(TSOCK_ECORRUPT, "channel '%s': reader record %u changed while joining",
                          name, i);
-    uint64_t p2 = __atomic_load_n(&r->hdr->published, __ATOMIC_SEQ_CST);
+    uint64_t p2 = __atomic_load_n(&r->live->published, __ATOMIC_SEQ_CST);
     __atomic_store_n(&rec->cursor, p2, __ATOMIC_SEQ_CST);
     __atomic_store_n(&rec->acquired, p2, __ATOMIC_SEQ_CST);
     r->index = i;
@@ -461,7 +472,7 @@ static int copy_slot(struct reader_impl *r, uint64_t seq, held_batch *hb) {
   uint32_t kind = s->payload_kind;
   if (b->n_tensors > TSOCK_MAX_TENSORS || b->meta_len > TSOCK_META_MAX ||
       used > r->slot_payload_bytes ||
-      (kind != TSOCK_PAYLOAD_HOST && !(kind == TSOCK_PAYLOAD_HOST_DEVICE && r->hdr->gpu_pool == 1)))
+      (kind != TSOCK_PAYLOAD_HOST && !(kind == TSOCK_PAYLOAD_HOST_DEVICE && r->h.gpu_pool == 1)))
     goto corrupt;
   hb->slot = (uint32_t)(seq & r->mask);
   hb->payload_kind = kind;
@@ -477,7 +488,8 @@ static int copy_slot(struct reader_impl *r, uint64_t seq, held_batch *hb) {
     t->ndim = d->ndim;
     t->offset = d->offset;
     t->nbytes = d->nbytes;
-    int nd = (d->ndim >= 0 && d->ndim <= TSOCK_MAX_DIMS) ? d->ndim : 0;
+    /* From the private copy: d->ndim may change between two reads. */
+    int nd = (t->ndim >= 0 && t->ndim <= TSOCK_MAX_DIMS) ? t->ndim : 0;
     memset(t->shape, 0, sizeof t->shape);
     memset(t->strides, 0, sizeof t->strides);
     memcpy(t->shape, d->shape, (size_t)nd * sizeof(int64_t));
@@ -512,7 +524,7 @@ static void publish_cursor(struct reader_impl *r, uint64_t cursor) {
   __atomic_store_n(&r->rec->cursor, cursor, __ATOMIC_SEQ_CST);
   /* Dekker pairing with the producer: it sets producer_waiting, then
    * rescans cursors; we store the cursor, then look at producer_waiting. */
-  if (__atomic_load_n(&r->hdr->producer_waiting, __ATOMIC_SEQ_CST)) {
+  if (__atomic_load_n(&r->live->producer_waiting, __ATOMIC_SEQ_CST)) {
     __atomic_add_fetch(&r->area->shared.release_notify, 1, __ATOMIC_SEQ_CST);
     tsock__futex_wake_all(&r->area->shared.release_notify);
   }
@@ -541,9 +553,9 @@ static void advance(struct reader_impl *r, int wait_oldest) {
 
 /* Nothing to read: decides whether the stream has ended. */
 static int stream_ended(struct reader_impl *r, uint64_t now) {
-  if (__atomic_load_n(&r->hdr->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED) {
+  if (__atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED) {
     /* The producer publishes before it closes: re-read published. */
-    if (r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE))
+    if (r->next >= __atomic_load_n(&r->live->published, __ATOMIC_ACQUIRE))
       return tsock__fail(TSOCK_ECLOSED, "channel closed by the producer after %llu batches",
                          (unsigned long long)r->next);
     return TSOCK_OK;
@@ -554,13 +566,13 @@ static int stream_ended(struct reader_impl *r, uint64_t now) {
     r->producer_dead = !producer_alive(r);
   }
   if (r->producer_dead) {
-    if (r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE)) {
+    if (r->next >= __atomic_load_n(&r->live->published, __ATOMIC_ACQUIRE)) {
       /* Close stores the closed state before it drops the lock: a close
        * that came after the state check above is not a death. */
-      if (__atomic_load_n(&r->hdr->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
+      if (__atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
         return stream_ended(r, now);
       return tsock__fail(TSOCK_EPRODUCER_GONE, "producer (pid %d) died after %llu batches",
-                         r->hdr->producer_pid, (unsigned long long)r->next);
+                         r->h.producer_pid, (unsigned long long)r->next);
     }
   }
   return check_claim(r);
@@ -577,7 +589,7 @@ static inline void cpu_relax(void) {
 /* Waits until published moves past r->next, the deadline passes, or the
  * stream ends. Returns TSOCK_OK when there may be something to read. */
 static int wait_for_data(struct reader_impl *r, int64_t timeout_ns, uint64_t start) {
-  const uint64_t *pub = &r->hdr->published;
+  const uint64_t *pub = &r->live->published;
   for (;;) {
     uint64_t now = tsock__now_ns();
     int rc = stream_ended(r, now);
@@ -631,7 +643,7 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
       return tsock__fail(TSOCK_ESTATE, "reader already holds %u batches (max_held); release one",
                          r->max_held);
     }
-    if (__atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE) <= r->next) {
+    if (__atomic_load_n(&r->live->published, __ATOMIC_ACQUIRE) <= r->next) {
       if (start == 0) start = tsock__now_ns();
       rc = wait_for_data(r, timeout_ns, start);
       if (rc == TSOCK_EAGAIN) return rc;
@@ -718,7 +730,7 @@ int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v) {
   int rc;
   struct reader_impl *r = handle_get(h, &rc);
   if (r == NULL) return rc;
-  *v = (tsock_reader_view){.hdr = r->hdr, .slots = r->slots, .rec = r->rec,
+  *v = (tsock_reader_view){.hdr = &r->h, .slots = r->slots, .rec = r->rec,
                            .slot_count = (uint32_t)(r->mask + 1),
                            .slot_payload_bytes = r->slot_payload_bytes, .fd = r->fd,
                            .device = r->device};

@@ -501,6 +501,153 @@ static void test_fork_while_attaching(void) {
   remove_file(name);
 }
 
+/* A hostile or broken producer rewrites the geometry in the header of a
+ * live segment while readers attach (issue 10, section 2): the reader used
+ * to check the live header and then read slots_offset, payload_offset and
+ * slot_count from it again, so a change in between gave it a ring that did
+ * not match its mapping (and a SIGSEGV in acquire). Readers must now either
+ * attach consistently or get TSOCK_ECORRUPT. */
+typedef struct {
+  fake *f;
+  uint64_t slots_off, payload_off, slot_bytes;
+  volatile int stop;
+} flipper;
+
+/* Publishes test batches at the real geometry (not the header's, which is
+ * being flipped) and flips the header's geometry between valid and wild. */
+static void *flip_header(void *arg) {
+  flipper *fl = arg;
+  volatile tsock_header *h = fl->f->h;
+  uint64_t seq = __atomic_load_n(&h->published, __ATOMIC_RELAXED);
+  while (!fl->stop) {
+    tsock_slot *s = (tsock_slot *)(fl->f->map + fl->slots_off) + (seq % 4);
+    uint8_t *payload = fl->f->map + fl->payload_off + (seq % 4) * fl->slot_bytes;
+    __atomic_store_n(&s->stamp, 0, __ATOMIC_RELEASE);
+    s->n_tensors = 1;
+    s->payload_bytes = 10;
+    s->payload_kind = TSOCK_PAYLOAD_HOST;
+    s->tensors[0] = (tsock_shm_tensor){.dtype = TSOCK_DTYPE_UINT8, .ndim = 1, .nbytes = 10,
+                                       .shape = {10}, .strides = {1}};
+    for (uint32_t j = 0; j < 10; j++) payload[j] = (uint8_t)(seq + j);
+    __atomic_store_n(&s->stamp, seq + 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&h->published, ++seq, __ATOMIC_SEQ_CST);
+    for (int k = 0; k < 64; k++) {
+      /* One field at a time, so that the header is valid about half of
+       * the time: the reader's check passes often, then the field changes. */
+      h->slots_offset = 1ull << 40;
+      h->slots_offset = fl->slots_off;
+      h->payload_offset = 1ull << 41;
+      h->payload_offset = fl->payload_off;
+      h->slot_count = 1u << 30;
+      h->slot_count = 4;
+    }
+  }
+  return NULL;
+}
+
+static int attach_while_flipped(const void *name) {
+  int64_t t0 = test_now_ns();
+  int ok = 0, corrupt = 0;
+  while (test_now_ns() - t0 < 3000 * MS) {
+    tsock_reader_options_t o;
+    tsock_reader_options_init(&o);
+    o.start = TSOCK_START_NOW;
+    tsock_reader_t *r = NULL;
+    int rc = tsock_reader_attach(name, &o, &r);
+    if (rc == TSOCK_ECORRUPT) {
+      corrupt++;
+      continue;
+    }
+    if (rc != TSOCK_OK) {
+      fprintf(stderr, "attach: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+      return 1;
+    }
+    ok++;
+    const void *base = NULL;
+    uint64_t len = 0;
+    if (tsock_reader_payload_range(r, &base, &len) != TSOCK_OK || len != 4 * 4096) {
+      fprintf(stderr, "payload range of %llu bytes\n", (unsigned long long)len);
+      return 1;
+    }
+    volatile uint8_t sink = ((const uint8_t *)base)[0];
+    sink = ((const uint8_t *)base)[len - 1];
+    (void)sink;
+    for (int k = 0; k < 4; k++) {
+      const tsock_batch_t *b = NULL;
+      rc = tsock_reader_acquire(r, &b, 2 * MS);
+      if (rc == TSOCK_OK) {
+        const uint8_t *d = b->tensors[0].data;
+        uint8_t first = d[0];
+        (void)first; /* may be overwritten meanwhile (no gating here): read, not compared */
+        tsock_reader_release(r, b);
+      } else if (rc != TSOCK_EAGAIN && rc != TSOCK_EEVICTED) {
+        fprintf(stderr, "acquire: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+        return 1;
+      }
+    }
+    tsock_reader_detach(r);
+  }
+  fprintf(stderr, "attach under a flipping header: %d attached, %d refused as corrupt\n", ok,
+          corrupt);
+  return ok + corrupt > 0 ? 0 : 1;
+}
+
+static void test_header_flipped_while_attaching(void) {
+  const char *name = test_name("tseg", "flip");
+  fake f;
+  if (fake_open(&f, name, 4, 4) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  flipper fl = {.f = &f, .slots_off = f.h->slots_offset, .payload_off = f.h->payload_offset,
+                .slot_bytes = f.h->slot_payload_bytes};
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, flip_header, &fl) == 0);
+  CHECK(in_child(attach_while_flipped, name)); /* a fault kills the child, not the test */
+  fl.stop = 1;
+  pthread_join(t, NULL);
+  munmap(f.map, fl.payload_off + 4 * fl.slot_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
+/* What the header said at attach is what the reader goes by: a producer
+ * that claims a device pool after the fact (gpu_pool = 1 in the live page,
+ * none at attach) cannot make the reader accept a batch that says it has a
+ * device copy. */
+static void test_header_changed_after_attach(void) {
+  const char *name = test_name("tseg", "after");
+  fake f;
+  if (fake_open(&f, name, 4, 1) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  tsock_reader_options_t o;
+  tsock_reader_options_init(&o);
+  o.start = TSOCK_START_NOW;
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, &o, &r), TSOCK_OK);
+  if (r == NULL) return;
+  f.h->gpu_pool = 1;
+  f.h->gpu_pool_bytes = 4ull * f.h->slot_payload_bytes;
+  fake_publish(&f, 0, 10);
+  tsock_slot *s0 = (tsock_slot *)(f.map + f.h->slots_offset);
+  s0->payload_kind = TSOCK_PAYLOAD_HOST_DEVICE;
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_ECORRUPT);
+  int32_t ordinal = -1;
+  int rc = tsock_reader_open_device(r, &ordinal);
+  CHECK(rc == TSOCK_ENODEVICE || rc == TSOCK_ENOCUDA); /* no pool at attach: none now */
+  fake_publish(&f, 1, 10);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
 int main(void) {
   test_foreign();
   test_truncated();
@@ -512,5 +659,7 @@ int main(void) {
   test_forked_child_outlives_reader();
   test_fork_after_300_attaches();
   test_fork_while_attaching();
+  test_header_flipped_while_attaching();
+  test_header_changed_after_attach();
   return test_report("test_segment");
 }
