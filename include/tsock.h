@@ -236,7 +236,12 @@ typedef struct tsock_reader_options {
   int64_t attach_timeout_ns;  /* wait this long for the channel to appear;
                                  0 (default) fails at once with TSOCK_ENOENT */
   uint32_t max_held;          /* batches held at once (acquired, not released),
-                                 1..64; default 4 */
+                                 1..64; default 4. Clamped at attach, silently,
+                                 to the channel's slot count: a reader holding
+                                 the whole ring cannot get another batch until
+                                 it releases one, so acquire then returns
+                                 TSOCK_ESTATE instead of waiting for a batch
+                                 the producer cannot publish */
   uint32_t reserved;          /* must be 0 */
   int64_t spin_ns;            /* busy-poll this long before sleeping on the
                                  futex; default 20000 (20 us); 0 never spins */
@@ -289,8 +294,11 @@ int tsock_reader_payload_range(tsock_reader_t *r, const void **base, uint64_t *l
  * once the batch is released). One thread at a time per reader. */
 int tsock_reader_pin_mapping(tsock_reader_t *r, void **token);
 
-/* Drops a pin taken with tsock_reader_pin_mapping(). Thread-safe. */
-void tsock_mapping_unpin(void *token);
+/* Drops a pin taken with tsock_reader_pin_mapping(). Tokens are handles,
+ * not pointers: a token already unpinned, or anything that is not a token
+ * in use (NULL, another pointer), returns TSOCK_EHANDLE and changes
+ * nothing. Thread-safe. */
+int tsock_mapping_unpin(void *token);
 
 /* Registers the reader's read-only payload mapping (the range
  * tsock_reader_payload_range() returns) as pinned host memory with the CUDA

@@ -40,8 +40,14 @@ TSOCK_INTERNAL uint64_t tsock__proc_start_time(int pid); /* 0 if unknown */
 
 /* Fork guard: descriptors registered here are closed in a child process
  * right after fork(), so a child never keeps a parent's liveness lock;
- * tsock__fork_generation() changes in the child. */
-TSOCK_INTERNAL void tsock__fork_track(int fd);
+ * tsock__fork_generation() changes in the child. Any number of them.
+ * tsock__fork_open/tsock__fork_close open and close a descriptor and
+ * register it in one step that no fork() can split: the reader's way.
+ * tsock__fork_track (0, or -1 out of memory) / _untrack register a
+ * descriptor opened elsewhere (the Go producer's). */
+TSOCK_INTERNAL int tsock__fork_open(const char *path, int flags); /* open(2)'s result */
+TSOCK_INTERNAL void tsock__fork_close(int fd);
+TSOCK_INTERNAL int tsock__fork_track(int fd);
 TSOCK_INTERNAL void tsock__fork_untrack(int fd);
 TSOCK_INTERNAL uint64_t tsock__fork_generation(void);
 
@@ -102,6 +108,9 @@ typedef struct tsock_device_hooks {
 
 /* What cuda/ needs to see of an open reader. */
 typedef struct tsock_reader_view {
+  /* The reader's private copy of the header, validated at attach: static
+   * fields (gpu_pool, gpu_uuid, gpu_mem_handle, geometry) are read here,
+   * never from the shared page, which may have changed since the check. */
   const tsock_header *hdr;
   const tsock_slot *slots;
   tsock_reader_record *rec; /* our record: placement fields */

@@ -8,6 +8,7 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -84,12 +85,16 @@ uint64_t tsock__proc_start_time(int pid) {
   return 0;
 }
 
-/* ---- fork guard ---- */
+/* ---- fork guard ----
+ * Every tsock descriptor is opened and closed under fork_mu, and the
+ * prepare handler takes fork_mu: so at the instant of any fork() the set
+ * below is exactly the set of tsock descriptors that exist, with no window
+ * where one is open but not yet tracked (or closed but still tracked, its
+ * number free for someone else's file). The set grows as needed. */
 
-#define FORK_TRACK_MAX 256
 static pthread_mutex_t fork_mu = PTHREAD_MUTEX_INITIALIZER;
-static int fork_fds[FORK_TRACK_MAX];
-static int fork_nfds;
+static int *fork_fds;
+static size_t fork_nfds, fork_cap;
 static uint64_t fork_gen;
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
@@ -98,7 +103,7 @@ static void fork_parent(void) { pthread_mutex_unlock(&fork_mu); }
 static void fork_child(void) {
   /* Closing our reference drops nothing in the parent, but means the lock
    * dies with the parent even while this child lives on. */
-  for (int i = 0; i < fork_nfds; i++) close(fork_fds[i]);
+  for (size_t i = 0; i < fork_nfds; i++) close(fork_fds[i]);
   fork_nfds = 0;
   __atomic_add_fetch(&fork_gen, 1, __ATOMIC_SEQ_CST);
   pthread_mutex_unlock(&fork_mu);
@@ -111,21 +116,62 @@ __attribute__((constructor)) static void fork_guard_at_load(void) {
   pthread_once(&fork_once, fork_install);
 }
 
-void tsock__fork_track(int fd) {
+/* With fork_mu held: room for one more descriptor, else -1. */
+static int fork_reserve(void) {
+  if (fork_nfds < fork_cap) return 0;
+  size_t cap = fork_cap == 0 ? 64 : fork_cap * 2;
+  int *grown = realloc(fork_fds, cap * sizeof *grown);
+  if (grown == NULL) return -1;
+  fork_fds = grown;
+  fork_cap = cap;
+  return 0;
+}
+
+static void fork_remove(int fd) {
+  for (size_t i = 0; i < fork_nfds; i++) {
+    if (fork_fds[i] == fd) {
+      fork_fds[i] = fork_fds[--fork_nfds];
+      return;
+    }
+  }
+}
+
+int tsock__fork_open(const char *path, int flags) {
   pthread_once(&fork_once, fork_install);
   pthread_mutex_lock(&fork_mu);
-  if (fork_nfds < FORK_TRACK_MAX) fork_fds[fork_nfds++] = fd;
+  int fd = -1;
+  if (fork_reserve() != 0) {
+    errno = ENOMEM;
+  } else {
+    fd = open(path, flags);
+    if (fd >= 0) fork_fds[fork_nfds++] = fd;
+  }
+  int err = errno;
   pthread_mutex_unlock(&fork_mu);
+  errno = err;
+  return fd;
+}
+
+void tsock__fork_close(int fd) {
+  if (fd < 0) return;
+  pthread_mutex_lock(&fork_mu);
+  fork_remove(fd);
+  close(fd);
+  pthread_mutex_unlock(&fork_mu);
+}
+
+int tsock__fork_track(int fd) {
+  pthread_once(&fork_once, fork_install);
+  pthread_mutex_lock(&fork_mu);
+  int rc = fork_reserve();
+  if (rc == 0) fork_fds[fork_nfds++] = fd;
+  pthread_mutex_unlock(&fork_mu);
+  return rc;
 }
 
 void tsock__fork_untrack(int fd) {
   pthread_mutex_lock(&fork_mu);
-  for (int i = 0; i < fork_nfds; i++) {
-    if (fork_fds[i] == fd) {
-      fork_fds[i] = fork_fds[--fork_nfds];
-      break;
-    }
-  }
+  fork_remove(fd);
   pthread_mutex_unlock(&fork_mu);
 }
 

@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,7 +37,15 @@ struct reader_impl {
   tsock_map_ref *map_ref; /* owns `map` once attached */
   tsock_reader_area *area; /* reader area, read-write */
   size_t area_len;
-  const tsock_header *hdr;
+  /* The header as validated at attach, private: every value the reader
+   * derives pointers, sizes or decisions from comes from here, never again
+   * from the shared page, which the producer (or anyone who can write the
+   * file) may change after the check. */
+  tsock_header h;
+  /* The live header page: only the words that change while the channel
+   * runs (published, state, producer_waiting, epoch_start), each used in a
+   * way a wrong value cannot turn into a bad address. */
+  const tsock_header *live;
   const tsock_slot *slots;
   const uint8_t *payload;
   uint64_t mask;
@@ -48,7 +57,8 @@ struct reader_impl {
   uint64_t released;     /* every seq below is released (mirror of rec->cursor) */
   int skipping;          /* TSOCK_START_NEXT_EPOCH: drop batches until index 0 */
   int producer_dead;     /* the producer's lock was seen free */
-  uint32_t max_held;
+  uint32_t max_held;       /* at most the slot count (see attach) */
+  uint32_t max_held_asked; /* the option, for messages */
   int64_t spin_ns;
   uint64_t last_live_check;
   held_batch *held;      /* max_held entries, by seq % max_held */
@@ -66,13 +76,28 @@ static struct {
   struct reader_impl *impl;
   uint32_t gen;
 } handles[HANDLE_SLOTS];
-static uint32_t handle_lock; /* spinlock guarding allocation and free */
+/* Guards allocation and free of handles. A mutex, not a spinlock: the
+ * fork handlers below take it, so a child never inherits it held. */
+static pthread_mutex_t handle_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t pin_mu = PTHREAD_MUTEX_INITIALIZER; /* the pin table (below) */
 
-static void handles_lock(void) {
-  while (__atomic_exchange_n(&handle_lock, 1, __ATOMIC_ACQUIRE)) {
-  }
+static void handles_lock(void) { pthread_mutex_lock(&handle_mu); }
+static void handles_unlock(void) { pthread_mutex_unlock(&handle_mu); }
+
+/* fork() at any instant: the forking thread takes both locks first, so no
+ * other thread holds one at the fork, and both sides release them. No code
+ * holds one of them while taking the other, or the fork guard's lock. */
+static void tables_prepare(void) {
+  pthread_mutex_lock(&handle_mu);
+  pthread_mutex_lock(&pin_mu);
 }
-static void handles_unlock(void) { __atomic_store_n(&handle_lock, 0, __ATOMIC_RELEASE); }
+static void tables_release(void) {
+  pthread_mutex_unlock(&pin_mu);
+  pthread_mutex_unlock(&handle_mu);
+}
+__attribute__((constructor)) static void tables_fork_safe(void) {
+  pthread_atfork(tables_prepare, tables_release, tables_release);
+}
 
 static tsock_reader_t *handle_new(struct reader_impl *impl) {
   tsock_reader_t *h = NULL;
@@ -169,10 +194,7 @@ static void impl_unmap(struct reader_impl *r) {
     tsock__map_unref(r->map_ref);
   else if (r->map != NULL)
     munmap((void *)r->map, r->map_len);
-  if (r->fd >= 0) {
-    tsock__fork_untrack(r->fd);
-    close(r->fd); /* drops our OFD lock, freeing the record's byte */
-  }
+  tsock__fork_close(r->fd); /* drops our OFD lock, freeing the record's byte */
   free(r->held);
   free(r);
 }
@@ -198,11 +220,14 @@ static int check_header(const tsock_header *h, uint64_t file_size, const char *n
   }
 }
 
+static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, const char *path,
+                       const char *name);
+
 /* Opens and maps the segment. TSOCK_EAGAIN means "not there yet, retry". */
 static int open_segment(const char *name, struct reader_impl *r) {
   char path[sizeof(TSOCK_SHM_DIR) + sizeof(TSOCK_SHM_PREFIX) + TSOCK_NAME_MAX + 2];
   snprintf(path, sizeof path, "%s/%s%s", TSOCK_SHM_DIR, TSOCK_SHM_PREFIX, name);
-  r->fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  r->fd = tsock__fork_open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (r->fd < 0) {
     if (errno == ENOENT) return tsock__fail(TSOCK_ENOENT, "no channel '%s' (%s)", name, path);
     if (errno == ELOOP)
@@ -217,33 +242,56 @@ static int open_segment(const char *name, struct reader_impl *r) {
   if ((uint64_t)st.st_size < sizeof(tsock_header))
     return tsock__fail(TSOCK_ECORRUPT, "channel '%s': segment is %lld bytes, truncated", name,
                        (long long)st.st_size);
-  const tsock_header *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, r->fd, 0);
-  if (h == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap %s", path);
-  int rc = check_header(h, (uint64_t)st.st_size, name);
-  uint64_t total = h->total_bytes, readers_off = h->readers_offset, slots_off = h->slots_offset;
-  munmap((void *)h, sizeof *h);
-  if (rc != TSOCK_OK) return rc;
+  /* The mappings are made through a second open of the file, never through
+   * r->fd: a mapping holds the open file description it was made from, and
+   * a forked child inherits mappings (the fork guard closes descriptors, it
+   * cannot unmap). Mapped from r->fd, the description that carries our
+   * record lock would live on in such a child after we die, and the
+   * producer would wait for a dead reader as long as the child lives. */
+  int mfd = tsock__fork_open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  if (mfd < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "open %s", path);
+  int rc = map_segment(r, mfd, &st, path, name);
+  tsock__fork_close(mfd); /* the mappings keep what they need */
+  return rc;
+}
 
-  r->map_len = (size_t)total;
-  void *m = mmap(NULL, r->map_len, PROT_READ, MAP_SHARED, r->fd, 0);
+/* open_segment's second half: reads the header once into r->h, checks
+ * that private copy, and maps the segment through mfd at its geometry. */
+static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, const char *path,
+                       const char *name) {
+  struct stat st2;
+  if (fstat(mfd, &st2) != 0) return tsock__fail_errno(TSOCK_ESYS, errno, "fstat %s", path);
+  if (st2.st_dev != st->st_dev || st2.st_ino != st->st_ino)
+    return tsock__fail(TSOCK_EAGAIN, "channel '%s' was replaced while attaching", name);
+  ssize_t n = pread(mfd, &r->h, sizeof r->h, 0);
+  if (n < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "read %s", path);
+  if ((size_t)n != sizeof r->h)
+    return tsock__fail(TSOCK_ECORRUPT, "channel '%s': segment is %zd bytes, truncated", name, n);
+  __atomic_thread_fence(__ATOMIC_ACQUIRE); /* pairs with the release store of layout_version */
+  int rc = check_header(&r->h, (uint64_t)st->st_size, name);
+  if (rc != TSOCK_OK) return rc;
+  /* The join window only means something below the ring (the producer
+   * refuses others, docs/ARCHITECTURE.md, "Late join window"); a larger
+   * one, which layout.h's rule lets through, is taken as none. */
+  if (r->h.join_window >= r->h.slot_count) r->h.join_window = 0;
+
+  r->map_len = (size_t)r->h.total_bytes;
+  void *m = mmap(NULL, r->map_len, PROT_READ, MAP_SHARED, mfd, 0);
   if (m == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap %s", path);
   r->map = m;
   r->map_ref = malloc(sizeof *r->map_ref);
   if (r->map_ref == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
   *r->map_ref = (tsock_map_ref){.addr = m, .len = r->map_len, .refs = 1};
-  r->area_len = (size_t)(slots_off - readers_off);
-  void *a = mmap(NULL, r->area_len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, (off_t)readers_off);
+  r->area_len = (size_t)(r->h.slots_offset - r->h.readers_offset);
+  void *a = mmap(NULL, r->area_len, PROT_READ | PROT_WRITE, MAP_SHARED, mfd,
+                 (off_t)r->h.readers_offset);
   if (a == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap reader area of %s", path);
   r->area = a;
-  r->hdr = (const tsock_header *)r->map;
-  /* The header can no longer change geometry under us: it is written once
-   * before layout_version. Re-check through the long-lived mapping. */
-  rc = check_header(r->hdr, (uint64_t)st.st_size, name);
-  if (rc != TSOCK_OK) return rc == TSOCK_EAGAIN ? TSOCK_ECORRUPT : rc;
-  r->slots = (const tsock_slot *)(r->map + r->hdr->slots_offset);
-  r->payload = r->map + r->hdr->payload_offset;
-  r->mask = r->hdr->slot_count - 1;
-  r->slot_payload_bytes = r->hdr->slot_payload_bytes;
+  r->live = (const tsock_header *)r->map;
+  r->slots = (const tsock_slot *)(r->map + r->h.slots_offset);
+  r->payload = r->map + r->h.payload_offset;
+  r->mask = r->h.slot_count - 1;
+  r->slot_payload_bytes = r->h.slot_payload_bytes;
   return TSOCK_OK;
 }
 
@@ -257,12 +305,12 @@ static int producer_alive(struct reader_impl *r) {
  * moment our cursor is stored, so the check after the store decides (see
  * docs/ARCHITECTURE.md, "Late join window"). */
 static void join_in_window(struct reader_impl *r, uint64_t p2) {
-  uint64_t window = __atomic_load_n(&r->hdr->join_window, __ATOMIC_SEQ_CST);
-  uint64_t start = __atomic_load_n(&r->hdr->epoch_start, __ATOMIC_SEQ_CST);
+  uint64_t window = r->h.join_window;
+  uint64_t start = __atomic_load_n(&r->live->epoch_start, __ATOMIC_SEQ_CST);
   if (window == 0 || start > p2 || p2 - start > window || start == p2) return;
   __atomic_store_n(&r->rec->cursor, start, __ATOMIC_SEQ_CST);
-  uint64_t p3 = __atomic_load_n(&r->hdr->published, __ATOMIC_SEQ_CST);
-  uint64_t start2 = __atomic_load_n(&r->hdr->epoch_start, __ATOMIC_SEQ_CST);
+  uint64_t p3 = __atomic_load_n(&r->live->published, __ATOMIC_SEQ_CST);
+  uint64_t start2 = __atomic_load_n(&r->live->epoch_start, __ATOMIC_SEQ_CST);
   if (start2 == start && p3 - start <= window) {
     __atomic_store_n(&r->rec->acquired, start, __ATOMIC_SEQ_CST);
     r->next = r->released = start;
@@ -276,7 +324,7 @@ static void join_in_window(struct reader_impl *r, uint64_t p2) {
  * the record's byte, the claim word's generation guards against the
  * producer reclaiming the record at the same moment. */
 static int claim_record(struct reader_impl *r, const char *name, int start_mode) {
-  uint32_t cap = r->hdr->reader_capacity;
+  uint32_t cap = r->h.reader_capacity;
   for (uint32_t i = 0; i < cap; i++) {
     int lk = tsock__lock_byte(r->fd, TSOCK_LOCK_READER0 + i);
     if (lk == -1) continue;
@@ -302,7 +350,7 @@ static int claim_record(struct reader_impl *r, const char *name, int start_mode)
      * move up to what is published after that: any producer scan that
      * missed us used a minimum no larger than that second value (see
      * docs/ARCHITECTURE.md, "Joining"). */
-    uint64_t p1 = __atomic_load_n(&r->hdr->published, __ATOMIC_SEQ_CST);
+    uint64_t p1 = __atomic_load_n(&r->live->published, __ATOMIC_SEQ_CST);
     __atomic_store_n(&rec->cursor, p1, __ATOMIC_SEQ_CST);
     __atomic_store_n(&rec->acquired, p1, __ATOMIC_SEQ_CST);
     uint64_t active = TSOCK_CLAIM(TSOCK_CLAIM_GEN(joining), TSOCK_READER_ACTIVE);
@@ -311,7 +359,7 @@ static int claim_record(struct reader_impl *r, const char *name, int start_mode)
                                      __ATOMIC_SEQ_CST))
       return tsock__fail(TSOCK_ECORRUPT, "channel '%s': reader record %u changed while joining",
                          name, i);
-    uint64_t p2 = __atomic_load_n(&r->hdr->published, __ATOMIC_SEQ_CST);
+    uint64_t p2 = __atomic_load_n(&r->live->published, __ATOMIC_SEQ_CST);
     __atomic_store_n(&rec->cursor, p2, __ATOMIC_SEQ_CST);
     __atomic_store_n(&rec->acquired, p2, __ATOMIC_SEQ_CST);
     r->index = i;
@@ -346,16 +394,22 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
       rc = tsock__fail(TSOCK_EPRODUCER_GONE, "channel '%s': its producer is gone", name);
     if (rc == TSOCK_OK) {
       r->fork_gen = tsock__fork_generation();
-      r->max_held = o.max_held;
+      /* A reader never needs to hold more than the ring: with max_held >
+       * slot_count, holding every slot it would wait in acquire for a
+       * batch the producer can only publish once it releases one (a
+       * deadlock of the whole ring). Clamped, it always either gets the
+       * next batch or is told to release one (TSOCK_ESTATE). Silently,
+       * since the default (4) must work on a 2-slot ring. */
+      r->max_held = o.max_held < r->mask + 1 ? o.max_held : (uint32_t)(r->mask + 1);
+      r->max_held_asked = o.max_held;
       r->spin_ns = o.spin_ns;
-      r->held = calloc(o.max_held, sizeof *r->held);
+      r->held = calloc(r->max_held, sizeof *r->held);
       /* Every held batch points into the same mapping, for DLPack's refs. */
-      for (uint32_t i = 0; r->held != NULL && i < o.max_held; i++) r->held[i].map = r->map_ref;
+      for (uint32_t i = 0; r->held != NULL && i < r->max_held; i++) r->held[i].map = r->map_ref;
       rc = r->held ? claim_record(r, name, o.start)
                    : tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
     }
     if (rc == TSOCK_OK) {
-      tsock__fork_track(r->fd);
       tsock_reader_t *h = handle_new(r);
       if (h == NULL) {
         impl_unmap(r);
@@ -418,7 +472,7 @@ static int copy_slot(struct reader_impl *r, uint64_t seq, held_batch *hb) {
   uint32_t kind = s->payload_kind;
   if (b->n_tensors > TSOCK_MAX_TENSORS || b->meta_len > TSOCK_META_MAX ||
       used > r->slot_payload_bytes ||
-      (kind != TSOCK_PAYLOAD_HOST && !(kind == TSOCK_PAYLOAD_HOST_DEVICE && r->hdr->gpu_pool == 1)))
+      (kind != TSOCK_PAYLOAD_HOST && !(kind == TSOCK_PAYLOAD_HOST_DEVICE && r->h.gpu_pool == 1)))
     goto corrupt;
   hb->slot = (uint32_t)(seq & r->mask);
   hb->payload_kind = kind;
@@ -434,7 +488,8 @@ static int copy_slot(struct reader_impl *r, uint64_t seq, held_batch *hb) {
     t->ndim = d->ndim;
     t->offset = d->offset;
     t->nbytes = d->nbytes;
-    int nd = (d->ndim >= 0 && d->ndim <= TSOCK_MAX_DIMS) ? d->ndim : 0;
+    /* From the private copy: d->ndim may change between two reads. */
+    int nd = (t->ndim >= 0 && t->ndim <= TSOCK_MAX_DIMS) ? t->ndim : 0;
     memset(t->shape, 0, sizeof t->shape);
     memset(t->strides, 0, sizeof t->strides);
     memcpy(t->shape, d->shape, (size_t)nd * sizeof(int64_t));
@@ -469,7 +524,7 @@ static void publish_cursor(struct reader_impl *r, uint64_t cursor) {
   __atomic_store_n(&r->rec->cursor, cursor, __ATOMIC_SEQ_CST);
   /* Dekker pairing with the producer: it sets producer_waiting, then
    * rescans cursors; we store the cursor, then look at producer_waiting. */
-  if (__atomic_load_n(&r->hdr->producer_waiting, __ATOMIC_SEQ_CST)) {
+  if (__atomic_load_n(&r->live->producer_waiting, __ATOMIC_SEQ_CST)) {
     __atomic_add_fetch(&r->area->shared.release_notify, 1, __ATOMIC_SEQ_CST);
     tsock__futex_wake_all(&r->area->shared.release_notify);
   }
@@ -498,9 +553,9 @@ static void advance(struct reader_impl *r, int wait_oldest) {
 
 /* Nothing to read: decides whether the stream has ended. */
 static int stream_ended(struct reader_impl *r, uint64_t now) {
-  if (__atomic_load_n(&r->hdr->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED) {
+  if (__atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED) {
     /* The producer publishes before it closes: re-read published. */
-    if (r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE))
+    if (r->next >= __atomic_load_n(&r->live->published, __ATOMIC_ACQUIRE))
       return tsock__fail(TSOCK_ECLOSED, "channel closed by the producer after %llu batches",
                          (unsigned long long)r->next);
     return TSOCK_OK;
@@ -511,13 +566,13 @@ static int stream_ended(struct reader_impl *r, uint64_t now) {
     r->producer_dead = !producer_alive(r);
   }
   if (r->producer_dead) {
-    if (r->next >= __atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE)) {
+    if (r->next >= __atomic_load_n(&r->live->published, __ATOMIC_ACQUIRE)) {
       /* Close stores the closed state before it drops the lock: a close
        * that came after the state check above is not a death. */
-      if (__atomic_load_n(&r->hdr->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
+      if (__atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
         return stream_ended(r, now);
       return tsock__fail(TSOCK_EPRODUCER_GONE, "producer (pid %d) died after %llu batches",
-                         r->hdr->producer_pid, (unsigned long long)r->next);
+                         r->h.producer_pid, (unsigned long long)r->next);
     }
   }
   return check_claim(r);
@@ -534,7 +589,7 @@ static inline void cpu_relax(void) {
 /* Waits until published moves past r->next, the deadline passes, or the
  * stream ends. Returns TSOCK_OK when there may be something to read. */
 static int wait_for_data(struct reader_impl *r, int64_t timeout_ns, uint64_t start) {
-  const uint64_t *pub = &r->hdr->published;
+  const uint64_t *pub = &r->live->published;
   for (;;) {
     uint64_t now = tsock__now_ns();
     int rc = stream_ended(r, now);
@@ -579,10 +634,16 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
     rc = check_claim(r);
     if (rc != TSOCK_OK) return rc;
     if (r->fenced > 0) advance(r, r->next - r->released >= r->max_held);
-    if (r->next - r->released >= r->max_held)
+    if (r->next - r->released >= r->max_held) {
+      if (r->max_held < r->max_held_asked)
+        return tsock__fail(TSOCK_ESTATE,
+                           "reader already holds %u batches, the whole ring of %u slots "
+                           "(max_held %u is clamped to it); release one",
+                           r->max_held, (unsigned)(r->mask + 1), r->max_held_asked);
       return tsock__fail(TSOCK_ESTATE, "reader already holds %u batches (max_held); release one",
                          r->max_held);
-    if (__atomic_load_n(&r->hdr->published, __ATOMIC_ACQUIRE) <= r->next) {
+    }
+    if (__atomic_load_n(&r->live->published, __ATOMIC_ACQUIRE) <= r->next) {
       if (start == 0) start = tsock__now_ns();
       rc = wait_for_data(r, timeout_ns, start);
       if (rc == TSOCK_EAGAIN) return rc;
@@ -669,7 +730,7 @@ int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v) {
   int rc;
   struct reader_impl *r = handle_get(h, &rc);
   if (r == NULL) return rc;
-  *v = (tsock_reader_view){.hdr = r->hdr, .slots = r->slots, .rec = r->rec,
+  *v = (tsock_reader_view){.hdr = &r->h, .slots = r->slots, .rec = r->rec,
                            .slot_count = (uint32_t)(r->mask + 1),
                            .slot_payload_bytes = r->slot_payload_bytes, .fd = r->fd,
                            .device = r->device};
@@ -687,17 +748,68 @@ int tsock__reader_set_device(tsock_reader_t *h, void *device, const tsock_device
   return TSOCK_OK;
 }
 
+/* ---- pin tokens: handles too, so that a second unpin of a token (which
+ * would drop a reference someone else owns and unmap memory a live tensor
+ * uses) or a token that was never handed out is detected, not trusted.
+ * A token is (generation << PIN_INDEX_BITS) | (index + 1); the generation
+ * of an entry changes at every unpin. ---- */
+
+#define PIN_INDEX_BITS 24u
+#define PIN_MAX ((1u << PIN_INDEX_BITS) - 1u)
+static struct pin_entry {
+  tsock_map_ref *map; /* NULL: free */
+  uint64_t gen;
+} *pins;
+static uint32_t pin_cap;
+
 int tsock_reader_pin_mapping(tsock_reader_t *h, void **token) {
   int rc;
   struct reader_impl *r = handle_get(h, &rc);
   if (r == NULL) return rc;
   if (token == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_pin_mapping: token is NULL");
+  pthread_mutex_lock(&pin_mu);
+  uint32_t i = 0;
+  while (i < pin_cap && pins[i].map != NULL) i++;
+  if (i == pin_cap) {
+    uint32_t cap = pin_cap == 0 ? 16 : pin_cap * 2;
+    struct pin_entry *grown = cap <= PIN_MAX ? realloc(pins, cap * sizeof *pins) : NULL;
+    if (grown == NULL) {
+      pthread_mutex_unlock(&pin_mu);
+      return tsock__fail(TSOCK_ENOMEM, "tsock_reader_pin_mapping: out of memory (%u pins)", pin_cap);
+    }
+    memset(grown + pin_cap, 0, (cap - pin_cap) * sizeof *pins);
+    pins = grown;
+    pin_cap = cap;
+  }
   tsock__map_ref(r->map_ref);
-  *token = r->map_ref;
+  pins[i].map = r->map_ref;
+  pins[i].gen = (pins[i].gen + 1) & ((1ull << (64 - PIN_INDEX_BITS)) - 1);
+  if (pins[i].gen == 0) pins[i].gen = 1;
+  *token = (void *)(uintptr_t)((pins[i].gen << PIN_INDEX_BITS) | (i + 1));
+  pthread_mutex_unlock(&pin_mu);
   return TSOCK_OK;
 }
 
-void tsock_mapping_unpin(void *token) { tsock__map_unref(token); }
+int tsock_mapping_unpin(void *token) {
+  tsock__clear_error();
+  uint64_t v = (uint64_t)(uintptr_t)token;
+  uint64_t idx = v & ((1ull << PIN_INDEX_BITS) - 1);
+  tsock_map_ref *m = NULL;
+  pthread_mutex_lock(&pin_mu);
+  if (idx != 0 && idx <= pin_cap && pins[idx - 1].map != NULL &&
+      pins[idx - 1].gen == v >> PIN_INDEX_BITS) {
+    m = pins[idx - 1].map;
+    pins[idx - 1].map = NULL;
+  }
+  pthread_mutex_unlock(&pin_mu);
+  if (m == NULL)
+    return tsock__fail(TSOCK_EHANDLE, "tsock_mapping_unpin: %p is not a pin token in use "
+                                      "(already unpinned, or never returned by "
+                                      "tsock_reader_pin_mapping)",
+                       token);
+  tsock__map_unref(m); /* outside the lock: it may unmap and call CUDA */
+  return TSOCK_OK;
+}
 
 int tsock_reader_detach(tsock_reader_t *h) {
   int rc;

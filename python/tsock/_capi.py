@@ -144,7 +144,7 @@ _COMMON = {
     "tsock_reader_detach": (_I, [_P]),
     "tsock_batch_dlpack": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, _I, ctypes.POINTER(_P)]),
     "tsock_reader_pin_mapping": (_I, [_P, ctypes.POINTER(_P)]),
-    "tsock_mapping_unpin": (None, [_P]),
+    "tsock_mapping_unpin": (_I, [_P]),
     "tsock_reader_register_host": (_I, [_P]),
     "tsock_reader_open_device": (_I, [_P, ctypes.POINTER(ctypes.c_int32)]),
     "tsock_reader_device_range": (_I, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),

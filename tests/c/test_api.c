@@ -510,6 +510,43 @@ static void test_backpressure(void) {
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
 
+/* max_held larger than the ring (issue 17, item 2): the default max_held of
+ * 4 on a 2-slot ring let a reader wait in acquire for a batch the producer
+ * could never publish (it held the whole ring), stalling everyone. The
+ * reader clamps max_held to the slot count: holding the whole ring, acquire
+ * says so at once (TSOCK_ESTATE) instead of waiting for ever. */
+static void test_max_held_clamped(void) {
+  const uint32_t asked[] = {4 /* the default */, 64};
+  for (int k = 0; k < 2; k++) {
+    const char *name = test_name("tapi", k == 0 ? "held4" : "held64");
+    tsock_producer_t *p = make_producer(name, 2, 4096);
+    tsock_reader_options_t o;
+    tsock_reader_options_init(&o);
+    o.max_held = asked[k];
+    tsock_reader_t *r = NULL;
+    CHECK_RC(tsock_reader_attach(name, &o, &r), TSOCK_OK);
+    if (p == NULL || r == NULL) return;
+    publish_value(p, 0);
+    publish_value(p, 1);
+    const tsock_batch_t *b0 = NULL, *b1 = NULL, *b2 = NULL;
+    CHECK_RC(tsock_reader_acquire(r, &b0, 1000 * MS), TSOCK_OK);
+    CHECK_RC(tsock_reader_acquire(r, &b1, 1000 * MS), TSOCK_OK);
+    /* The reader holds both slots: batch 2 cannot come until it releases. */
+    void *buf = NULL;
+    CHECK_RC(tsock_producer_reserve(p, 4, 0, &buf), TSOCK_EBACKPRESSURE);
+    int64_t t0 = test_now_ns();
+    CHECK_RC(tsock_reader_acquire(r, &b2, 200 * MS), TSOCK_ESTATE);
+    CHECK(test_now_ns() - t0 < 100 * MS); /* refused, not waited for */
+    CHECK(strstr(tsock_last_error(), "2 slots") != NULL);
+    if (b1 != NULL) CHECK_RC(tsock_reader_release(r, b1), TSOCK_OK);
+    publish_value(p, 2); /* the ring moves again */
+    CHECK_RC(tsock_reader_acquire(r, &b2, 1000 * MS), TSOCK_OK);
+    CHECK(b2 != NULL && batch_value(b2) == 2);
+    CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+    CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+  }
+}
+
 static void test_late_join(void) {
   const char *name = test_name("tapi", "late");
   tsock_producer_t *p = make_producer(name, 16, 4096);
@@ -615,6 +652,7 @@ int main(void) {
   test_roundtrip_dtypes();
   test_epochs_and_close();
   test_backpressure();
+  test_max_held_clamped();
   test_late_join();
   test_wait_readers();
   test_mapping_outlives_detach();

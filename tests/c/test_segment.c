@@ -3,6 +3,8 @@
  * files, and a valid segment whose "producer" is this test. */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -264,6 +266,388 @@ static void test_fake_producer(void) {
   remove_file(name);
 }
 
+/* Runs fn(arg) in a forked child: 1 if it exited 0, 0 if it failed or died
+ * of a signal (a fault must fail the check, not end the test). */
+static int in_child(int (*fn)(const void *), const void *arg) {
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) _exit(fn(arg));
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid) return 0;
+  if (WIFSIGNALED(status)) fprintf(stderr, "child died of signal %d\n", WTERMSIG(status));
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* The head of a legacy DLManagedTensor: the data pointer comes first. */
+typedef struct dl_head {
+  const uint8_t *data;
+  uint8_t rest[40];
+  void *manager_ctx;
+  void (*deleter)(struct dl_head *self);
+} dl_head;
+
+static int read_ten_bytes(const void *data) {
+  const uint8_t *d = data;
+  for (int j = 0; j < 10; j++)
+    if (d[j] != (uint8_t)j) return 1;
+  return 0;
+}
+
+/* Pin tokens are handles (issue 17, item 3): a second unpin of a token, a
+ * token never handed out, a pointer to something else and NULL return
+ * TSOCK_EHANDLE and change nothing, so memory a DLPack tensor still points
+ * into stays mapped. */
+static void test_pin_tokens(void) {
+  const char *name = test_name("tseg", "pin");
+  fake f;
+  if (fake_open(&f, name, 4, 1) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_OK);
+  if (r == NULL) return;
+  fake_publish(&f, 0, 10);
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b == NULL) return;
+  void *dl = NULL, *pin1 = NULL, *pin2 = NULL;
+  CHECK_RC(tsock_batch_dlpack(b, 0, 0, &dl), TSOCK_OK);
+  CHECK_RC(tsock_reader_pin_mapping(r, &pin1), TSOCK_OK);
+  CHECK_RC(tsock_reader_pin_mapping(r, &pin2), TSOCK_OK);
+  CHECK(pin1 != NULL && pin2 != NULL && pin1 != pin2);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK); /* the mapping lives on: dl, pin1, pin2 */
+  if (dl == NULL) return;
+  const uint8_t *data = ((dl_head *)dl)->data;
+
+  CHECK_RC(tsock_mapping_unpin(pin1), TSOCK_OK);
+  CHECK_RC(tsock_mapping_unpin(pin1), TSOCK_EHANDLE); /* twice */
+  CHECK_RC(tsock_mapping_unpin(pin1), TSOCK_EHANDLE); /* and again */
+  int local = 0;
+  CHECK_RC(tsock_mapping_unpin(NULL), TSOCK_EHANDLE);
+  CHECK_RC(tsock_mapping_unpin(&local), TSOCK_EHANDLE);             /* a stack address */
+  CHECK_RC(tsock_mapping_unpin(dl), TSOCK_EHANDLE);                 /* a heap address */
+  CHECK_RC(tsock_mapping_unpin((void *)(uintptr_t)1), TSOCK_EHANDLE); /* a small integer */
+  CHECK_RC(tsock_mapping_unpin((void *)((uintptr_t)pin2 + (1ull << 32))), TSOCK_EHANDLE);
+  CHECK(local == 0);
+  /* The DLPack tensor and pin2 still hold the mapping. */
+  CHECK(in_child(read_ten_bytes, data));
+  CHECK_RC(tsock_mapping_unpin(pin2), TSOCK_OK);
+  CHECK(in_child(read_ten_bytes, data)); /* dl alone */
+  ((dl_head *)dl)->deleter(dl);
+  CHECK_RC(tsock_mapping_unpin(pin2), TSOCK_EHANDLE);
+
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
+/* 1 while some open file description holds the lock on reader record i's
+ * byte (what the producer asks to decide whether a reader lives). */
+static int reader_byte_locked(int fd, uint32_t i) {
+  struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = TSOCK_LOCK_READER0 + i,
+                     .l_len = 1};
+  if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return -1;
+  return fl.l_type != F_UNLCK;
+}
+
+/* Waits up to limit_ns for reader bytes [0, n) to be free; returns the time
+ * it took, or -1 if some byte was still locked at the limit. */
+static int64_t wait_reader_bytes_free(int fd, uint32_t n, int64_t limit_ns) {
+  int64_t t0 = test_now_ns();
+  for (;;) {
+    uint32_t locked = 0;
+    for (uint32_t i = 0; i < n; i++) locked += reader_byte_locked(fd, i) != 0;
+    if (locked == 0) return test_now_ns() - t0;
+    if (test_now_ns() - t0 > limit_ns) {
+      fprintf(stderr, "%u of %u reader locks still held after %lld ms\n", locked, n,
+              (long long)(limit_ns / MS));
+      return -1;
+    }
+    usleep(200);
+  }
+}
+
+/* A reader process attaches `n` times, forks a child that only sleeps (no
+ * exec) and outlives it, and is then killed: every one of its record locks
+ * must be free at once, while the child lives on. The child of a reader
+ * holds neither the reader's descriptors (the fork guard closes them) nor,
+ * through its inherited mappings, the locked open file descriptions (issue
+ * 17, item 1: the reader maps the segment through a second open). */
+static void forked_child_outlives_reader(const char *tag, uint32_t n) {
+  const char *name = test_name("tseg", tag);
+  fake f;
+  if (fake_open(&f, name, 4, n) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  int pfd[2];
+  if (pipe(pfd) != 0) abort();
+  fflush(NULL);
+  pid_t reader = fork();
+  if (reader == 0) {
+    close(pfd[0]);
+    for (uint32_t i = 0; i < n; i++) {
+      tsock_reader_t *r = NULL;
+      if (tsock_reader_attach(name, NULL, &r) != TSOCK_OK) {
+        fprintf(stderr, "attach %u: %s\n", i, tsock_last_error());
+        _exit(1);
+      }
+    }
+    pid_t child = fork();
+    if (child == 0) {
+      sleep(10); /* a DataLoader worker: it outlives its parent */
+      _exit(0);
+    }
+    if (write(pfd[1], &child, sizeof child) != (ssize_t)sizeof child) _exit(1);
+    for (;;) pause();
+  }
+  close(pfd[1]);
+  pid_t child = -1;
+  CHECK(read(pfd[0], &child, sizeof child) == (ssize_t)sizeof child);
+  close(pfd[0]);
+  uint32_t locked = 0;
+  for (uint32_t i = 0; i < n; i++) locked += reader_byte_locked(f.fd, i) == 1;
+  CHECK(locked == n); /* the reader process holds all its records */
+  kill(reader, SIGKILL);
+  waitpid(reader, NULL, 0);
+  int64_t took = wait_reader_bytes_free(f.fd, n, 2000 * MS);
+  CHECK(took >= 0 && took < 100 * MS);
+  CHECK(child > 0 && kill(child, 0) == 0); /* the child still lives */
+  if (child > 0) kill(child, SIGKILL);
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
+static void test_forked_child_outlives_reader(void) { forked_child_outlives_reader("forkkill", 1); }
+
+/* The fork guard tracks every descriptor, however many readers a process
+ * has open (issue 10, section 4: it tracked 256 while 1024 handles are
+ * allowed, so a child kept the locks of the 257th reader on). */
+static void test_fork_after_300_attaches(void) { forked_child_outlives_reader("fork300", 300); }
+
+typedef struct {
+  const char *name;
+  volatile int stop;
+  uint64_t attaches;
+} attach_loop;
+
+static void *attach_detach_loop(void *arg) {
+  attach_loop *a = arg;
+  while (!a->stop) {
+    tsock_reader_t *r = NULL;
+    if (tsock_reader_attach(a->name, NULL, &r) == TSOCK_OK) {
+      tsock_reader_detach(r);
+      a->attaches++;
+    }
+  }
+  return NULL;
+}
+
+/* Takes and drops the handle table's lock as often as it can (a detach of
+ * a handle that is not open goes through it). */
+static void *bad_detach_loop(void *arg) {
+  attach_loop *a = arg;
+  while (!a->stop) tsock_reader_detach((tsock_reader_t *)(uintptr_t)0x12340001u);
+  return NULL;
+}
+
+/* fork() at any instant is safe: a child forked while other threads attach
+ * and detach can attach and detach itself (issue 10, section 4: the handle
+ * table's lock was a spinlock that a child could inherit held, and spin on
+ * for ever). Each child has 5 s; one that hangs dies of SIGALRM. */
+static void test_fork_while_attaching(void) {
+  const char *name = test_name("tseg", "forkrace");
+  fake f;
+  if (fake_open(&f, name, 4, 16) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  attach_loop a = {.name = name};
+  pthread_t t1, t2;
+  CHECK(pthread_create(&t1, NULL, attach_detach_loop, &a) == 0);
+  CHECK(pthread_create(&t2, NULL, bad_detach_loop, &a) == 0);
+  int hung = 0, failed = 0, forks = 0;
+  int64_t t0 = test_now_ns();
+  while (forks < 400 && test_now_ns() - t0 < 8000 * MS) {
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+      alarm(5);
+      tsock_reader_t *r = NULL;
+      int rc = tsock_reader_attach(name, NULL, &r);
+      if (rc == TSOCK_OK) rc = tsock_reader_detach(r);
+      _exit(rc == TSOCK_OK ? 0 : 1);
+    }
+    if (pid < 0) break;
+    forks++;
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) hung++;
+    else if (WEXITSTATUS(status) != 0) failed++;
+  }
+  a.stop = 1;
+  pthread_join(t1, NULL);
+  pthread_join(t2, NULL);
+  if (hung || failed) fprintf(stderr, "%d of %d children hung, %d failed\n", hung, forks, failed);
+  CHECK(hung == 0 && failed == 0 && forks >= 50 && a.attaches > 0);
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
+/* A hostile or broken producer rewrites the geometry in the header of a
+ * live segment while readers attach (issue 10, section 2): the reader used
+ * to check the live header and then read slots_offset, payload_offset and
+ * slot_count from it again, so a change in between gave it a ring that did
+ * not match its mapping (and a SIGSEGV in acquire). Readers must now either
+ * attach consistently or get TSOCK_ECORRUPT. */
+typedef struct {
+  fake *f;
+  uint64_t slots_off, payload_off, slot_bytes;
+  volatile int stop;
+} flipper;
+
+/* Publishes test batches at the real geometry (not the header's, which is
+ * being flipped) and flips the header's geometry between valid and wild. */
+static void *flip_header(void *arg) {
+  flipper *fl = arg;
+  volatile tsock_header *h = fl->f->h;
+  uint64_t seq = __atomic_load_n(&h->published, __ATOMIC_RELAXED);
+  while (!fl->stop) {
+    tsock_slot *s = (tsock_slot *)(fl->f->map + fl->slots_off) + (seq % 4);
+    uint8_t *payload = fl->f->map + fl->payload_off + (seq % 4) * fl->slot_bytes;
+    __atomic_store_n(&s->stamp, 0, __ATOMIC_RELEASE);
+    s->n_tensors = 1;
+    s->payload_bytes = 10;
+    s->payload_kind = TSOCK_PAYLOAD_HOST;
+    s->tensors[0] = (tsock_shm_tensor){.dtype = TSOCK_DTYPE_UINT8, .ndim = 1, .nbytes = 10,
+                                       .shape = {10}, .strides = {1}};
+    for (uint32_t j = 0; j < 10; j++) payload[j] = (uint8_t)(seq + j);
+    __atomic_store_n(&s->stamp, seq + 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&h->published, ++seq, __ATOMIC_SEQ_CST);
+    for (int k = 0; k < 64; k++) {
+      /* One field at a time, so that the header is valid about half of
+       * the time: the reader's check passes often, then the field changes. */
+      h->slots_offset = 1ull << 40;
+      h->slots_offset = fl->slots_off;
+      h->payload_offset = 1ull << 41;
+      h->payload_offset = fl->payload_off;
+      h->slot_count = 1u << 30;
+      h->slot_count = 4;
+    }
+  }
+  return NULL;
+}
+
+static int attach_while_flipped(const void *name) {
+  int64_t t0 = test_now_ns();
+  int ok = 0, corrupt = 0;
+  while (test_now_ns() - t0 < 3000 * MS) {
+    tsock_reader_options_t o;
+    tsock_reader_options_init(&o);
+    o.start = TSOCK_START_NOW;
+    tsock_reader_t *r = NULL;
+    int rc = tsock_reader_attach(name, &o, &r);
+    if (rc == TSOCK_ECORRUPT) {
+      corrupt++;
+      continue;
+    }
+    if (rc != TSOCK_OK) {
+      fprintf(stderr, "attach: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+      return 1;
+    }
+    ok++;
+    const void *base = NULL;
+    uint64_t len = 0;
+    if (tsock_reader_payload_range(r, &base, &len) != TSOCK_OK || len != 4 * 4096) {
+      fprintf(stderr, "payload range of %llu bytes\n", (unsigned long long)len);
+      return 1;
+    }
+    volatile uint8_t sink = ((const uint8_t *)base)[0];
+    sink = ((const uint8_t *)base)[len - 1];
+    (void)sink;
+    for (int k = 0; k < 4; k++) {
+      const tsock_batch_t *b = NULL;
+      rc = tsock_reader_acquire(r, &b, 2 * MS);
+      if (rc == TSOCK_OK) {
+        const uint8_t *d = b->tensors[0].data;
+        uint8_t first = d[0];
+        (void)first; /* may be overwritten meanwhile (no gating here): read, not compared */
+        tsock_reader_release(r, b);
+      } else if (rc != TSOCK_EAGAIN && rc != TSOCK_EEVICTED) {
+        fprintf(stderr, "acquire: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+        return 1;
+      }
+    }
+    tsock_reader_detach(r);
+  }
+  fprintf(stderr, "attach under a flipping header: %d attached, %d refused as corrupt\n", ok,
+          corrupt);
+  return ok + corrupt > 0 ? 0 : 1;
+}
+
+static void test_header_flipped_while_attaching(void) {
+  const char *name = test_name("tseg", "flip");
+  fake f;
+  if (fake_open(&f, name, 4, 4) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  flipper fl = {.f = &f, .slots_off = f.h->slots_offset, .payload_off = f.h->payload_offset,
+                .slot_bytes = f.h->slot_payload_bytes};
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, flip_header, &fl) == 0);
+  CHECK(in_child(attach_while_flipped, name)); /* a fault kills the child, not the test */
+  fl.stop = 1;
+  pthread_join(t, NULL);
+  munmap(f.map, fl.payload_off + 4 * fl.slot_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
+/* What the header said at attach is what the reader goes by: a producer
+ * that claims a device pool after the fact (gpu_pool = 1 in the live page,
+ * none at attach) cannot make the reader accept a batch that says it has a
+ * device copy. */
+static void test_header_changed_after_attach(void) {
+  const char *name = test_name("tseg", "after");
+  fake f;
+  if (fake_open(&f, name, 4, 1) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  tsock_reader_options_t o;
+  tsock_reader_options_init(&o);
+  o.start = TSOCK_START_NOW;
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, &o, &r), TSOCK_OK);
+  if (r == NULL) return;
+  f.h->gpu_pool = 1;
+  f.h->gpu_pool_bytes = 4ull * f.h->slot_payload_bytes;
+  fake_publish(&f, 0, 10);
+  tsock_slot *s0 = (tsock_slot *)(f.map + f.h->slots_offset);
+  s0->payload_kind = TSOCK_PAYLOAD_HOST_DEVICE;
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_ECORRUPT);
+  int32_t ordinal = -1;
+  int rc = tsock_reader_open_device(r, &ordinal);
+  CHECK(rc == TSOCK_ENODEVICE || rc == TSOCK_ENOCUDA); /* no pool at attach: none now */
+  fake_publish(&f, 1, 10);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+  remove_file(name);
+}
+
 int main(void) {
   test_foreign();
   test_truncated();
@@ -271,5 +655,11 @@ int main(void) {
   test_inconsistent();
   test_no_producer();
   test_fake_producer();
+  test_pin_tokens();
+  test_forked_child_outlives_reader();
+  test_fork_after_300_attaches();
+  test_fork_while_attaching();
+  test_header_flipped_while_attaching();
+  test_header_changed_after_attach();
   return test_report("test_segment");
 }
