@@ -8,12 +8,28 @@
  * is opened once; fences, plain events recorded on the caller's stream at
  * release, hold the slot back from the producer until that stream's work
  * has run (reader.c polls them through tsock_device_hooks).
+ *
+ * While the pool is mapped, the process holds a read lock on the segment's
+ * byte TSOCK_LOCK_DEVICE_MAP (layout.h), on an open file description of its
+ * own (map_fd): the reader's descriptor, and its record lock, go at detach,
+ * but the mapping lives on with the DLPack descriptors. The producer frees
+ * the pool only while no process holds that lock.
  */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "driver.h"
+
+/* libtsock.so compiles this file after others (reader/cuda_shim.c), where
+ * _GNU_SOURCE comes too late for <fcntl.h> to name it (Linux's value). */
+#ifndef F_OFD_SETLK
+#define F_OFD_SETLK 37
+#endif
 
 #define MAX_FENCES 64 /* = the most batches a reader holds (reader.c MAX_HELD) */
 
@@ -25,6 +41,7 @@ typedef struct device_state {
   tsock_CUcontext ctx; /* the device's primary context, retained */
   int32_t ordinal;
   int fd; /* the reader's segment, for the producer's liveness lock */
+  int map_fd; /* holds the TSOCK_LOCK_DEVICE_MAP read lock while mapped; -1 if none */
   tsock_CUdeviceptr base; /* the pool, opened with cuIpcOpenMemHandle */
   uint64_t slot_bytes;
   uint32_t slot_count;
@@ -41,11 +58,19 @@ static void device_free(device_state *g) {
       for (uint32_t i = 0; i < g->n_spare; i++) d->cuEventDestroy(g->spare[i]);
       for (uint32_t s = 0; g->copied != NULL && s < g->slot_count; s++)
         if (g->copied[s] != NULL) d->cuEventDestroy(g->copied[s]);
-      if (g->base != 0) d->cuIpcCloseMemHandle(g->base);
+      if (g->base != 0 && d->cuIpcCloseMemHandle(g->base) == TSOCK_CUDA_SUCCESS) g->base = 0;
       tsock__cuda_pop_ctx(d, g->ctx, prev);
     }
     d->cuDevicePrimaryCtxRelease(g->dev);
+    /* Only once the pool is unmapped does the producer learn it may free it;
+     * if the close failed, the lock stays until this process exits (the
+     * descriptor is leaked on purpose: freeing under a mapping is worse). */
+    if (g->map_fd >= 0 && g->base == 0) {
+      tsock__fork_untrack(g->map_fd);
+      close(g->map_fd);
+    }
   }
+  /* In a forked child the fork guard has closed map_fd already. */
   free(g->copied);
   free(g);
 }
@@ -153,9 +178,38 @@ static int find_device(const tsock_cuda_driver *d, const uint8_t *want, tsock_CU
   return -1;
 }
 
+/* Takes the TSOCK_LOCK_DEVICE_MAP read lock on a new open file description
+ * of the segment (reopened through /proc, so it is the same file even if its
+ * name was taken since), kept in g->map_fd. Then the channel must still be
+ * open: the producer stores CLOSED before it checks the lock, so either it
+ * sees our lock or we see CLOSED, and it never frees a pool we go on to map. */
+static int lock_mapping(device_state *g, const tsock_reader_view *v) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", v->fd);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return tsock__fail_errno(TSOCK_ESYS, errno, "tsock_reader_open_device: reopening the segment "
+                                               "(%s) for its device-mapping lock", path);
+  struct flock fl = {.l_type = F_RDLCK, .l_whence = SEEK_SET,
+                     .l_start = TSOCK_LOCK_DEVICE_MAP, .l_len = 1};
+  if (fcntl(fd, F_OFD_SETLK, &fl) != 0) {
+    int err = errno;
+    close(fd);
+    return tsock__fail_errno(TSOCK_ESYS, err, "tsock_reader_open_device: the device-mapping lock");
+  }
+  tsock__fork_track(fd);
+  g->map_fd = fd;
+  if (__atomic_load_n(&v->hdr->state, __ATOMIC_SEQ_CST) == TSOCK_STATE_CLOSED)
+    return tsock__fail(TSOCK_ENODEVICE, "the channel is closed: its device pool is about to be "
+                                        "freed; read host memory");
+  return TSOCK_OK;
+}
+
 /* Maps the pool and opens the slot events, in g's context (current). */
 static int open_pool(device_state *g, const tsock_reader_view *v) {
   const tsock_cuda_driver *d = g->d;
+  int st = lock_mapping(g, v);
+  if (st != TSOCK_OK) return st;
   tsock_CUipcMemHandle mh;
   memcpy(&mh, v->hdr->gpu_mem_handle, sizeof mh);
   tsock_CUresult rc = d->cuIpcOpenMemHandle(&g->base, mh, TSOCK_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
@@ -224,6 +278,7 @@ int tsock_reader_open_device(tsock_reader_t *h, int32_t *cuda_ordinal) {
   g->slot_bytes = v.slot_payload_bytes;
   g->slot_count = v.slot_count;
   g->fd = v.fd;
+  g->map_fd = -1;
   tsock_CUresult cr = d->cuDevicePrimaryCtxRetain(&g->ctx, dev);
   if (cr != TSOCK_CUDA_SUCCESS) {
     g->ctx = NULL;

@@ -341,6 +341,38 @@ static void test_close_waits_for_device_readers(void) {
   CHECK(fake_allocations(pid) == 0); /* freed once we had closed it */
 }
 
+/* A DLPack descriptor of device memory keeps the pool mapped after detach
+ * (tsock.h): the producer's close must not free the pool under it. It
+ * waits for the last mapping of the pool to go, then frees it (rather than
+ * leave it to its process's exit). */
+static void test_dlpack_keeps_pool_after_detach(void) {
+  const char *name = test_name("tdev", "dlkeep");
+  pid_t pid = spawn_producer(name, 2, 2);
+  void *stream = NULL;
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  struct { uint32_t major, minor; void *ctx; void (*deleter)(void *); } *dl = NULL;
+  CHECK_RC(tsock_batch_dlpack_cuda(b, 0, 1, (void **)&dl), TSOCK_OK);
+  if (dl == NULL) return;
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  int rc;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK)
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(rc, TSOCK_ECLOSED);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK); /* no record says "device" any more */
+  usleep(300000);
+  CHECK(waitpid(pid, NULL, WNOHANG) == 0); /* the producer waits for our mapping... */
+  CHECK(fake_allocations(pid) == 1);        /* ...with the pool still allocated */
+  uint64_t t0 = mono_ns();
+  dl->deleter(dl); /* the last user of the mapping: the pool is closed */
+  CHECK(reap(pid) == 0);
+  CHECK(mono_ns() - t0 < 2000000000ull); /* well before its 5 s cap */
+  CHECK(fake_allocations(pid) == 0);     /* freed by the producer, not left to its exit */
+}
+
 /* A batch released with queued GPU work is waited for at detach. */
 static void test_detach_waits(void) {
   const char *name = test_name("tdev", "detach");
@@ -595,6 +627,7 @@ int main(int argc, char **argv) {
     test_fences_hold_slots();
     test_detach_waits();
     test_close_waits_for_device_readers();
+    test_dlpack_keeps_pool_after_detach();
     test_sync_mode();
     test_placement_refusals();
     test_reordered_devices();

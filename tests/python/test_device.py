@@ -377,3 +377,40 @@ def test_dlpack_output_without_device_path_refuses(tmp_path):
         consumer_env={"FAKE_CUDA_UUIDS": "5,6"},
     )
     assert out.strip() == "ok"
+
+
+@needs_fake
+def test_dlpack_capsule_keeps_the_pool_after_close(tmp_path):
+    # A kDLCUDA capsule keeps the device pool mapped after its consumer is
+    # closed: the producer's close must wait for it rather than free the
+    # pool under the mapping, and free the pool once the capsule is gone.
+    out = _run(
+        tmp_path,
+        """
+        import glob, time
+        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        kept = None
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30) as c:
+            for x, _ in c:
+                if kept is None:
+                    kept = x.__dlpack__(stream=stream.value)
+        pid = int(sys.argv[2])
+        def pool_allocated():
+            return bool(glob.glob(f"/dev/shm/tsockfake.mem.{pid}.*"))
+        def producer_running():
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        time.sleep(0.3)
+        assert producer_running() and pool_allocated(), "the producer freed the pool under a capsule"
+        del kept  # the last mapping of the pool goes
+        deadline = time.monotonic() + 3
+        while producer_running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not producer_running(), "the producer still waits"
+        assert not pool_allocated(), "the pool was left to the producer's exit"
+        print("ok")
+        """,
+        n=3,
+        slots=2,
+    )
+    assert out.strip() == "ok"
