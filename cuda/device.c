@@ -80,55 +80,94 @@ static void device_unref(void *p) {
   if (__atomic_sub_fetch(&g->refs, 1, __ATOMIC_ACQ_REL) == 0) device_free(g);
 }
 
-/* ---- fences (tsock_device_hooks) ---- */
+/* ---- fences (tsock_device_hooks) ----
+ *
+ * Fail closed: a released batch goes back to the producer only once it is
+ * proven that no GPU work queued before the release can still read it: its
+ * fence fired, or a synchronize covering its stream returned success. When
+ * neither can be had (the context cannot be made current, the event calls
+ * and the synchronizes fail: a broken context), the batch stays held, with
+ * FENCE_UNPROVEN as its fence, and every later poll tries again. */
 
-static void fence_arm(tsock_held_batch *hb) {
-  device_state *g = hb->device;
+/* hb->fence of a released batch whose safety is not yet established. */
+static char fence_unproven_tag;
+#define FENCE_UNPROVEN ((void *)&fence_unproven_tag)
+
+static void spare_event(device_state *g, tsock_CUevent ev) {
+  if (g->n_spare < MAX_FENCES)
+    g->spare[g->n_spare++] = ev;
+  else
+    g->d->cuEventDestroy(ev);
+}
+
+/* In g's context (current): records a fence for hb (1, hb->fence set), or
+ * waits until its stream or the device is idle (0: safe now). -1 when
+ * neither worked: nothing is proven. */
+static int fence_establish(device_state *g, tsock_held_batch *hb) {
   const tsock_cuda_driver *d = g->d;
-  tsock_CUcontext prev = NULL;
-  if (tsock__cuda_push_ctx(d, g->ctx, &prev) != TSOCK_CUDA_SUCCESS) return;
-  if (hb->use_flags & TSOCK_CUDA_SYNC) {
-    d->cuCtxSynchronize(); /* the caller's streams are unknown: wait for all */
-  } else {
+  if (!(hb->use_flags & TSOCK_CUDA_SYNC)) {
+    tsock_CUstream stream = (tsock_CUstream)hb->stream;
     tsock_CUevent ev = NULL;
     tsock_CUresult rc = TSOCK_CUDA_SUCCESS;
     if (g->n_spare > 0)
       ev = g->spare[--g->n_spare];
     else
       rc = d->cuEventCreate(&ev, TSOCK_CU_EVENT_DISABLE_TIMING);
-    if (rc == TSOCK_CUDA_SUCCESS) rc = d->cuEventRecord(ev, (tsock_CUstream)hb->stream);
+    if (rc == TSOCK_CUDA_SUCCESS) rc = d->cuEventRecord(ev, stream);
     if (rc == TSOCK_CUDA_SUCCESS) {
       hb->fence = ev;
-    } else {
-      /* No event: wait for the stream now rather than risk the slot. */
-      d->cuStreamSynchronize((tsock_CUstream)hb->stream);
-      if (ev != NULL && g->n_spare < MAX_FENCES) g->spare[g->n_spare++] = ev;
+      return 1;
     }
+    if (ev != NULL) spare_event(g, ev);
+    /* No event: wait for the stream now rather than risk the slot. */
+    if (d->cuStreamSynchronize(stream) == TSOCK_CUDA_SUCCESS) return 0;
   }
-  tsock__cuda_pop_ctx(d, g->ctx, prev);
+  /* The caller's streams are unknown (TSOCK_CUDA_SYNC), or its stream
+   * could not be fenced nor synchronized: wait for the whole device. */
+  return d->cuCtxSynchronize() == TSOCK_CUDA_SUCCESS ? 0 : -1;
+}
+
+static void fence_arm(tsock_held_batch *hb) {
+  device_state *g = hb->device;
+  tsock_CUcontext prev = NULL;
+  hb->fence = FENCE_UNPROVEN;
+  if (tsock__cuda_push_ctx(g->d, g->ctx, &prev) != TSOCK_CUDA_SUCCESS) return;
+  if (fence_establish(g, hb) == 0) hb->fence = NULL;
+  tsock__cuda_pop_ctx(g->d, g->ctx, prev);
 }
 
 static int fence_pending(tsock_held_batch *hb, int wait) {
   device_state *g = hb->device;
   const tsock_cuda_driver *d = g->d;
-  tsock_CUevent ev = hb->fence;
   tsock_CUcontext prev = NULL;
-  if (tsock__cuda_push_ctx(d, g->ctx, &prev) == TSOCK_CUDA_SUCCESS) {
-    tsock_CUresult rc = d->cuEventQuery(ev);
-    if (rc == TSOCK_CUDA_ERROR_NOT_READY && !wait) {
-      tsock__cuda_pop_ctx(d, g->ctx, prev);
-      return 1;
+  if (tsock__cuda_push_ctx(d, g->ctx, &prev) != TSOCK_CUDA_SUCCESS) return 1;
+  int pending = 1;
+  if (hb->fence == FENCE_UNPROVEN) {
+    int e = fence_establish(g, hb); /* may arm a real fence: then query it below */
+    if (e == 0) {
+      hb->fence = NULL;
+      pending = 0;
     }
-    if (rc == TSOCK_CUDA_ERROR_NOT_READY) d->cuEventSynchronize(ev);
-    tsock__cuda_pop_ctx(d, g->ctx, prev);
+    if (e <= 0) {
+      tsock__cuda_pop_ctx(d, g->ctx, prev);
+      return pending;
+    }
   }
-  /* Fired, or the context is broken and nothing will ever run on it. */
-  if (g->n_spare < MAX_FENCES)
-    g->spare[g->n_spare++] = ev;
-  else
-    d->cuEventDestroy(ev);
-  hb->fence = NULL;
-  return 0;
+  tsock_CUevent ev = hb->fence;
+  tsock_CUresult rc = d->cuEventQuery(ev);
+  if (rc == TSOCK_CUDA_ERROR_NOT_READY && wait) rc = d->cuEventSynchronize(ev);
+  if (rc == TSOCK_CUDA_SUCCESS) {
+    pending = 0;
+  } else if (rc != TSOCK_CUDA_ERROR_NOT_READY) {
+    /* The event cannot say: only an idle device proves the slot free. */
+    pending = d->cuCtxSynchronize() != TSOCK_CUDA_SUCCESS;
+  }
+  if (!pending) {
+    spare_event(g, ev);
+    hb->fence = NULL;
+  }
+  tsock__cuda_pop_ctx(d, g->ctx, prev);
+  return pending;
 }
 
 static void device_detach(void *p) { device_unref(p); }

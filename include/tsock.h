@@ -357,6 +357,13 @@ int tsock_batch_cuda_ptr(const tsock_batch_t *batch, uint32_t i, uint64_t *dptr)
  *     the slot goes back to the producer only once it has fired, so work
  *     queued before the release is never overwritten under it. The reader
  *     polls that event while it waits for data; detach waits for it.
+ *     This fails closed: where no event can be recorded the release waits
+ *     for the stream, else for the device (cuCtxSynchronize); where none
+ *     of that succeeds (a broken CUDA context), or the event can no longer
+ *     be queried, the slot stays held and later calls try again. A reader
+ *     whose max_held batches are held so gets TSOCK_ESYS from acquire, and
+ *     detach then returns TSOCK_ESYS and leaves the reader's record (and
+ *     its slots) held until the process exits.
  * With flags TSOCK_CUDA_SYNC the calling thread waits for the copy instead,
  * and release waits until the device is idle (cuCtxSynchronize): for a
  * caller that cannot name the stream its work runs on. One stream per batch: a
@@ -388,7 +395,11 @@ int tsock_batch_dlpack_cuda(const tsock_batch_t *batch, uint32_t i, int versione
 int tsock_batch_dlpack(const tsock_batch_t *batch, uint32_t i, int versioned, void **out);
 
 /* Releases everything, frees the reader record and the handle. Thread-safe
- * against other readers; a second detach returns TSOCK_EHANDLE. */
+ * against other readers; a second detach returns TSOCK_EHANDLE. Waits for
+ * the GPU work of released batches (tsock_batch_cuda_use); where CUDA cannot
+ * confirm it finished, returns TSOCK_ESYS: the handle is gone, but the
+ * record stays claimed, its slots held from the producer, until the
+ * process exits. */
 int tsock_reader_detach(tsock_reader_t *r);
 
 #ifdef __cplusplus

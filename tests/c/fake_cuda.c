@@ -14,7 +14,10 @@
  * other GPUs, as a MIG instance does; default the ordinal),
  * FAKE_CUDA_ALLOC_RESULT, FAKE_CUDA_IPC_RESULT (cuMemAlloc's and
  * cuIpcOpenMemHandle's results), FAKE_CUDA_COPY_NS (how long a
- * host-to-device copy keeps its stream busy).
+ * host-to-device copy keeps its stream busy), FAKE_CUDA_FAIL (comma-separated
+ * entry points, e.g. "cuEventRecord,cuCtxSynchronize", that fail with
+ * FAKE_CUDA_FAIL_RESULT, default CUDA_ERROR_LAUNCH_FAILED: a broken context;
+ * a test sets it in its own process to break the driver mid-run).
  *
  * The device path is modelled on the CPU, across processes: device memory
  * is a shared-memory file (/dev/shm/tsockfake.<pid>.<n>) mapped at the
@@ -58,6 +61,7 @@ typedef struct fake_ctx {
 #define NOT_SUPPORTED 801
 #define OUT_OF_MEMORY 2
 #define NOT_READY 600
+#define LAUNCH_FAILED 719
 #define MAX_DEVICES 8
 #define MAX_RANGES 64
 
@@ -81,6 +85,29 @@ static int devices(void) {
   int n = env_int("FAKE_CUDA_DEVICES", 2);
   return n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : n;
 }
+
+/* FAKE_CUDA_FAIL's result for entry point fn: SUCCESS unless listed. */
+static CUresult injected(const char *fn) {
+  const char *p = getenv("FAKE_CUDA_FAIL");
+  size_t n = strlen(fn);
+  while (p != NULL && *p) {
+    const char *comma = strchr(p, ',');
+    size_t len = comma ? (size_t)(comma - p) : strlen(p);
+    if (len == n && strncmp(p, fn, n) == 0) {
+      pthread_mutex_lock(&mu);
+      st.injected_failures++;
+      pthread_mutex_unlock(&mu);
+      return env_int("FAKE_CUDA_FAIL_RESULT", LAUNCH_FAILED);
+    }
+    p = comma ? comma + 1 : NULL;
+  }
+  return SUCCESS;
+}
+#define INJECT(fn)                                                                         \
+  do {                                                                                     \
+    CUresult inj_ = injected(fn);                                                          \
+    if (inj_ != SUCCESS) return inj_;                                                      \
+  } while (0)
 
 void fake_cuda_query(fake_cuda_stats *out) {
   pthread_mutex_lock(&mu);
@@ -122,6 +149,7 @@ CUresult cuDeviceGet(CUdevice *d, int ordinal) {
 
 CUresult cuCtxGetCurrent(CUcontext *c) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuCtxGetCurrent");
   if (c == NULL) return INVALID_VALUE;
   *c = current;
   return SUCCESS;
@@ -129,6 +157,7 @@ CUresult cuCtxGetCurrent(CUcontext *c) {
 
 CUresult cuCtxSetCurrent(CUcontext c) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuCtxSetCurrent");
   current = c;
   return SUCCESS;
 }
@@ -252,6 +281,7 @@ static const char *err_name(CUresult rc) {
   case NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
   case OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
   case NOT_READY: return "CUDA_ERROR_NOT_READY";
+  case LAUNCH_FAILED: return "CUDA_ERROR_LAUNCH_FAILED";
   default: return NULL;
   }
 }
@@ -269,6 +299,7 @@ static const char *err_string(CUresult rc) {
   case NOT_SUPPORTED: return "operation not supported";
   case OUT_OF_MEMORY: return "out of memory";
   case NOT_READY: return "device not ready";
+  case LAUNCH_FAILED: return "unspecified launch failure";
   default: return NULL;
   }
 }
@@ -423,6 +454,7 @@ CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) {
 
 CUresult cuCtxSynchronize(void) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuCtxSynchronize");
   if (current == NULL) return INVALID_CONTEXT;
   pthread_mutex_lock(&mu);
   uint64_t end = legacy_stream.end_ns;
@@ -648,6 +680,7 @@ CUresult cuStreamDestroy_v2(void *stream) {
 
 CUresult cuStreamSynchronize(void *stream) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuStreamSynchronize");
   sleep_until(fake_cuda_stream_end(stream));
   fake_cuda_run_due();
   return SUCCESS;
@@ -655,6 +688,7 @@ CUresult cuStreamSynchronize(void *stream) {
 
 CUresult cuStreamWaitEvent(void *stream, fake_event *ev, unsigned flags) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuStreamWaitEvent");
   if (ev == NULL || ev->magic != IPC_MAGIC || flags != 0) return INVALID_VALUE;
   pthread_mutex_lock(&mu);
   fake_stream *s = stream_of(stream);
@@ -666,6 +700,7 @@ CUresult cuStreamWaitEvent(void *stream, fake_event *ev, unsigned flags) {
 
 CUresult cuEventCreate(fake_event **out, unsigned flags) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuEventCreate");
   if (current == NULL) return INVALID_CONTEXT;
   if (out == NULL || (flags & ~0x7u) != 0) return INVALID_VALUE;
   int ipc = (flags & 0x4u) != 0;
@@ -711,6 +746,7 @@ CUresult cuEventDestroy_v2(fake_event *ev) {
 
 CUresult cuEventRecord(fake_event *ev, void *stream) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuEventRecord");
   if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
   pthread_mutex_lock(&mu);
   __atomic_store_n(&ev->done_ns, max64(stream_of(stream)->end_ns, now_ns()), __ATOMIC_RELEASE);
@@ -721,6 +757,7 @@ CUresult cuEventRecord(fake_event *ev, void *stream) {
 
 CUresult cuEventQuery(fake_event *ev) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuEventQuery");
   if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
   uint64_t now = run_due();
   return now >= __atomic_load_n(&ev->done_ns, __ATOMIC_ACQUIRE) ? SUCCESS : NOT_READY;
@@ -728,6 +765,7 @@ CUresult cuEventQuery(fake_event *ev) {
 
 CUresult cuEventSynchronize(fake_event *ev) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuEventSynchronize");
   if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
   sleep_until(__atomic_load_n(&ev->done_ns, __ATOMIC_ACQUIRE));
   fake_cuda_run_due();

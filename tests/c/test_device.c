@@ -50,6 +50,7 @@ static uint64_t mono_ns(void) {
 
 /* ---- the fake driver's extras (below) ---- */
 static int load_fake(void);
+static uint64_t published(const char *name);
 static tsock_reader_t *attach(const char *name);
 static fake_cuda_launch_read_fn launch_read;
 typedef int (*stream_create_fn)(void **s, unsigned flags);
@@ -398,6 +399,127 @@ static void test_detach_waits(void) {
   CHECK(reap(pid) == 0);
 }
 
+/* Fail closed: when the fence of a released batch cannot be established
+ * or confirmed (FAKE_CUDA_FAIL breaks the driver from release on), its slot
+ * stays held from the producer until CUDA proves it free, and the read
+ * queued before the release sees its batch intact. With ctx_sync_works,
+ * only the stream's calls fail: release synchronizes the device instead. */
+static void fence_failure_case(const char *tag, const char *fail, int ctx_sync_works) {
+  const char *name = test_name("tdev", tag);
+  pid_t pid = spawn_producer(name, 6, 2);
+  void *stream = NULL;
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  uint64_t dptr = 0;
+  unsigned long long sum = 0;
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+  uint64_t want = fnv(b->tensors[0].data, ROWS * 4);
+  launch_read(stream, (const void *)(uintptr_t)dptr, ROWS * 4, 600000000ull, &sum); /* 0.6 s */
+  int injected = stats().injected_failures;
+  setenv("FAKE_CUDA_FAIL", fail, 1);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK(stats().injected_failures > injected); /* the failure did hit the release */
+  if (ctx_sync_works) {
+    CHECK(sum == want); /* release waited for the device */
+  } else {
+    /* Batch 0 is held: batch 1 comes, batch 2 cannot be published (2 slots). */
+    CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+    CHECK(b->seq == 1);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+    CHECK_RC(tsock_reader_acquire(r, &b, 200000000ll), TSOCK_EAGAIN);
+    CHECK(published(name) == 2);
+    CHECK(sum == 0); /* the read has not run yet: its slot was held for it */
+  }
+  unsetenv("FAKE_CUDA_FAIL"); /* CUDA recovers: the next poll proves the slot free */
+  int rc;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK)
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(rc, TSOCK_ECLOSED);
+  CHECK(sum == want);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(reap(pid) == 0);
+}
+
+static void test_fence_failures_hold_slots(void) {
+  /* the context cannot be made current at release */
+  fence_failure_case("ffctx", "cuCtxGetCurrent", 0);
+  /* no event can be recorded, and nothing can be synchronized */
+  fence_failure_case("ffrec", "cuEventRecord,cuStreamSynchronize,cuCtxSynchronize", 0);
+  /* the fence was recorded, but it cannot be queried nor waited for */
+  fence_failure_case("ffqry", "cuEventQuery,cuEventSynchronize,cuCtxSynchronize", 0);
+  /* no event, the stream cannot be synchronized: the device can */
+  fence_failure_case("ffsync", "cuEventRecord,cuStreamSynchronize", 1);
+}
+
+/* A fence that stays unconfirmed through detach: detach says so and the
+ * record keeps the slots from the producer until this process exits. */
+static void test_detach_with_unconfirmed_fence(void) {
+  const char *name = test_name("tdev", "ffdet");
+  pid_t pid = spawn_producer(name, 6, 2);
+  void *stream = NULL;
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  uint64_t dptr = 0;
+  static unsigned long long sum; /* the read outlives this function */
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+  launch_read(stream, (const void *)(uintptr_t)dptr, ROWS * 4, 600000000ull, &sum);
+  setenv("FAKE_CUDA_FAIL", "cuEventRecord,cuStreamSynchronize,cuCtxSynchronize", 1);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK); /* batch 1 */
+  CHECK_RC(tsock_reader_acquire(r, &b, 100000000ll), TSOCK_EAGAIN); /* 2: never published */
+  CHECK_RC(tsock_reader_detach(r), TSOCK_ESYS);
+  CHECK(strstr(tsock_last_error(), "stay held") != NULL);
+  unsetenv("FAKE_CUDA_FAIL");
+  usleep(200000);
+  CHECK(published(name) == 2);              /* batch 0's slot was not given back */
+  CHECK(waitpid(pid, NULL, WNOHANG) == 0); /* the producer waits on our record */
+  kill(pid, SIGKILL);
+  reap(pid);
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  unlink(path);
+}
+
+/* With max_held batches held behind an unconfirmed fence, acquire says why. */
+static void test_max_held_behind_unconfirmed_fence(void) {
+  const char *name = test_name("tdev", "ffmax");
+  pid_t pid = spawn_producer(name, 6, 4);
+  tsock_reader_options_t ro;
+  tsock_reader_options_init(&ro);
+  ro.attach_timeout_ns = 10000000000ll;
+  ro.start = TSOCK_START_NOW;
+  ro.max_held = 2;
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_OK);
+  if (r == NULL) return;
+  int32_t ordinal;
+  void *stream = NULL;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
+  CHECK(stream_create(&stream, 1) == 0);
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  setenv("FAKE_CUDA_FAIL", "cuCtxGetCurrent", 1);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_ESYS);
+  CHECK(strstr(tsock_last_error(), "cannot confirm") != NULL);
+  unsetenv("FAKE_CUDA_FAIL");
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  int rc;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK)
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(rc, TSOCK_ECLOSED);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(reap(pid) == 0);
+}
+
 /* TSOCK_CUDA_SYNC: the host waits for the copy; release waits for the device. */
 static void test_sync_mode(void) {
   const char *name = test_name("tdev", "sync");
@@ -629,6 +751,9 @@ int main(int argc, char **argv) {
     test_close_waits_for_device_readers();
     test_dlpack_keeps_pool_after_detach();
     test_sync_mode();
+    test_fence_failures_hold_slots();
+    test_detach_with_unconfirmed_fence();
+    test_max_held_behind_unconfirmed_fence();
     test_placement_refusals();
     test_reordered_devices();
     test_killed_peers();
