@@ -89,6 +89,21 @@ static void device_unref(void *p) {
  * and the synchronizes fail: a broken context), the batch stays held, with
  * FENCE_UNPROVEN as its fence, and every later poll tries again. */
 
+/* A number for the calling thread, never reused in the process (a
+ * pthread_t is, once its thread has exited). */
+static uint64_t this_thread(void) {
+  static uint64_t last;
+  static __thread uint64_t id;
+  if (id == 0) id = __atomic_add_fetch(&last, 1, __ATOMIC_RELAXED);
+  return id;
+}
+
+/* 1 when hb's stream is not the stream its handle names on this thread:
+ * CU_STREAM_PER_THREAD used from another thread. */
+static int stream_elsewhere(const tsock_held_batch *hb) {
+  return hb->stream == TSOCK_CU_STREAM_PER_THREAD && hb->use_thread != this_thread();
+}
+
 /* hb->fence of a released batch whose safety is not yet established. */
 static char fence_unproven_tag;
 #define FENCE_UNPROVEN ((void *)&fence_unproven_tag)
@@ -105,7 +120,9 @@ static void spare_event(device_state *g, tsock_CUevent ev) {
  * neither worked: nothing is proven. */
 static int fence_establish(device_state *g, tsock_held_batch *hb) {
   const tsock_cuda_driver *d = g->d;
-  if (!(hb->use_flags & TSOCK_CUDA_SYNC)) {
+  /* The per-thread default stream of another thread cannot be named here:
+   * only the device as a whole covers it. */
+  if (!(hb->use_flags & TSOCK_CUDA_SYNC) && !stream_elsewhere(hb)) {
     tsock_CUstream stream = (tsock_CUstream)hb->stream;
     tsock_CUevent ev = NULL;
     tsock_CUresult rc = TSOCK_CUDA_SUCCESS;
@@ -122,8 +139,9 @@ static int fence_establish(device_state *g, tsock_held_batch *hb) {
     /* No event: wait for the stream now rather than risk the slot. */
     if (d->cuStreamSynchronize(stream) == TSOCK_CUDA_SUCCESS) return 0;
   }
-  /* The caller's streams are unknown (TSOCK_CUDA_SYNC), or its stream
-   * could not be fenced nor synchronized: wait for the whole device. */
+  /* The caller's streams are unknown (TSOCK_CUDA_SYNC), its stream is
+   * another thread's, or it could not be fenced nor synchronized: wait for
+   * the whole device. */
   return d->cuCtxSynchronize() == TSOCK_CUDA_SUCCESS ? 0 : -1;
 }
 
@@ -397,9 +415,11 @@ int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flag
   if (!hb->handed || hb->user_released)
     return tsock__fail(TSOCK_ESTATE, "tsock_batch_cuda_use: batch is not held");
   if (hb->stream_set) {
-    if (hb->stream == stream && hb->use_flags == flags) return TSOCK_OK;
+    if (hb->stream == stream && hb->use_flags == flags && !stream_elsewhere(hb)) return TSOCK_OK;
     return tsock__fail(TSOCK_ESTATE, "tsock_batch_cuda_use: batch %llu is already in use on "
-                                     "another stream", (unsigned long long)b->seq);
+                                     "another stream%s", (unsigned long long)b->seq,
+                       stream_elsewhere(hb) ? " (the per-thread default stream of another thread)"
+                                            : "");
   }
   device_state *g = hb->device;
   /* The pool and its events belong to the producer's process: once it is
@@ -425,6 +445,7 @@ int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flag
                                                            : "cuStreamWaitEvent (the copy)");
   hb->stream = stream;
   hb->use_flags = flags;
+  hb->use_thread = this_thread();
   hb->stream_set = 1;
   return TSOCK_OK;
 }

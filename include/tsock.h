@@ -348,8 +348,10 @@ int tsock_batch_cuda_ptr(const tsock_batch_t *batch, uint32_t i, uint64_t *dptr)
 
 #define TSOCK_CUDA_SYNC 0x1u /* tsock_batch_cuda_use: wait on the host instead */
 
-/* Orders the use of a batch's device copy on `stream` (a CUstream; 0 is the
- * legacy default stream) in both directions:
+/* Orders the use of a batch's device copy on `stream` (a CUstream; 0 and
+ * CU_STREAM_LEGACY (1) are the legacy default stream, shared by the
+ * threads; CU_STREAM_PER_THREAD (2) is the calling thread's own default
+ * stream) in both directions:
  *   - the stream waits for the producer's copy (cuStreamWaitEvent on the
  *     slot's interprocess event), so kernels queued after this call read
  *     the batch's data;
@@ -364,6 +366,12 @@ int tsock_batch_cuda_ptr(const tsock_batch_t *batch, uint32_t i, uint64_t *dptr)
  *     whose max_held batches are held so gets TSOCK_ESYS from acquire, and
  *     detach then returns TSOCK_ESYS and leaves the reader's record (and
  *     its slots) held until the process exits.
+ * The fence is recorded by the releasing thread, so CU_STREAM_PER_THREAD
+ * names the batch's stream at release only in the thread that called this:
+ * released from another thread, a batch used on it is fenced by waiting
+ * until the device is idle (cuCtxSynchronize, blocking that release), and
+ * a second call with CU_STREAM_PER_THREAD from another thread names another
+ * stream (TSOCK_ESTATE). Name a created stream to avoid both.
  * With flags TSOCK_CUDA_SYNC the calling thread waits for the copy instead,
  * and release waits until the device is idle (cuCtxSynchronize): for a
  * caller that cannot name the stream its work runs on. One stream per batch: a

@@ -84,6 +84,7 @@ typedef struct tsock_held_batch {
   uintptr_t stream; /* the stream of tsock_batch_cuda_use */
   int stream_set;
   uint32_t use_flags;
+  uint64_t use_thread; /* the thread that called it (CU_STREAM_PER_THREAD is per thread) */
   void *fence; /* armed at release: the slot goes back once it has fired */
 } tsock_held_batch;
 

@@ -24,7 +24,9 @@
  * "device address", so IPC handles open in another process and tests read
  * what a kernel would. Each stream has the time at which its queued work
  * ends; events take that time when recorded, a stream that waits on an
- * event moves its end past the event's. Interprocess events live in their
+ * event moves its end past the event's. Handles 0 and 1 name the legacy
+ * default stream, shared by the threads; 2 names the calling thread's own
+ * per-thread default stream. Interprocess events live in their
  * own shared page. Copies move the bytes at once.
  */
 #define _GNU_SOURCE
@@ -351,8 +353,13 @@ static struct {
 typedef struct fake_stream {
   uint64_t end_ns;
 } fake_stream;
-static fake_stream legacy_stream; /* stream 0 (and 1, 2: legacy, per-thread) */
+static fake_stream legacy_stream; /* stream 0 and 1 (CU_STREAM_LEGACY): one per context */
 static fake_stream *streams[MAX_STREAMS];
+/* Stream 2 (CU_STREAM_PER_THREAD) names each thread's own default stream:
+ * made on first use, kept for the process (cuCtxSynchronize waits for all). */
+#define MAX_PER_THREAD 64
+static __thread fake_stream *per_thread_stream;
+static fake_stream *per_thread[MAX_PER_THREAD];
 
 /* An event: in its own shared page when interprocess. */
 typedef struct fake_event {
@@ -369,8 +376,19 @@ static struct {
   unsigned long long *out;
 } kernels[MAX_KERNELS];
 
+/* The stream a handle names on the calling thread; with mu held. */
 static fake_stream *stream_of(void *s) {
-  return (uintptr_t)s <= 2 ? &legacy_stream : (fake_stream *)s;
+  if ((uintptr_t)s == 2) {
+    if (per_thread_stream == NULL) {
+      int i = 0;
+      while (i < MAX_PER_THREAD && per_thread[i] != NULL) i++;
+      if (i == MAX_PER_THREAD) abort(); /* a test bug: that many threads */
+      per_thread_stream = per_thread[i] = calloc(1, sizeof(fake_stream));
+      if (per_thread_stream == NULL) abort();
+    }
+    return per_thread_stream;
+  }
+  return (uintptr_t)s <= 1 ? &legacy_stream : (fake_stream *)s;
 }
 
 static uint64_t max64(uint64_t a, uint64_t b) { return a > b ? a : b; }
@@ -460,6 +478,8 @@ CUresult cuCtxSynchronize(void) {
   uint64_t end = legacy_stream.end_ns;
   for (int i = 0; i < MAX_STREAMS; i++)
     if (streams[i] != NULL) end = max64(end, streams[i]->end_ns);
+  for (int i = 0; i < MAX_PER_THREAD; i++)
+    if (per_thread[i] != NULL) end = max64(end, per_thread[i]->end_ns);
   st.ctx_syncs++;
   pthread_mutex_unlock(&mu);
   sleep_until(end);

@@ -20,6 +20,7 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdint.h>
@@ -53,6 +54,8 @@ static int load_fake(void);
 static uint64_t published(const char *name);
 static tsock_reader_t *attach(const char *name);
 static fake_cuda_launch_read_fn launch_read;
+static fake_cuda_run_due_fn run_due;
+static fake_cuda_stream_end_fn stream_end;
 typedef int (*stream_create_fn)(void **s, unsigned flags);
 static stream_create_fn stream_create;
 
@@ -155,7 +158,6 @@ static int drain(tsock_reader_t *r, batch_fn fn, void *ctx) {
 /* ---- the fake driver's extras ---- */
 
 static fake_cuda_query_fn query;
-static fake_cuda_stream_end_fn stream_end;
 
 static int load_fake(void) {
   const char *path = getenv("TSOCK_LIBCUDA");
@@ -164,6 +166,7 @@ static int load_fake(void) {
   query = (fake_cuda_query_fn)dlsym(fake, "fake_cuda_query");
   launch_read = (fake_cuda_launch_read_fn)dlsym(fake, "fake_cuda_launch_read");
   stream_end = (fake_cuda_stream_end_fn)dlsym(fake, "fake_cuda_stream_end");
+  run_due = (fake_cuda_run_due_fn)dlsym(fake, "fake_cuda_run_due");
   stream_create = (stream_create_fn)dlsym(fake, "cuStreamCreate");
   /* A trainer's framework has a context current; so does this test. */
   typedef int (*retain_fn)(void **ctx, int dev);
@@ -176,7 +179,7 @@ static int load_fake(void) {
   if (!init || !retain || !set_current || init(0) != 0 || retain(&ctx, 0) != 0 ||
       set_current(ctx) != 0)
     return -1;
-  return query && launch_read && stream_end && stream_create ? 0 : -1;
+  return query && launch_read && stream_end && stream_create && run_due ? 0 : -1;
 }
 
 static fake_cuda_stats stats(void) {
@@ -520,6 +523,73 @@ static void test_max_held_behind_unconfirmed_fence(void) {
   CHECK(reap(pid) == 0);
 }
 
+/* A batch used on the per-thread default stream (CU_STREAM_PER_THREAD,
+ * handle 2) of thread A (ctx: struct ptu): queues a slow read there. */
+struct ptu {
+  const tsock_batch_t *b;
+  unsigned long long *sum;
+  int rc;
+  uint64_t stream_end; /* when A's per-thread stream is done */
+};
+static void *use_per_thread(void *arg) {
+  struct ptu *u = arg;
+  uint64_t dptr = 0;
+  u->rc = tsock_batch_cuda_use(u->b, 2, 0);
+  if (u->rc == TSOCK_OK) u->rc = tsock_batch_cuda_ptr(u->b, 0, &dptr);
+  if (u->rc == TSOCK_OK) {
+    launch_read((void *)2, (const void *)(uintptr_t)dptr, ROWS * 4, 300000000ull, u->sum);
+    u->stream_end = stream_end((void *)2);
+  }
+  return NULL;
+}
+
+/* CU_STREAM_PER_THREAD names another stream in each thread: a batch used on
+ * it in thread A and released in thread B must be fenced on A's stream (the
+ * device is synchronized); released in A, an event on A's stream does. */
+static void test_per_thread_stream(void) {
+  const char *name = test_name("tdev", "ptds");
+  pid_t pid = spawn_producer(name, 8, 2);
+  void *stream = NULL;
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  static unsigned long long sum; /* the read may outlive this function */
+  sum = 0;
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  uint64_t want = fnv(b->tensors[0].data, ROWS * 4);
+  struct ptu u = {b, &sum, -1, 0};
+  pthread_t a;
+  CHECK(pthread_create(&a, NULL, use_per_thread, &u) == 0);
+  pthread_join(a, NULL);
+  CHECK_RC(u.rc, TSOCK_OK);
+  /* here handle 2 is this thread's stream, not the one the batch is on */
+  CHECK_RC(tsock_batch_cuda_use(b, 2, 0), TSOCK_ESTATE);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK); /* in B, this thread */
+  int rc, n = 0;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK) {
+    if (n++ == 0) {
+      /* used and released in the same thread: an event on its own stream */
+      fake_cuda_stats before = stats();
+      if (b->n_tensors == 1) {
+        CHECK_RC(tsock_batch_cuda_use(b, 2, 0), TSOCK_OK);
+        CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+        fake_cuda_stats after = stats();
+        CHECK(after.ctx_syncs == before.ctx_syncs);
+        CHECK(after.events_recorded == before.events_recorded + 1);
+        continue;
+      }
+    }
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+  CHECK_RC(rc, TSOCK_ECLOSED);
+  /* whenever the read ran, it must have seen batch 0 */
+  while (mono_ns() < u.stream_end) usleep(10000);
+  run_due();
+  CHECK(sum == want);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(reap(pid) == 0);
+}
+
 /* TSOCK_CUDA_SYNC: the host waits for the copy; release waits for the device. */
 static void test_sync_mode(void) {
   const char *name = test_name("tdev", "sync");
@@ -751,6 +821,7 @@ int main(int argc, char **argv) {
     test_close_waits_for_device_readers();
     test_dlpack_keeps_pool_after_detach();
     test_sync_mode();
+    test_per_thread_stream();
     test_fence_failures_hold_slots();
     test_detach_with_unconfirmed_fence();
     test_max_held_behind_unconfirmed_fence();

@@ -414,3 +414,44 @@ def test_dlpack_capsule_keeps_the_pool_after_close(tmp_path):
         slots=2,
     )
     assert out.strip() == "ok"
+
+
+@needs_fake
+def test_per_thread_stream_of_another_thread_is_fenced(tmp_path):
+    # __dlpack__(stream=2) is CU_STREAM_PER_THREAD: the stream of the thread
+    # that asks. A worker thread queues a 20 ms read on its own per-thread
+    # stream; the main thread's next batch releases this one: the slot (2 in
+    # the ring) must not go back before the worker's read ran.
+    out = _run(
+        tmp_path,
+        """
+        import threading, time
+        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        sums = []
+        def fnv(b):
+            h = 1469598103934665603
+            for ch in b:
+                h = ((h ^ ch) * 1099511628211) & (2**64 - 1)
+            return h
+        def work(x):
+            cap = x.__dlpack__(stream=2)
+            data = ctypes.c_void_p.from_address(api.PyCapsule_GetPointer(cap, b"dltensor")).value
+            s = ctypes.c_ulonglong(0)
+            sums.append(s)
+            fake.fake_cuda_launch_read(2, data, 4096 * 4, 20_000_000, ctypes.byref(s))
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30) as c:
+            for x, _ in c:
+                t = threading.Thread(target=work, args=(x,))
+                t.start()
+                t.join()
+        time.sleep(0.05)
+        fake.fake_cuda_run_due()
+        want = [fnv((np.arange(4096, dtype=np.int32) + 7 * i).tobytes()) for i in range(len(sums))]
+        bad = [i for i, (s, w) in enumerate(zip(sums, want)) if s.value != w]
+        assert not bad, f"reads that saw another batch: {bad}"
+        print("ok", len(sums))
+        """,
+        n=8,
+        slots=2,
+    )
+    assert out.split() == ["ok", "8"]
