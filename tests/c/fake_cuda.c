@@ -357,7 +357,7 @@ static fake_stream legacy_stream; /* stream 0 and 1 (CU_STREAM_LEGACY): one per 
 static fake_stream *streams[MAX_STREAMS];
 /* Stream 2 (CU_STREAM_PER_THREAD) names each thread's own default stream:
  * made on first use, kept for the process (cuCtxSynchronize waits for all). */
-#define MAX_PER_THREAD 64
+#define MAX_PER_THREAD 256
 static __thread fake_stream *per_thread_stream;
 static fake_stream *per_thread[MAX_PER_THREAD];
 

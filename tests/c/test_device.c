@@ -10,7 +10,11 @@
  *              pending work; placement refusals (no pool, the producer's
  *              own process, another GPU or a MIG instance, IPC refused);
  *              killed readers and producers behave as on the CPU; the
- *              producer frees its pool only once no reader has it open;
+ *              producer frees its pool only once no reader has it open,
+ *              nor maps it through a DLPack descriptor after detach;
+ *              fences fail closed (FAKE_CUDA_FAIL); a batch used on one
+ *              thread's per-thread default stream and released from
+ *              another is fenced on the device;
  *   nodriver   a producer asking for a device without a driver fails with
  *              TSOCK_ENOCUDA and leaves no channel behind.
  *   producer NAME N SLOTS   (internal) the producer process;
