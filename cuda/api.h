@@ -28,6 +28,8 @@ typedef struct { char reserved[64]; } tsock_CUipcEventHandle; /* CUipcEventHandl
 #define TSOCK_CU_MEMHOSTREGISTER_PORTABLE 0x01u
 #define TSOCK_CU_MEMHOSTREGISTER_READ_ONLY 0x08u
 #define TSOCK_CU_STREAM_NON_BLOCKING 0x1u
+#define TSOCK_CU_STREAM_LEGACY ((uintptr_t)0x1)     /* the legacy default stream (as 0) */
+#define TSOCK_CU_STREAM_PER_THREAD ((uintptr_t)0x2) /* the calling thread's default stream */
 #define TSOCK_CU_EVENT_DISABLE_TIMING 0x2u
 #define TSOCK_CU_EVENT_INTERPROCESS 0x4u
 #define TSOCK_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1u

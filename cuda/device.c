@@ -8,12 +8,28 @@
  * is opened once; fences, plain events recorded on the caller's stream at
  * release, hold the slot back from the producer until that stream's work
  * has run (reader.c polls them through tsock_device_hooks).
+ *
+ * While the pool is mapped, the process holds a read lock on the segment's
+ * byte TSOCK_LOCK_DEVICE_MAP (layout.h), on an open file description of its
+ * own (map_fd): the reader's descriptor, and its record lock, go at detach,
+ * but the mapping lives on with the DLPack descriptors. The producer frees
+ * the pool only while no process holds that lock.
  */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "driver.h"
+
+/* libtsock.so compiles this file after others (reader/cuda_shim.c), where
+ * _GNU_SOURCE comes too late for <fcntl.h> to name it (Linux's value). */
+#ifndef F_OFD_SETLK
+#define F_OFD_SETLK 37
+#endif
 
 #define MAX_FENCES 64 /* = the most batches a reader holds (reader.c MAX_HELD) */
 
@@ -25,6 +41,7 @@ typedef struct device_state {
   tsock_CUcontext ctx; /* the device's primary context, retained */
   int32_t ordinal;
   int fd; /* the reader's segment, for the producer's liveness lock */
+  int map_fd; /* holds the TSOCK_LOCK_DEVICE_MAP read lock while mapped; -1 if none */
   tsock_CUdeviceptr base; /* the pool, opened with cuIpcOpenMemHandle */
   uint64_t slot_bytes;
   uint32_t slot_count;
@@ -41,11 +58,18 @@ static void device_free(device_state *g) {
       for (uint32_t i = 0; i < g->n_spare; i++) d->cuEventDestroy(g->spare[i]);
       for (uint32_t s = 0; g->copied != NULL && s < g->slot_count; s++)
         if (g->copied[s] != NULL) d->cuEventDestroy(g->copied[s]);
-      if (g->base != 0) d->cuIpcCloseMemHandle(g->base);
+      if (g->base != 0 && d->cuIpcCloseMemHandle(g->base) == TSOCK_CUDA_SUCCESS) g->base = 0;
       tsock__cuda_pop_ctx(d, g->ctx, prev);
     }
     d->cuDevicePrimaryCtxRelease(g->dev);
+    /* Only once the pool is unmapped does the producer learn it may free it;
+     * if the close failed, the lock stays until this process exits (the
+     * descriptor is leaked on purpose: freeing under a mapping is worse). */
+    if (g->map_fd >= 0 && g->base == 0) {
+      tsock__fork_close(g->map_fd);
+    }
   }
+  /* In a forked child the fork guard has closed map_fd already. */
   free(g->copied);
   free(g);
 }
@@ -55,55 +79,112 @@ static void device_unref(void *p) {
   if (__atomic_sub_fetch(&g->refs, 1, __ATOMIC_ACQ_REL) == 0) device_free(g);
 }
 
-/* ---- fences (tsock_device_hooks) ---- */
+/* ---- fences (tsock_device_hooks) ----
+ *
+ * Fail closed: a released batch goes back to the producer only once it is
+ * proven that no GPU work queued before the release can still read it: its
+ * fence fired, or a synchronize covering its stream returned success. When
+ * neither can be had (the context cannot be made current, the event calls
+ * and the synchronizes fail: a broken context), the batch stays held, with
+ * FENCE_UNPROVEN as its fence, and every later poll tries again. */
 
-static void fence_arm(tsock_held_batch *hb) {
-  device_state *g = hb->device;
+/* A number for the calling thread, never reused in the process (a
+ * pthread_t is, once its thread has exited). */
+static uint64_t this_thread(void) {
+  static uint64_t last;
+  static __thread uint64_t id;
+  if (id == 0) id = __atomic_add_fetch(&last, 1, __ATOMIC_RELAXED);
+  return id;
+}
+
+/* 1 when hb's stream is not the stream its handle names on this thread:
+ * CU_STREAM_PER_THREAD used from another thread. */
+static int stream_elsewhere(const tsock_held_batch *hb) {
+  return hb->stream == TSOCK_CU_STREAM_PER_THREAD && hb->use_thread != this_thread();
+}
+
+/* hb->fence of a released batch whose safety is not yet established. */
+static char fence_unproven_tag;
+#define FENCE_UNPROVEN ((void *)&fence_unproven_tag)
+
+static void spare_event(device_state *g, tsock_CUevent ev) {
+  if (g->n_spare < MAX_FENCES)
+    g->spare[g->n_spare++] = ev;
+  else
+    g->d->cuEventDestroy(ev);
+}
+
+/* In g's context (current): records a fence for hb (1, hb->fence set), or
+ * waits until its stream or the device is idle (0: safe now). -1 when
+ * neither worked: nothing is proven. */
+static int fence_establish(device_state *g, tsock_held_batch *hb) {
   const tsock_cuda_driver *d = g->d;
-  tsock_CUcontext prev = NULL;
-  if (tsock__cuda_push_ctx(d, g->ctx, &prev) != TSOCK_CUDA_SUCCESS) return;
-  if (hb->use_flags & TSOCK_CUDA_SYNC) {
-    d->cuCtxSynchronize(); /* the caller's streams are unknown: wait for all */
-  } else {
+  /* The per-thread default stream of another thread cannot be named here:
+   * only the device as a whole covers it. */
+  if (!(hb->use_flags & TSOCK_CUDA_SYNC) && !stream_elsewhere(hb)) {
+    tsock_CUstream stream = (tsock_CUstream)hb->stream;
     tsock_CUevent ev = NULL;
     tsock_CUresult rc = TSOCK_CUDA_SUCCESS;
     if (g->n_spare > 0)
       ev = g->spare[--g->n_spare];
     else
       rc = d->cuEventCreate(&ev, TSOCK_CU_EVENT_DISABLE_TIMING);
-    if (rc == TSOCK_CUDA_SUCCESS) rc = d->cuEventRecord(ev, (tsock_CUstream)hb->stream);
+    if (rc == TSOCK_CUDA_SUCCESS) rc = d->cuEventRecord(ev, stream);
     if (rc == TSOCK_CUDA_SUCCESS) {
       hb->fence = ev;
-    } else {
-      /* No event: wait for the stream now rather than risk the slot. */
-      d->cuStreamSynchronize((tsock_CUstream)hb->stream);
-      if (ev != NULL && g->n_spare < MAX_FENCES) g->spare[g->n_spare++] = ev;
+      return 1;
     }
+    if (ev != NULL) spare_event(g, ev);
+    /* No event: wait for the stream now rather than risk the slot. */
+    if (d->cuStreamSynchronize(stream) == TSOCK_CUDA_SUCCESS) return 0;
   }
-  tsock__cuda_pop_ctx(d, g->ctx, prev);
+  /* The caller's streams are unknown (TSOCK_CUDA_SYNC), its stream is
+   * another thread's, or it could not be fenced nor synchronized: wait for
+   * the whole device. */
+  return d->cuCtxSynchronize() == TSOCK_CUDA_SUCCESS ? 0 : -1;
+}
+
+static void fence_arm(tsock_held_batch *hb) {
+  device_state *g = hb->device;
+  tsock_CUcontext prev = NULL;
+  hb->fence = FENCE_UNPROVEN;
+  if (tsock__cuda_push_ctx(g->d, g->ctx, &prev) != TSOCK_CUDA_SUCCESS) return;
+  if (fence_establish(g, hb) == 0) hb->fence = NULL;
+  tsock__cuda_pop_ctx(g->d, g->ctx, prev);
 }
 
 static int fence_pending(tsock_held_batch *hb, int wait) {
   device_state *g = hb->device;
   const tsock_cuda_driver *d = g->d;
-  tsock_CUevent ev = hb->fence;
   tsock_CUcontext prev = NULL;
-  if (tsock__cuda_push_ctx(d, g->ctx, &prev) == TSOCK_CUDA_SUCCESS) {
-    tsock_CUresult rc = d->cuEventQuery(ev);
-    if (rc == TSOCK_CUDA_ERROR_NOT_READY && !wait) {
-      tsock__cuda_pop_ctx(d, g->ctx, prev);
-      return 1;
+  if (tsock__cuda_push_ctx(d, g->ctx, &prev) != TSOCK_CUDA_SUCCESS) return 1;
+  int pending = 1;
+  if (hb->fence == FENCE_UNPROVEN) {
+    int e = fence_establish(g, hb); /* may arm a real fence: then query it below */
+    if (e == 0) {
+      hb->fence = NULL;
+      pending = 0;
     }
-    if (rc == TSOCK_CUDA_ERROR_NOT_READY) d->cuEventSynchronize(ev);
-    tsock__cuda_pop_ctx(d, g->ctx, prev);
+    if (e <= 0) {
+      tsock__cuda_pop_ctx(d, g->ctx, prev);
+      return pending;
+    }
   }
-  /* Fired, or the context is broken and nothing will ever run on it. */
-  if (g->n_spare < MAX_FENCES)
-    g->spare[g->n_spare++] = ev;
-  else
-    d->cuEventDestroy(ev);
-  hb->fence = NULL;
-  return 0;
+  tsock_CUevent ev = hb->fence;
+  tsock_CUresult rc = d->cuEventQuery(ev);
+  if (rc == TSOCK_CUDA_ERROR_NOT_READY && wait) rc = d->cuEventSynchronize(ev);
+  if (rc == TSOCK_CUDA_SUCCESS) {
+    pending = 0;
+  } else if (rc != TSOCK_CUDA_ERROR_NOT_READY) {
+    /* The event cannot say: only an idle device proves the slot free. */
+    pending = d->cuCtxSynchronize() != TSOCK_CUDA_SUCCESS;
+  }
+  if (!pending) {
+    spare_event(g, ev);
+    hb->fence = NULL;
+  }
+  tsock__cuda_pop_ctx(d, g->ctx, prev);
+  return pending;
 }
 
 static void device_detach(void *p) { device_unref(p); }
@@ -153,9 +234,38 @@ static int find_device(const tsock_cuda_driver *d, const uint8_t *want, tsock_CU
   return -1;
 }
 
+/* Takes the TSOCK_LOCK_DEVICE_MAP read lock on a new open file description
+ * of the segment (reopened through /proc, so it is the same file even if its
+ * name was taken since), kept in g->map_fd. Then the channel must still be
+ * open: the producer stores CLOSED before it checks the lock, so either it
+ * sees our lock or we see CLOSED, and it never frees a pool we go on to map. */
+static int lock_mapping(device_state *g, const tsock_reader_view *v) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", v->fd);
+  int fd = tsock__fork_open(path, O_RDONLY | O_CLOEXEC); /* tracked from its first instant */
+  if (fd < 0)
+    return tsock__fail_errno(TSOCK_ESYS, errno, "tsock_reader_open_device: reopening the segment "
+                                               "(%s) for its device-mapping lock", path);
+  struct flock fl = {.l_type = F_RDLCK, .l_whence = SEEK_SET,
+                     .l_start = TSOCK_LOCK_DEVICE_MAP, .l_len = 1};
+  if (fcntl(fd, F_OFD_SETLK, &fl) != 0) {
+    int err = errno;
+    tsock__fork_close(fd);
+    return tsock__fail_errno(TSOCK_ESYS, err, "tsock_reader_open_device: the device-mapping lock");
+  }
+  g->map_fd = fd;
+  /* The live page: the private header copy never changes state. */
+  if (__atomic_load_n(&v->live->state, __ATOMIC_SEQ_CST) == TSOCK_STATE_CLOSED)
+    return tsock__fail(TSOCK_ENODEVICE, "the channel is closed: its device pool is about to be "
+                                        "freed; read host memory");
+  return TSOCK_OK;
+}
+
 /* Maps the pool and opens the slot events, in g's context (current). */
 static int open_pool(device_state *g, const tsock_reader_view *v) {
   const tsock_cuda_driver *d = g->d;
+  int st = lock_mapping(g, v);
+  if (st != TSOCK_OK) return st;
   tsock_CUipcMemHandle mh;
   memcpy(&mh, v->hdr->gpu_mem_handle, sizeof mh);
   tsock_CUresult rc = d->cuIpcOpenMemHandle(&g->base, mh, TSOCK_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
@@ -224,6 +334,7 @@ int tsock_reader_open_device(tsock_reader_t *h, int32_t *cuda_ordinal) {
   g->slot_bytes = v.slot_payload_bytes;
   g->slot_count = v.slot_count;
   g->fd = v.fd;
+  g->map_fd = -1;
   tsock_CUresult cr = d->cuDevicePrimaryCtxRetain(&g->ctx, dev);
   if (cr != TSOCK_CUDA_SUCCESS) {
     g->ctx = NULL;
@@ -303,9 +414,11 @@ int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flag
   if (!hb->handed || hb->user_released)
     return tsock__fail(TSOCK_ESTATE, "tsock_batch_cuda_use: batch is not held");
   if (hb->stream_set) {
-    if (hb->stream == stream && hb->use_flags == flags) return TSOCK_OK;
+    if (hb->stream == stream && hb->use_flags == flags && !stream_elsewhere(hb)) return TSOCK_OK;
     return tsock__fail(TSOCK_ESTATE, "tsock_batch_cuda_use: batch %llu is already in use on "
-                                     "another stream", (unsigned long long)b->seq);
+                                     "another stream%s", (unsigned long long)b->seq,
+                       stream_elsewhere(hb) ? " (the per-thread default stream of another thread)"
+                                            : "");
   }
   device_state *g = hb->device;
   /* The pool and its events belong to the producer's process: once it is
@@ -331,6 +444,7 @@ int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flag
                                                            : "cuStreamWaitEvent (the copy)");
   hb->stream = stream;
   hb->use_flags = flags;
+  hb->use_thread = this_thread();
   hb->stream_set = 1;
   return TSOCK_OK;
 }

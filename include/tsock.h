@@ -356,8 +356,10 @@ int tsock_batch_cuda_ptr(const tsock_batch_t *batch, uint32_t i, uint64_t *dptr)
 
 #define TSOCK_CUDA_SYNC 0x1u /* tsock_batch_cuda_use: wait on the host instead */
 
-/* Orders the use of a batch's device copy on `stream` (a CUstream; 0 is the
- * legacy default stream) in both directions:
+/* Orders the use of a batch's device copy on `stream` (a CUstream; 0 and
+ * CU_STREAM_LEGACY (1) are the legacy default stream, shared by the
+ * threads; CU_STREAM_PER_THREAD (2) is the calling thread's own default
+ * stream) in both directions:
  *   - the stream waits for the producer's copy (cuStreamWaitEvent on the
  *     slot's interprocess event), so kernels queued after this call read
  *     the batch's data;
@@ -365,6 +367,19 @@ int tsock_batch_cuda_ptr(const tsock_batch_t *batch, uint32_t i, uint64_t *dptr)
  *     the slot goes back to the producer only once it has fired, so work
  *     queued before the release is never overwritten under it. The reader
  *     polls that event while it waits for data; detach waits for it.
+ *     This fails closed: where no event can be recorded the release waits
+ *     for the stream, else for the device (cuCtxSynchronize); where none
+ *     of that succeeds (a broken CUDA context), or the event can no longer
+ *     be queried, the slot stays held and later calls try again. A reader
+ *     whose max_held batches are held so gets TSOCK_ESYS from acquire, and
+ *     detach then returns TSOCK_ESYS and leaves the reader's record (and
+ *     its slots) held until the process exits.
+ * The fence is recorded by the releasing thread, so CU_STREAM_PER_THREAD
+ * names the batch's stream at release only in the thread that called this:
+ * released from another thread, a batch used on it is fenced by waiting
+ * until the device is idle (cuCtxSynchronize, blocking that release), and
+ * a second call with CU_STREAM_PER_THREAD from another thread names another
+ * stream (TSOCK_ESTATE). Name a created stream to avoid both.
  * With flags TSOCK_CUDA_SYNC the calling thread waits for the copy instead,
  * and release waits until the device is idle (cuCtxSynchronize): for a
  * caller that cannot name the stream its work runs on. One stream per batch: a
@@ -396,7 +411,11 @@ int tsock_batch_dlpack_cuda(const tsock_batch_t *batch, uint32_t i, int versione
 int tsock_batch_dlpack(const tsock_batch_t *batch, uint32_t i, int versioned, void **out);
 
 /* Releases everything, frees the reader record and the handle. Thread-safe
- * against other readers; a second detach returns TSOCK_EHANDLE. */
+ * against other readers; a second detach returns TSOCK_EHANDLE. Waits for
+ * the GPU work of released batches (tsock_batch_cuda_use); where CUDA cannot
+ * confirm it finished, returns TSOCK_ESYS: the handle is gone, but the
+ * record stays claimed, its slots held from the producer, until the
+ * process exits. */
 int tsock_reader_detach(tsock_reader_t *r);
 
 #ifdef __cplusplus

@@ -686,8 +686,14 @@ func (p *Producer) releasePool() {
 // deviceReaders reports whether a live reader says it has the device pool
 // open (a reader-written claim: a false one costs Close at most
 // poolDrainTimeout), and the sum of their cursors, which grows while they
-// drain.
+// drain. A reader process holds a read lock on LockDeviceMap from before it
+// maps the pool until after it unmaps it, which may be long after detach
+// (DLPack tensors keep the pool mapped): while any does, or the lock cannot
+// be checked, the pool counts as open.
 func (p *Producer) deviceReaders() (attached bool, cursors uint64) {
+	if mapped, err := ring.ByteLocked(p.seg.File, ring.LockDeviceMap); err != nil || mapped {
+		attached = true
+	}
 	for i := uint32(0); i < p.seg.Readers; i++ {
 		r := p.seg.Snapshot(i)
 		if r.Placement != ring.PlacementDevice || ring.ClaimState(r.Claim) == ring.ReaderFree {

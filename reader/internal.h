@@ -90,6 +90,7 @@ typedef struct tsock_held_batch {
   uintptr_t stream; /* the stream of tsock_batch_cuda_use */
   int stream_set;
   uint32_t use_flags;
+  uint64_t use_thread; /* the thread that called it (CU_STREAM_PER_THREAD is per thread) */
   void *fence; /* armed at release: the slot goes back once it has fired */
 } tsock_held_batch;
 
@@ -112,6 +113,9 @@ typedef struct tsock_reader_view {
    * fields (gpu_pool, gpu_uuid, gpu_mem_handle, geometry) are read here,
    * never from the shared page, which may have changed since the check. */
   const tsock_header *hdr;
+  /* The shared header page, for the words that change while attached
+   * (state, published): atomic loads only, never a static field. */
+  const tsock_header *live;
   const tsock_slot *slots;
   tsock_reader_record *rec; /* our record: placement fields */
   uint32_t slot_count;

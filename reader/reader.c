@@ -635,6 +635,11 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
     if (rc != TSOCK_OK) return rc;
     if (r->fenced > 0) advance(r, r->next - r->released >= r->max_held);
     if (r->next - r->released >= r->max_held) {
+      if (r->held[r->released % r->max_held].user_released)
+        return tsock__fail(TSOCK_ESYS, "reader holds %u batches (max_held): batch %llu was "
+                           "released, but CUDA cannot confirm that the GPU work queued on it "
+                           "has finished (the CUDA context failed), so its slot stays held",
+                           r->max_held, (unsigned long long)r->released);
       if (r->max_held < r->max_held_asked)
         return tsock__fail(TSOCK_ESTATE,
                            "reader already holds %u batches, the whole ring of %u slots "
@@ -730,7 +735,7 @@ int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v) {
   int rc;
   struct reader_impl *r = handle_get(h, &rc);
   if (r == NULL) return rc;
-  *v = (tsock_reader_view){.hdr = &r->h, .slots = r->slots, .rec = r->rec,
+  *v = (tsock_reader_view){.hdr = &r->h, .live = r->live, .slots = r->slots, .rec = r->rec,
                            .slot_count = (uint32_t)(r->mask + 1),
                            .slot_payload_bytes = r->slot_payload_bytes, .fd = r->fd,
                            .device = r->device};
@@ -817,9 +822,21 @@ int tsock_reader_detach(tsock_reader_t *h) {
   if (r == NULL) return rc;
   /* GPU work queued before a release may still read its slot: let it
    * finish before the record (and with it the hold on those slots) goes. */
+  int unproven = 0;
   for (uint32_t i = 0; r->hooks != NULL && i < r->max_held; i++)
-    if (r->held[i].fence != NULL) r->hooks->pending(&r->held[i], 1);
+    if (r->held[i].fence != NULL && r->hooks->pending(&r->held[i], 1)) unproven = 1;
   if (r->hooks != NULL) r->hooks->detach(r->device);
+  if (unproven) {
+    /* Fail closed: GPU work may still read a released slot. The record
+     * stays claimed and its lock held (the descriptor is left open) until
+     * this process exits; the producer sees a stalled reader. */
+    r->fd = -1;
+    impl_unmap(r);
+    return tsock__fail(TSOCK_ESYS, "tsock_reader_detach: CUDA cannot confirm that GPU work "
+                                   "queued on released batches has finished (the CUDA context "
+                                   "failed): the reader's slots stay held until this process "
+                                   "exits");
+  }
   /* Leave the record free for the next reader, then wake a producer that
    * may have been gated on us. Only our own claim is changed: if the
    * producer already reclaimed or evicted it, the CAS fails harmlessly. */

@@ -63,8 +63,9 @@ const (
 	ShmDir        = C.TSOCK_SHM_DIR
 	ShmPrefix     = C.TSOCK_SHM_PREFIX
 
-	LockProducer = int64(C.TSOCK_LOCK_PRODUCER)
-	LockReader0  = int64(C.TSOCK_LOCK_READER0)
+	LockProducer  = int64(C.TSOCK_LOCK_PRODUCER)
+	LockReader0   = int64(C.TSOCK_LOCK_READER0)
+	LockDeviceMap = int64(C.TSOCK_LOCK_DEVICE_MAP)
 
 	StateOpen   = uint32(C.TSOCK_STATE_OPEN)
 	StateClosed = uint32(C.TSOCK_STATE_CLOSED)

@@ -20,7 +20,8 @@
  *
  * OFD locks on the same file carry liveness: the producer holds a write lock
  * on byte TSOCK_LOCK_PRODUCER, reader record i a write lock on byte
- * TSOCK_LOCK_READER0 + i. The kernel drops them when the process dies.
+ * TSOCK_LOCK_READER0 + i; readers that map the device pool a read lock on
+ * TSOCK_LOCK_DEVICE_MAP. The kernel drops them when the process dies.
  */
 #ifndef TSOCK_RING_LAYOUT_H
 #define TSOCK_RING_LAYOUT_H
@@ -46,6 +47,12 @@
 /* Byte offsets used for OFD locks (advisory; unrelated to the data there). */
 #define TSOCK_LOCK_PRODUCER 0
 #define TSOCK_LOCK_READER0 1
+/* A shared (read) lock held by every reader process that has the device
+ * pool mapped (cuIpcOpenMemHandle), from before the open until after its
+ * close, which may be long after detach (DLPack tensors keep the pool
+ * mapped). The producer frees the pool only while nobody holds it: CUDA
+ * leaves freeing exported memory an importer still maps undefined. */
+#define TSOCK_LOCK_DEVICE_MAP (TSOCK_LOCK_READER0 + TSOCK_MAX_READERS)
 
 /* Producer states (tsock_header.state). */
 #define TSOCK_STATE_OPEN 1u

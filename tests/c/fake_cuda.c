@@ -14,14 +14,19 @@
  * other GPUs, as a MIG instance does; default the ordinal),
  * FAKE_CUDA_ALLOC_RESULT, FAKE_CUDA_IPC_RESULT (cuMemAlloc's and
  * cuIpcOpenMemHandle's results), FAKE_CUDA_COPY_NS (how long a
- * host-to-device copy keeps its stream busy).
+ * host-to-device copy keeps its stream busy), FAKE_CUDA_FAIL (comma-separated
+ * entry points, e.g. "cuEventRecord,cuCtxSynchronize", that fail with
+ * FAKE_CUDA_FAIL_RESULT, default CUDA_ERROR_LAUNCH_FAILED: a broken context;
+ * a test sets it in its own process to break the driver mid-run).
  *
  * The device path is modelled on the CPU, across processes: device memory
  * is a shared-memory file (/dev/shm/tsockfake.<pid>.<n>) mapped at the
  * "device address", so IPC handles open in another process and tests read
  * what a kernel would. Each stream has the time at which its queued work
  * ends; events take that time when recorded, a stream that waits on an
- * event moves its end past the event's. Interprocess events live in their
+ * event moves its end past the event's. Handles 0 and 1 name the legacy
+ * default stream, shared by the threads; 2 names the calling thread's own
+ * per-thread default stream. Interprocess events live in their
  * own shared page. Copies move the bytes at once.
  */
 #define _GNU_SOURCE
@@ -58,6 +63,7 @@ typedef struct fake_ctx {
 #define NOT_SUPPORTED 801
 #define OUT_OF_MEMORY 2
 #define NOT_READY 600
+#define LAUNCH_FAILED 719
 #define MAX_DEVICES 8
 #define MAX_RANGES 64
 
@@ -81,6 +87,29 @@ static int devices(void) {
   int n = env_int("FAKE_CUDA_DEVICES", 2);
   return n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : n;
 }
+
+/* FAKE_CUDA_FAIL's result for entry point fn: SUCCESS unless listed. */
+static CUresult injected(const char *fn) {
+  const char *p = getenv("FAKE_CUDA_FAIL");
+  size_t n = strlen(fn);
+  while (p != NULL && *p) {
+    const char *comma = strchr(p, ',');
+    size_t len = comma ? (size_t)(comma - p) : strlen(p);
+    if (len == n && strncmp(p, fn, n) == 0) {
+      pthread_mutex_lock(&mu);
+      st.injected_failures++;
+      pthread_mutex_unlock(&mu);
+      return env_int("FAKE_CUDA_FAIL_RESULT", LAUNCH_FAILED);
+    }
+    p = comma ? comma + 1 : NULL;
+  }
+  return SUCCESS;
+}
+#define INJECT(fn)                                                                         \
+  do {                                                                                     \
+    CUresult inj_ = injected(fn);                                                          \
+    if (inj_ != SUCCESS) return inj_;                                                      \
+  } while (0)
 
 void fake_cuda_query(fake_cuda_stats *out) {
   pthread_mutex_lock(&mu);
@@ -122,6 +151,7 @@ CUresult cuDeviceGet(CUdevice *d, int ordinal) {
 
 CUresult cuCtxGetCurrent(CUcontext *c) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuCtxGetCurrent");
   if (c == NULL) return INVALID_VALUE;
   *c = current;
   return SUCCESS;
@@ -129,6 +159,7 @@ CUresult cuCtxGetCurrent(CUcontext *c) {
 
 CUresult cuCtxSetCurrent(CUcontext c) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuCtxSetCurrent");
   current = c;
   return SUCCESS;
 }
@@ -252,6 +283,7 @@ static const char *err_name(CUresult rc) {
   case NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
   case OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
   case NOT_READY: return "CUDA_ERROR_NOT_READY";
+  case LAUNCH_FAILED: return "CUDA_ERROR_LAUNCH_FAILED";
   default: return NULL;
   }
 }
@@ -269,6 +301,7 @@ static const char *err_string(CUresult rc) {
   case NOT_SUPPORTED: return "operation not supported";
   case OUT_OF_MEMORY: return "out of memory";
   case NOT_READY: return "device not ready";
+  case LAUNCH_FAILED: return "unspecified launch failure";
   default: return NULL;
   }
 }
@@ -320,8 +353,13 @@ static struct {
 typedef struct fake_stream {
   uint64_t end_ns;
 } fake_stream;
-static fake_stream legacy_stream; /* stream 0 (and 1, 2: legacy, per-thread) */
+static fake_stream legacy_stream; /* stream 0 and 1 (CU_STREAM_LEGACY): one per context */
 static fake_stream *streams[MAX_STREAMS];
+/* Stream 2 (CU_STREAM_PER_THREAD) names each thread's own default stream:
+ * made on first use, kept for the process (cuCtxSynchronize waits for all). */
+#define MAX_PER_THREAD 256
+static __thread fake_stream *per_thread_stream;
+static fake_stream *per_thread[MAX_PER_THREAD];
 
 /* An event: in its own shared page when interprocess. */
 typedef struct fake_event {
@@ -338,8 +376,19 @@ static struct {
   unsigned long long *out;
 } kernels[MAX_KERNELS];
 
+/* The stream a handle names on the calling thread; with mu held. */
 static fake_stream *stream_of(void *s) {
-  return (uintptr_t)s <= 2 ? &legacy_stream : (fake_stream *)s;
+  if ((uintptr_t)s == 2) {
+    if (per_thread_stream == NULL) {
+      int i = 0;
+      while (i < MAX_PER_THREAD && per_thread[i] != NULL) i++;
+      if (i == MAX_PER_THREAD) abort(); /* a test bug: that many threads */
+      per_thread_stream = per_thread[i] = calloc(1, sizeof(fake_stream));
+      if (per_thread_stream == NULL) abort();
+    }
+    return per_thread_stream;
+  }
+  return (uintptr_t)s <= 1 ? &legacy_stream : (fake_stream *)s;
 }
 
 static uint64_t max64(uint64_t a, uint64_t b) { return a > b ? a : b; }
@@ -423,11 +472,14 @@ CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) {
 
 CUresult cuCtxSynchronize(void) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuCtxSynchronize");
   if (current == NULL) return INVALID_CONTEXT;
   pthread_mutex_lock(&mu);
   uint64_t end = legacy_stream.end_ns;
   for (int i = 0; i < MAX_STREAMS; i++)
     if (streams[i] != NULL) end = max64(end, streams[i]->end_ns);
+  for (int i = 0; i < MAX_PER_THREAD; i++)
+    if (per_thread[i] != NULL) end = max64(end, per_thread[i]->end_ns);
   st.ctx_syncs++;
   pthread_mutex_unlock(&mu);
   sleep_until(end);
@@ -648,6 +700,7 @@ CUresult cuStreamDestroy_v2(void *stream) {
 
 CUresult cuStreamSynchronize(void *stream) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuStreamSynchronize");
   sleep_until(fake_cuda_stream_end(stream));
   fake_cuda_run_due();
   return SUCCESS;
@@ -655,6 +708,7 @@ CUresult cuStreamSynchronize(void *stream) {
 
 CUresult cuStreamWaitEvent(void *stream, fake_event *ev, unsigned flags) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuStreamWaitEvent");
   if (ev == NULL || ev->magic != IPC_MAGIC || flags != 0) return INVALID_VALUE;
   pthread_mutex_lock(&mu);
   fake_stream *s = stream_of(stream);
@@ -666,6 +720,7 @@ CUresult cuStreamWaitEvent(void *stream, fake_event *ev, unsigned flags) {
 
 CUresult cuEventCreate(fake_event **out, unsigned flags) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuEventCreate");
   if (current == NULL) return INVALID_CONTEXT;
   if (out == NULL || (flags & ~0x7u) != 0) return INVALID_VALUE;
   int ipc = (flags & 0x4u) != 0;
@@ -711,6 +766,7 @@ CUresult cuEventDestroy_v2(fake_event *ev) {
 
 CUresult cuEventRecord(fake_event *ev, void *stream) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuEventRecord");
   if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
   pthread_mutex_lock(&mu);
   __atomic_store_n(&ev->done_ns, max64(stream_of(stream)->end_ns, now_ns()), __ATOMIC_RELEASE);
@@ -721,6 +777,7 @@ CUresult cuEventRecord(fake_event *ev, void *stream) {
 
 CUresult cuEventQuery(fake_event *ev) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuEventQuery");
   if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
   uint64_t now = run_due();
   return now >= __atomic_load_n(&ev->done_ns, __ATOMIC_ACQUIRE) ? SUCCESS : NOT_READY;
@@ -728,6 +785,7 @@ CUresult cuEventQuery(fake_event *ev) {
 
 CUresult cuEventSynchronize(fake_event *ev) {
   if (!initialized) return NOT_INITIALIZED;
+  INJECT("cuEventSynchronize");
   if (ev == NULL || ev->magic != IPC_MAGIC) return INVALID_VALUE;
   sleep_until(__atomic_load_n(&ev->done_ns, __ATOMIC_ACQUIRE));
   fake_cuda_run_due();

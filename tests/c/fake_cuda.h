@@ -32,6 +32,7 @@ typedef struct fake_cuda_stats {
   int ctx_syncs;            /* cuCtxSynchronize */
   int events_live;          /* events created or opened, not destroyed */
   int streams_live;
+  int injected_failures;    /* calls failed by FAKE_CUDA_FAIL */
 } fake_cuda_stats;
 
 typedef void (*fake_cuda_query_fn)(fake_cuda_stats *out);

@@ -10,7 +10,11 @@
  *              pending work; placement refusals (no pool, the producer's
  *              own process, another GPU or a MIG instance, IPC refused);
  *              killed readers and producers behave as on the CPU; the
- *              producer frees its pool only once no reader has it open;
+ *              producer frees its pool only once no reader has it open,
+ *              nor maps it through a DLPack descriptor after detach;
+ *              fences fail closed (FAKE_CUDA_FAIL); a batch used on one
+ *              thread's per-thread default stream and released from
+ *              another is fenced on the device;
  *   nodriver   a producer asking for a device without a driver fails with
  *              TSOCK_ENOCUDA and leaves no channel behind.
  *   producer NAME N SLOTS   (internal) the producer process;
@@ -20,6 +24,7 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdint.h>
@@ -50,8 +55,11 @@ static uint64_t mono_ns(void) {
 
 /* ---- the fake driver's extras (below) ---- */
 static int load_fake(void);
+static uint64_t published(const char *name);
 static tsock_reader_t *attach(const char *name);
 static fake_cuda_launch_read_fn launch_read;
+static fake_cuda_run_due_fn run_due;
+static fake_cuda_stream_end_fn stream_end;
 typedef int (*stream_create_fn)(void **s, unsigned flags);
 static stream_create_fn stream_create;
 
@@ -154,7 +162,6 @@ static int drain(tsock_reader_t *r, batch_fn fn, void *ctx) {
 /* ---- the fake driver's extras ---- */
 
 static fake_cuda_query_fn query;
-static fake_cuda_stream_end_fn stream_end;
 
 static int load_fake(void) {
   const char *path = getenv("TSOCK_LIBCUDA");
@@ -163,6 +170,7 @@ static int load_fake(void) {
   query = (fake_cuda_query_fn)dlsym(fake, "fake_cuda_query");
   launch_read = (fake_cuda_launch_read_fn)dlsym(fake, "fake_cuda_launch_read");
   stream_end = (fake_cuda_stream_end_fn)dlsym(fake, "fake_cuda_stream_end");
+  run_due = (fake_cuda_run_due_fn)dlsym(fake, "fake_cuda_run_due");
   stream_create = (stream_create_fn)dlsym(fake, "cuStreamCreate");
   /* A trainer's framework has a context current; so does this test. */
   typedef int (*retain_fn)(void **ctx, int dev);
@@ -175,7 +183,7 @@ static int load_fake(void) {
   if (!init || !retain || !set_current || init(0) != 0 || retain(&ctx, 0) != 0 ||
       set_current(ctx) != 0)
     return -1;
-  return query && launch_read && stream_end && stream_create ? 0 : -1;
+  return query && launch_read && stream_end && stream_create && run_due ? 0 : -1;
 }
 
 static fake_cuda_stats stats(void) {
@@ -341,6 +349,38 @@ static void test_close_waits_for_device_readers(void) {
   CHECK(fake_allocations(pid) == 0); /* freed once we had closed it */
 }
 
+/* A DLPack descriptor of device memory keeps the pool mapped after detach
+ * (tsock.h): the producer's close must not free the pool under it. It
+ * waits for the last mapping of the pool to go, then frees it (rather than
+ * leave it to its process's exit). */
+static void test_dlpack_keeps_pool_after_detach(void) {
+  const char *name = test_name("tdev", "dlkeep");
+  pid_t pid = spawn_producer(name, 2, 2);
+  void *stream = NULL;
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  struct { uint32_t major, minor; void *ctx; void (*deleter)(void *); } *dl = NULL;
+  CHECK_RC(tsock_batch_dlpack_cuda(b, 0, 1, (void **)&dl), TSOCK_OK);
+  if (dl == NULL) return;
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  int rc;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK)
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(rc, TSOCK_ECLOSED);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK); /* no record says "device" any more */
+  usleep(300000);
+  CHECK(waitpid(pid, NULL, WNOHANG) == 0); /* the producer waits for our mapping... */
+  CHECK(fake_allocations(pid) == 1);        /* ...with the pool still allocated */
+  uint64_t t0 = mono_ns();
+  dl->deleter(dl); /* the last user of the mapping: the pool is closed */
+  CHECK(reap(pid) == 0);
+  CHECK(mono_ns() - t0 < 2000000000ull); /* well before its 5 s cap */
+  CHECK(fake_allocations(pid) == 0);     /* freed by the producer, not left to its exit */
+}
+
 /* A batch released with queued GPU work is waited for at detach. */
 static void test_detach_waits(void) {
   const char *name = test_name("tdev", "detach");
@@ -363,6 +403,198 @@ static void test_detach_waits(void) {
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
   CHECK(mono_ns() - t0 >= 100000000ull);
   CHECK(sum == want);
+  CHECK(reap(pid) == 0);
+}
+
+/* Fail closed: when the fence of a released batch cannot be established
+ * or confirmed (FAKE_CUDA_FAIL breaks the driver from release on), its slot
+ * stays held from the producer until CUDA proves it free, and the read
+ * queued before the release sees its batch intact. With ctx_sync_works,
+ * only the stream's calls fail: release synchronizes the device instead. */
+static void fence_failure_case(const char *tag, const char *fail, int ctx_sync_works) {
+  const char *name = test_name("tdev", tag);
+  pid_t pid = spawn_producer(name, 6, 2);
+  void *stream = NULL;
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  uint64_t dptr = 0;
+  unsigned long long sum = 0;
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+  uint64_t want = fnv(b->tensors[0].data, ROWS * 4);
+  launch_read(stream, (const void *)(uintptr_t)dptr, ROWS * 4, 600000000ull, &sum); /* 0.6 s */
+  int injected = stats().injected_failures;
+  setenv("FAKE_CUDA_FAIL", fail, 1);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK(stats().injected_failures > injected); /* the failure did hit the release */
+  if (ctx_sync_works) {
+    CHECK(sum == want); /* release waited for the device */
+  } else {
+    /* Batch 0 is held: batch 1 comes, batch 2 cannot be published (2 slots). */
+    CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+    CHECK(b->seq == 1);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+    /* Both slots of the ring are ours (max_held is clamped to it), the
+     * oldest behind a fence CUDA cannot confirm: acquire says so at once. */
+    CHECK_RC(tsock_reader_acquire(r, &b, 200000000ll), TSOCK_ESYS);
+    CHECK(strstr(tsock_last_error(), "stays held") != NULL);
+    CHECK(published(name) == 2);
+    CHECK(sum == 0); /* the read has not run yet: its slot was held for it */
+  }
+  unsetenv("FAKE_CUDA_FAIL"); /* CUDA recovers: the next poll proves the slot free */
+  int rc;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK)
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(rc, TSOCK_ECLOSED);
+  CHECK(sum == want);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(reap(pid) == 0);
+}
+
+static void test_fence_failures_hold_slots(void) {
+  /* the context cannot be made current at release */
+  fence_failure_case("ffctx", "cuCtxGetCurrent", 0);
+  /* no event can be recorded, and nothing can be synchronized */
+  fence_failure_case("ffrec", "cuEventRecord,cuStreamSynchronize,cuCtxSynchronize", 0);
+  /* the fence was recorded, but it cannot be queried nor waited for */
+  fence_failure_case("ffqry", "cuEventQuery,cuEventSynchronize,cuCtxSynchronize", 0);
+  /* no event, the stream cannot be synchronized: the device can */
+  fence_failure_case("ffsync", "cuEventRecord,cuStreamSynchronize", 1);
+}
+
+/* A fence that stays unconfirmed through detach: detach says so and the
+ * record keeps the slots from the producer until this process exits. */
+static void test_detach_with_unconfirmed_fence(void) {
+  const char *name = test_name("tdev", "ffdet");
+  pid_t pid = spawn_producer(name, 6, 2);
+  void *stream = NULL;
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  uint64_t dptr = 0;
+  static unsigned long long sum; /* the read outlives this function */
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
+  launch_read(stream, (const void *)(uintptr_t)dptr, ROWS * 4, 600000000ull, &sum);
+  setenv("FAKE_CUDA_FAIL", "cuEventRecord,cuStreamSynchronize,cuCtxSynchronize", 1);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK); /* batch 1 */
+  /* 2 is never published; both slots held (max_held = ring), one unconfirmed */
+  CHECK_RC(tsock_reader_acquire(r, &b, 100000000ll), TSOCK_ESYS);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_ESYS);
+  CHECK(strstr(tsock_last_error(), "stay held") != NULL);
+  unsetenv("FAKE_CUDA_FAIL");
+  usleep(200000);
+  CHECK(published(name) == 2);              /* batch 0's slot was not given back */
+  CHECK(waitpid(pid, NULL, WNOHANG) == 0); /* the producer waits on our record */
+  kill(pid, SIGKILL);
+  reap(pid);
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  unlink(path);
+}
+
+/* With max_held batches held behind an unconfirmed fence, acquire says why. */
+static void test_max_held_behind_unconfirmed_fence(void) {
+  const char *name = test_name("tdev", "ffmax");
+  pid_t pid = spawn_producer(name, 6, 4);
+  tsock_reader_options_t ro;
+  tsock_reader_options_init(&ro);
+  ro.attach_timeout_ns = 10000000000ll;
+  ro.start = TSOCK_START_NOW;
+  ro.max_held = 2;
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_OK);
+  if (r == NULL) return;
+  int32_t ordinal;
+  void *stream = NULL;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_OK);
+  CHECK(stream_create(&stream, 1) == 0);
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  setenv("FAKE_CUDA_FAIL", "cuCtxGetCurrent", 1);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_ESYS);
+  CHECK(strstr(tsock_last_error(), "cannot confirm") != NULL);
+  unsetenv("FAKE_CUDA_FAIL");
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  int rc;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK)
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(rc, TSOCK_ECLOSED);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(reap(pid) == 0);
+}
+
+/* A batch used on the per-thread default stream (CU_STREAM_PER_THREAD,
+ * handle 2) of thread A (ctx: struct ptu): queues a slow read there. */
+struct ptu {
+  const tsock_batch_t *b;
+  unsigned long long *sum;
+  int rc;
+  uint64_t stream_end; /* when A's per-thread stream is done */
+};
+static void *use_per_thread(void *arg) {
+  struct ptu *u = arg;
+  uint64_t dptr = 0;
+  u->rc = tsock_batch_cuda_use(u->b, 2, 0);
+  if (u->rc == TSOCK_OK) u->rc = tsock_batch_cuda_ptr(u->b, 0, &dptr);
+  if (u->rc == TSOCK_OK) {
+    launch_read((void *)2, (const void *)(uintptr_t)dptr, ROWS * 4, 300000000ull, u->sum);
+    u->stream_end = stream_end((void *)2);
+  }
+  return NULL;
+}
+
+/* CU_STREAM_PER_THREAD names another stream in each thread: a batch used on
+ * it in thread A and released in thread B must be fenced on A's stream (the
+ * device is synchronized); released in A, an event on A's stream does. */
+static void test_per_thread_stream(void) {
+  const char *name = test_name("tdev", "ptds");
+  pid_t pid = spawn_producer(name, 8, 2);
+  void *stream = NULL;
+  tsock_reader_t *r = attach_device(name, &stream);
+  if (r == NULL) return;
+  static unsigned long long sum; /* the read may outlive this function */
+  sum = 0;
+  const tsock_batch_t *b;
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  uint64_t want = fnv(b->tensors[0].data, ROWS * 4);
+  struct ptu u = {b, &sum, -1, 0};
+  pthread_t a;
+  CHECK(pthread_create(&a, NULL, use_per_thread, &u) == 0);
+  pthread_join(a, NULL);
+  CHECK_RC(u.rc, TSOCK_OK);
+  /* here handle 2 is this thread's stream, not the one the batch is on */
+  CHECK_RC(tsock_batch_cuda_use(b, 2, 0), TSOCK_ESTATE);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK); /* in B, this thread */
+  int rc, n = 0;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK) {
+    if (n++ == 0) {
+      /* used and released in the same thread: an event on its own stream */
+      fake_cuda_stats before = stats();
+      if (b->n_tensors == 1) {
+        CHECK_RC(tsock_batch_cuda_use(b, 2, 0), TSOCK_OK);
+        CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+        fake_cuda_stats after = stats();
+        CHECK(after.ctx_syncs == before.ctx_syncs);
+        CHECK(after.events_recorded == before.events_recorded + 1);
+        continue;
+      }
+    }
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+  CHECK_RC(rc, TSOCK_ECLOSED);
+  /* whenever the read ran, it must have seen batch 0 */
+  while (mono_ns() < u.stream_end) usleep(10000);
+  run_due();
+  CHECK(sum == want);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
   CHECK(reap(pid) == 0);
 }
 
@@ -390,6 +622,27 @@ static void test_sync_mode(void) {
   int syncs = stats().ctx_syncs;
   CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
   CHECK(stats().ctx_syncs == syncs + 1);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(reap(pid) == 0);
+}
+
+/* A channel that is already closed has no device path: its producer may be
+ * freeing the pool. The reader must see CLOSED on the live header page, not
+ * on its private copy of the header (taken while the channel was open). */
+static void test_closed_channel_refuses_device(void) {
+  const char *name = test_name("tdev", "closed");
+  pid_t pid = spawn_producer(name, 2, 4);
+  tsock_reader_t *r = attach(name);
+  if (r == NULL) return;
+  const tsock_batch_t *b;
+  int rc;
+  while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK)
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(rc, TSOCK_ECLOSED);
+  int32_t ordinal = 7;
+  CHECK_RC(tsock_reader_open_device(r, &ordinal), TSOCK_ENODEVICE);
+  CHECK(strstr(tsock_last_error(), "closed") != NULL);
+  CHECK(ordinal == 7);
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
   CHECK(reap(pid) == 0);
 }
@@ -595,8 +848,14 @@ int main(int argc, char **argv) {
     test_fences_hold_slots();
     test_detach_waits();
     test_close_waits_for_device_readers();
+    test_dlpack_keeps_pool_after_detach();
     test_sync_mode();
+    test_per_thread_stream();
+    test_fence_failures_hold_slots();
+    test_detach_with_unconfirmed_fence();
+    test_max_held_behind_unconfirmed_fence();
     test_placement_refusals();
+    test_closed_channel_refuses_device();
     test_reordered_devices();
     test_killed_peers();
     void (*sweep)(void) = (void (*)(void))dlsym(RTLD_DEFAULT, "fake_cuda_sweep");

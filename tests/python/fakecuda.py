@@ -43,6 +43,7 @@ _FIELDS = [
     ("ctx_syncs", _INT),
     ("events_live", _INT),
     ("streams_live", _INT),
+    ("injected_failures", _INT),
 ]
 
 

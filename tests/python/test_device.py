@@ -377,3 +377,81 @@ def test_dlpack_output_without_device_path_refuses(tmp_path):
         consumer_env={"FAKE_CUDA_UUIDS": "5,6"},
     )
     assert out.strip() == "ok"
+
+
+@needs_fake
+def test_dlpack_capsule_keeps_the_pool_after_close(tmp_path):
+    # A kDLCUDA capsule keeps the device pool mapped after its consumer is
+    # closed: the producer's close must wait for it rather than free the
+    # pool under the mapping, and free the pool once the capsule is gone.
+    out = _run(
+        tmp_path,
+        """
+        import glob, time
+        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        kept = None
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30) as c:
+            for x, _ in c:
+                if kept is None:
+                    kept = x.__dlpack__(stream=stream.value)
+        pid = int(sys.argv[2])
+        def pool_allocated():
+            return bool(glob.glob(f"/dev/shm/tsockfake.mem.{pid}.*"))
+        def producer_running():
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        time.sleep(0.3)
+        assert producer_running() and pool_allocated(), "the producer freed the pool under a capsule"
+        del kept  # the last mapping of the pool goes
+        deadline = time.monotonic() + 3
+        while producer_running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not producer_running(), "the producer still waits"
+        assert not pool_allocated(), "the pool was left to the producer's exit"
+        print("ok")
+        """,
+        n=3,
+        slots=2,
+    )
+    assert out.strip() == "ok"
+
+
+@needs_fake
+def test_per_thread_stream_of_another_thread_is_fenced(tmp_path):
+    # __dlpack__(stream=2) is CU_STREAM_PER_THREAD: the stream of the thread
+    # that asks. A worker thread queues a 20 ms read on its own per-thread
+    # stream; the main thread's next batch releases this one: the slot (2 in
+    # the ring) must not go back before the worker's read ran.
+    out = _run(
+        tmp_path,
+        """
+        import threading, time
+        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        sums = []
+        def fnv(b):
+            h = 1469598103934665603
+            for ch in b:
+                h = ((h ^ ch) * 1099511628211) & (2**64 - 1)
+            return h
+        def work(x):
+            cap = x.__dlpack__(stream=2)
+            data = ctypes.c_void_p.from_address(api.PyCapsule_GetPointer(cap, b"dltensor")).value
+            s = ctypes.c_ulonglong(0)
+            sums.append(s)
+            fake.fake_cuda_launch_read(2, data, 4096 * 4, 20_000_000, ctypes.byref(s))
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30) as c:
+            for x, _ in c:
+                t = threading.Thread(target=work, args=(x,))
+                t.start()
+                t.join()
+        time.sleep(0.05)
+        fake.fake_cuda_run_due()
+        want = [fnv((np.arange(4096, dtype=np.int32) + 7 * i).tobytes()) for i in range(len(sums))]
+        bad = [i for i, (s, w) in enumerate(zip(sums, want)) if s.value != w]
+        assert not bad, f"reads that saw another batch: {bad}"
+        print("ok", len(sums))
+        """,
+        n=8,
+        slots=2,
+    )
+    assert out.split() == ["ok", "8"]
