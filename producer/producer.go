@@ -88,6 +88,14 @@ type Producer struct {
 	descs     [ring.MaxTensors]ring.ShmTensor
 	pool      *devicePool // nil without a device
 
+	// live guards the mapping's lifetime against the calls that may come
+	// from any goroutine (Stats, Readers, WaitReaders) and so do not take
+	// mu, which Reserve holds while it waits: they read the segment under
+	// the read lock, Close unmaps it under the write lock.
+	live     sync.RWMutex
+	unmapped bool  // under live
+	final    Stats // the counters as Close left them, under live
+
 	// gating reader watch, for the eviction policy
 	gateCursor uint64
 	gateSince  time.Time
@@ -571,8 +579,20 @@ type ReaderInfo struct {
 	Evicted  bool
 }
 
-// Readers lists the live readers. It may be called from any goroutine.
+// Readers lists the live readers. It may be called from any goroutine;
+// once the producer is closed it returns nil.
 func (p *Producer) Readers() []ReaderInfo {
+	p.live.RLock()
+	defer p.live.RUnlock()
+	if p.unmapped {
+		return nil
+	}
+	return p.readers()
+}
+
+// readers lists the live readers; the caller holds live and the segment is
+// mapped.
+func (p *Producer) readers() []ReaderInfo {
 	var out []ReaderInfo
 	for i := uint32(0); i < p.seg.Readers; i++ {
 		s := p.seg.Snapshot(i)
@@ -617,10 +637,21 @@ type Stats struct {
 	ReadersEvicted   uint64
 }
 
-// Stats reads the counters. It may be called from any goroutine.
+// Stats reads the counters. It may be called from any goroutine; once the
+// producer is closed it returns the counters as Close left them.
 func (p *Producer) Stats() Stats {
+	p.live.RLock()
+	defer p.live.RUnlock()
+	if p.unmapped {
+		return p.final
+	}
+	return p.stats()
+}
+
+// stats reads the counters; the caller holds live and the segment is mapped.
+func (p *Producer) stats() Stats {
 	h := p.seg.Stats()
-	return Stats{Readers: len(p.Readers()), Published: p.seg.Published(), Epoch: p.seg.Epoch(),
+	return Stats{Readers: len(p.readers()), Published: p.seg.Published(), Epoch: p.seg.Epoch(),
 		BackpressureNs: h.BackpressureNs, ReadersReclaimed: h.ReadersReclaimed,
 		ReadersEvicted: h.ReadersEvicted}
 }
@@ -642,6 +673,13 @@ func (p *Producer) Close() error {
 		_ = os.Remove(p.path)
 	}
 	p.releasePool()
+	// Stats, Readers and WaitReaders may be reading the segment from other
+	// goroutines right now: unmap only once none is, and leave them the
+	// final counters.
+	p.live.Lock()
+	defer p.live.Unlock()
+	p.final = p.stats()
+	p.unmapped = true
 	err := p.seg.Unmap()
 	if cerr := p.seg.File.Close(); err == nil {
 		err = cerr
