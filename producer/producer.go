@@ -453,6 +453,15 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 		if seq < p.cachedMin+p.slots {
 			return nil
 		}
+		// Nor may it escape the eviction policy: a caller that polls with
+		// timeout 0 is blocked by a stuck reader as surely as one that
+		// waits. The policy's clock runs across calls.
+		if p.maybeEvict(p.cachedMin) {
+			p.cachedMin = p.scan(seq, false)
+			if seq < p.cachedMin+p.slots {
+				return nil
+			}
+		}
 		return ring.Errorf(ring.StatusBackpressure, "ring full: the slowest reader is at batch %d, publishing %d", p.cachedMin, seq)
 	}
 	start := time.Now()
@@ -539,18 +548,20 @@ func (p *Producer) reclaimIfDead(i uint32, claim uint64) bool {
 }
 
 // maybeEvict applies the opt-in eviction policy: readers whose cursor is
-// the gating minimum and has not moved for EvictAfter are evicted.
-func (p *Producer) maybeEvict(least uint64) {
+// the gating minimum and has not moved for EvictAfter are evicted. It
+// reports whether it evicted any.
+func (p *Producer) maybeEvict(least uint64) bool {
 	if p.opts.EvictAfter <= 0 {
-		return
+		return false
 	}
 	if least != p.gateCursor || p.gateSince.IsZero() {
 		p.gateCursor, p.gateSince = least, time.Now()
-		return
+		return false
 	}
 	if time.Since(p.gateSince) < p.opts.EvictAfter {
-		return
+		return false
 	}
+	evicted := false
 	seq := p.next
 	for i := uint32(0); i < p.seg.Readers; i++ {
 		c := p.seg.Claim(i)
@@ -563,9 +574,11 @@ func (p *Producer) maybeEvict(least uint64) {
 		}
 		if cur == least && p.seg.CASClaim(i, c, ring.MakeClaim(ring.ClaimGen(c), ring.ReaderEvicted)) {
 			p.seg.AddEvicted()
+			evicted = true
 		}
 	}
 	p.gateSince = time.Time{}
+	return evicted
 }
 
 // ReaderInfo describes one attached reader.

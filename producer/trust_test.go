@@ -76,3 +76,58 @@ func TestCloseRacesQueries(t *testing.T) {
 		require.NoError(t, r.Detach())
 	}
 }
+
+// TestEvictionWithTimeoutZero: a producer that never waits (Reserve and
+// EndEpoch with timeout 0, polling on ErrBackpressure: C reserve(..., 0),
+// Python timeout=0) still applies EvictAfter: a stuck reader is evicted
+// once it has gated the ring that long. Before the fix the timeout-0 path
+// returned back-pressure without looking at the policy, for ever.
+func TestEvictionWithTimeoutZero(t *testing.T) {
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 64 << 10, EvictAfter: 50 * time.Millisecond})
+	stuck := testkit.Attach(t, name, reader.Options{})
+	require.NoError(t, p.WaitReaders(1, time.Second))
+	require.NoError(t, publish(p, 0, 0))
+	held, err := stuck.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, held)
+	require.NoError(t, publish(p, 1, 0))
+
+	start := time.Now()
+	polls := 0
+	for {
+		err := publish(p, 2, 0)
+		if err == nil {
+			break
+		}
+		require.ErrorIs(t, err, producer.ErrBackpressure)
+		polls++
+		require.Less(t, time.Since(start), 3*time.Second, "stuck reader never evicted with timeout 0 (%d polls)", polls)
+		time.Sleep(time.Millisecond)
+	}
+	waited := time.Since(start)
+	t.Logf("evicted after %v and %d polls", waited, polls)
+	assert.GreaterOrEqual(t, waited, 45*time.Millisecond, "not before EvictAfter")
+	assert.Equal(t, uint64(1), p.Stats().ReadersEvicted)
+	_, err = stuck.Acquire(0)
+	require.ErrorIs(t, err, reader.ErrEvicted)
+
+	// EndEpoch with timeout 0 takes the same path.
+	r2 := testkit.Attach(t, name, reader.Options{Start: reader.StartNow})
+	require.NoError(t, publish(p, 3, 0))
+	b, err := r2.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	require.NoError(t, publish(p, 4, 0))
+	start = time.Now()
+	for {
+		err := p.EndEpoch(0)
+		if err == nil {
+			break
+		}
+		require.ErrorIs(t, err, producer.ErrBackpressure)
+		require.Less(t, time.Since(start), 3*time.Second, "EndEpoch(0) never evicts")
+		time.Sleep(time.Millisecond)
+	}
+	assert.Equal(t, uint64(2), p.Stats().ReadersEvicted)
+}
