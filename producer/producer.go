@@ -65,6 +65,39 @@ var (
 // Tensor places one tensor in a batch's payload (see ring.Tensor).
 type Tensor = ring.Tensor
 
+// ForkGuard keeps the descriptors that carry liveness locks out of
+// children forked without exec. A Go program cannot fork without exec; a C
+// or Python program that loads libtsock.so can, and does (DataLoader
+// workers): the C ABI installs a guard whose fork handler closes them in
+// the child. Open runs open, which makes one descriptor, so that no fork()
+// can copy it before the guard knows it; Close closes one the same way.
+type ForkGuard interface {
+	Open(open func() (*os.File, error)) (*os.File, error)
+	Close(f *os.File) error
+}
+
+var forkGuard ForkGuard
+
+// SetForkGuard installs g; call it once, before any producer is created.
+func SetForkGuard(g ForkGuard) { forkGuard = g }
+
+// openLockable opens a descriptor that holds, or may come to hold, an OFD
+// lock, under the fork guard if there is one.
+func openLockable(open func() (*os.File, error)) (*os.File, error) {
+	if forkGuard == nil {
+		return open()
+	}
+	return forkGuard.Open(open)
+}
+
+// closeLockable closes a descriptor opened with openLockable.
+func closeLockable(f *os.File) error {
+	if forkGuard == nil {
+		return f.Close()
+	}
+	return forkGuard.Close(f)
+}
+
 // livenessPeriod bounds how long a dead reader can hold the producer back:
 // while blocked, the producer re-checks the readers' locks this often.
 const livenessPeriod = 10 * time.Millisecond
@@ -154,7 +187,7 @@ func Create(name string, opts Options) (*Producer, error) {
 	if err := p.install(); err != nil {
 		pool.close()
 		seg.Unmap()
-		seg.File.Close()
+		closeLockable(seg.File)
 		return nil, err
 	}
 	return p, nil
@@ -168,12 +201,14 @@ func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, *d
 	var rnd [6]byte
 	_, _ = rand.Read(rnd[:])
 	tmp := fmt.Sprintf("%s/.tsock-tmp.%d.%s", ring.ShmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
-	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, opts.Mode)
+	f, err := openLockable(func() (*os.File, error) {
+		return os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, opts.Mode)
+	})
 	if err != nil {
 		return nil, nil, sysError(err, "create %s", tmp)
 	}
 	fail := func(err error) (*ring.Segment, *devicePool, error) {
-		f.Close()
+		closeLockable(f)
 		os.Remove(tmp)
 		return nil, nil, err
 	}
@@ -234,7 +269,7 @@ func (p *Producer) install() error {
 // reclaimStale removes the segment at path if its producer is dead. It
 // returns nil when the path is free to try again.
 func reclaimStale(path string) error {
-	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	f, err := openLockable(func() (*os.File, error) { return os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0) })
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
@@ -244,7 +279,7 @@ func reclaimStale(path string) error {
 	if err != nil {
 		return sysError(err, "open existing %s", path)
 	}
-	defer f.Close()
+	defer closeLockable(f)
 	if err := ring.LockByte(f, ring.LockProducer); err != nil {
 		if err == ring.ErrLocked {
 			return ring.Errorf(ring.StatusExist, "%s has a live producer", path)
@@ -287,9 +322,6 @@ func sysError(err error, format string, args ...any) error {
 
 // Name is the channel name.
 func (p *Producer) Name() string { return p.name }
-
-// Fd is the segment's file descriptor (for the C ABI's fork guard).
-func (p *Producer) Fd() uintptr { return p.seg.File.Fd() }
 
 // SlotBytes is the payload capacity of one batch.
 func (p *Producer) SlotBytes() uint64 { return p.seg.Geometry.SlotPayloadBytes }
@@ -694,7 +726,7 @@ func (p *Producer) Close() error {
 	p.final = p.stats()
 	p.unmapped = true
 	err := p.seg.Unmap()
-	if cerr := p.seg.File.Close(); err == nil {
+	if cerr := closeLockable(p.seg.File); err == nil {
 		err = cerr
 	}
 	return err
