@@ -17,6 +17,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/tsock/tsock/ring"
 )
 
@@ -182,7 +184,7 @@ func Create(name string, opts Options) (*Producer, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Producer{name: name, path: ring.ChannelPath(name), seg: seg, opts: opts, slots: uint64(opts.Slots),
+	p := &Producer{name: name, path: channelPath(name), seg: seg, opts: opts, slots: uint64(opts.Slots),
 		pool: pool}
 	if err := p.install(); err != nil {
 		pool.close()
@@ -193,6 +195,86 @@ func Create(name string, opts Options) (*Producer, error) {
 	return p, nil
 }
 
+// shmDir is where channels are made: ring.ShmDir, which readers and tools
+// also use. Only tests point it elsewhere (a small tmpfs, export_test.go).
+var shmDir = ring.ShmDir
+
+// channelPath is the segment file of channel name.
+func channelPath(name string) string { return shmDir + "/" + ring.ShmPrefix + name }
+
+// checkFree is the early statfs check of reserveSpace; tests turn it off to
+// reach the fallocate path.
+var checkFree = true
+
+// fallocChunk is how much reserveSpace allocates per fallocate call: a
+// call interrupted by a signal (EINTR, on kernels that abort tmpfs
+// fallocate on any signal, and the Go runtime preempts with signals) then
+// repeats one chunk, not the whole segment.
+const fallocChunk = 64 << 20
+
+// reserveSpace sizes the segment file to size bytes and allocates every
+// page of it now. A tmpfs file is sparse: a segment that does not fit
+// would be created fine and kill the producer or a reader with SIGBUS at
+// the first touch of a page the filesystem cannot supply (PyTorch's most
+// reported shared-memory failure). Reserving makes the segment's memory
+// committed from creation on, and turns "does not fit" into an error
+// here, naming the sizes.
+func reserveSpace(f *os.File, name string, size uint64) error {
+	fd := int(f.Fd())
+	if checkFree {
+		if free, total, ok := fsFree(fd); ok && size > free {
+			return spaceError(name, size, free, total, nil)
+		}
+	}
+	if err := f.Truncate(int64(size)); err != nil {
+		return sysError(err, "size channel %q to %d bytes", name, size)
+	}
+	for off := uint64(0); off < size; {
+		n := min(size-off, fallocChunk)
+		err := unix.Fallocate(fd, 0, int64(off), int64(n))
+		switch {
+		case err == nil:
+			off += n
+		case errors.Is(err, unix.EINTR):
+			// retry the chunk
+		case errors.Is(err, unix.EOPNOTSUPP):
+			// Not tmpfs (tmpfs has fallocate since Linux 3.5): the file
+			// stays sparse, and only the statfs check above stood
+			// between a segment too big and SIGBUS.
+			return nil
+		case errors.Is(err, unix.ENOSPC):
+			free, total, _ := fsFree(fd)
+			return spaceError(name, size, free, total, err)
+		default:
+			return sysError(err, "reserve %d bytes for channel %q", size, name)
+		}
+	}
+	return nil
+}
+
+// fsFree is the space an unprivileged user may still allocate in the
+// filesystem of fd, and its size.
+func fsFree(fd int) (free, total uint64, ok bool) {
+	var st unix.Statfs_t
+	if unix.Fstatfs(fd, &st) != nil {
+		return 0, 0, false
+	}
+	return st.Bavail * uint64(st.Bsize), st.Blocks * uint64(st.Bsize), true
+}
+
+func spaceError(name string, size, free, total uint64, err error) error {
+	why := ""
+	if err != nil {
+		why = fmt.Sprintf(" (%v)", err)
+	}
+	return ring.Errorf(ring.StatusNoMem,
+		"channel %q needs %d bytes (%s) in %s, which has %d bytes (%s) free of %d (%s)%s: "+
+			"lower Slots or SlotBytes, remove dead channels (tsock rm --all-dead), or enlarge %s (docker run --shm-size)",
+		name, size, mib(size), shmDir, free, mib(free), total, mib(total), why, shmDir)
+}
+
+func mib(n uint64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }
+
 // buildSegment creates the segment under a hidden temporary name, fully
 // initialised and locked, so that no reader can ever open a half-built
 // channel. With a device, the device pool is made and described in the
@@ -200,7 +282,7 @@ func Create(name string, opts Options) (*Producer, error) {
 func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, *devicePool, error) {
 	var rnd [6]byte
 	_, _ = rand.Read(rnd[:])
-	tmp := fmt.Sprintf("%s/.tsock-tmp.%d.%s", ring.ShmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
+	tmp := fmt.Sprintf("%s/.tsock-tmp.%d.%s", shmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
 	f, err := openLockable(func() (*os.File, error) {
 		return os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, opts.Mode)
 	})
@@ -220,8 +302,8 @@ func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, *d
 			return fail(sysError(err, "chown %s to group %d", tmp, opts.Gid))
 		}
 	}
-	if err := f.Truncate(int64(g.TotalBytes)); err != nil {
-		return fail(sysError(err, "size %s to %d bytes", tmp, g.TotalBytes))
+	if err := reserveSpace(f, name, g.TotalBytes); err != nil {
+		return fail(err)
 	}
 	seg, err := ring.MapSegment(f, g, opts.Slots, opts.MaxReaders, true)
 	if err != nil {

@@ -1,6 +1,9 @@
 package producer_test
 
 import (
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -8,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tsock/tsock/internal/testkit"
 	"github.com/tsock/tsock/producer"
@@ -130,4 +134,107 @@ func TestEvictionWithTimeoutZero(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	assert.Equal(t, uint64(2), p.Stats().ReadersEvicted)
+}
+
+// noLeftovers asserts that dir holds no segment of name and no temporary
+// file of this process.
+func noLeftovers(t *testing.T, dir, name string) {
+	t.Helper()
+	_, err := os.Lstat(dir + "/" + ring.ShmPrefix + name)
+	assert.ErrorIs(t, err, os.ErrNotExist, "a failed create leaves no channel")
+	ents, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	for _, e := range ents {
+		assert.False(t, strings.HasPrefix(e.Name(), ".tsock-tmp."+strconv.Itoa(os.Getpid())+"."), "left %s", e.Name())
+	}
+}
+
+// TestCreateTooBigForShm: a channel larger than the free space of /dev/shm
+// fails at creation with a message naming both sizes (before the fix the
+// sparse file was created, and the first touch of a page past the free
+// space would have been SIGBUS).
+func TestCreateTooBigForShm(t *testing.T) {
+	var st unix.Statfs_t
+	require.NoError(t, unix.Statfs(ring.ShmDir, &st))
+	free := st.Bavail * uint64(st.Bsize)
+	slots := uint32(2)
+	for uint64(slots)*ring.MaxSlotBytes <= free {
+		slots *= 2
+		if slots > ring.MaxSlots {
+			t.Skipf("%s has %d bytes free, more than the largest channel", ring.ShmDir, free)
+		}
+	}
+	name := testkit.Channel(t)
+	p, err := producer.Create(name, producer.Options{Slots: slots, SlotBytes: ring.MaxSlotBytes, MaxReaders: 1})
+	if err == nil {
+		p.Close()
+	}
+	require.Error(t, err, "a %d-slot channel of 16 GiB slots in a /dev/shm with %d bytes free", slots, free)
+	assert.Equal(t, ring.StatusNoMem, ring.StatusOf(err))
+	g, ok := ring.ComputeGeometry(slots, 1, ring.MaxSlotBytes)
+	require.True(t, ok)
+	assert.Contains(t, err.Error(), strconv.FormatUint(g.TotalBytes, 10), "names the size needed")
+	assert.Contains(t, err.Error(), "free")
+	t.Log(err)
+	noLeftovers(t, ring.ShmDir, name)
+}
+
+// smallTmpfs mounts an 8 MiB tmpfs (root only) and makes the producer
+// create its channels there.
+func smallTmpfs(t *testing.T) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=8m"); err != nil {
+		t.Skipf("cannot mount a tmpfs here: %v", err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
+	t.Cleanup(producer.SetShmDirForTest(dir))
+	return dir
+}
+
+// TestCreateReservesSpace: in an 8 MiB tmpfs, a 16 MiB channel fails at
+// creation, by the statfs check and, with it turned off, by fallocate's
+// ENOSPC; nothing is left behind. A channel that fits has all its pages
+// allocated at creation: the filesystem's free space drops by its size at
+// once (before the fix the sparse file took nothing until written, and a
+// write past the free space was SIGBUS).
+func TestCreateReservesSpace(t *testing.T) {
+	dir := smallTmpfs(t)
+	name := testkit.Channel(t)
+	o := producer.Options{Slots: 4, SlotBytes: 4 << 20, MaxReaders: 1}
+	_, err := producer.Create(name, o)
+	require.Error(t, err)
+	assert.Equal(t, ring.StatusNoMem, ring.StatusOf(err))
+	assert.Contains(t, err.Error(), "free of 8388608")
+	t.Log(err)
+	noLeftovers(t, dir, name)
+
+	restore := producer.SkipFreeCheckForTest()
+	_, err = producer.Create(name, o)
+	restore()
+	require.Error(t, err)
+	assert.Equal(t, ring.StatusNoMem, ring.StatusOf(err))
+	assert.Contains(t, err.Error(), "no space left")
+	t.Log(err)
+	noLeftovers(t, dir, name)
+
+	var before, after unix.Statfs_t
+	require.NoError(t, unix.Statfs(dir, &before))
+	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 2 << 20, MaxReaders: 1})
+	require.NoError(t, err)
+	defer p.Close()
+	require.NoError(t, unix.Statfs(dir, &after))
+	g, _ := ring.ComputeGeometry(2, 1, 2<<20)
+	used := (before.Bavail - after.Bavail) * uint64(before.Bsize)
+	assert.GreaterOrEqual(t, used, g.TotalBytes, "the channel's pages are allocated at creation")
+	// The reserved payload is writable, every byte of it.
+	buf, err := p.Reserve(2<<20, 0)
+	require.NoError(t, err)
+	for i := range buf {
+		buf[i] = byte(i)
+	}
+	require.NoError(t, p.Abort())
 }
