@@ -16,3 +16,10 @@ func SkipFreeCheckForTest() (restore func()) {
 	checkFree = false
 	return func() { checkFree = true }
 }
+
+// NoTmpfileForTest makes Create take the fallback of a system without
+// O_TMPFILE: a hidden temporary name.
+func NoTmpfileForTest() (restore func()) {
+	useTmpfile = false
+	return func() { useTmpfile = true }
+}

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -109,6 +110,7 @@ type Producer struct {
 	mu      sync.Mutex
 	name    string
 	path    string
+	tmp     string // the segment's temporary name until installed; "" for an unnamed file
 	seg     *ring.Segment
 	opts    Options
 	slots   uint64
@@ -180,11 +182,11 @@ func Create(name string, opts Options) (*Producer, error) {
 			"geometry out of range: slots %d (power of two, %d..%d), readers %d (1..%d), slot bytes %d (1..%d)",
 			opts.Slots, ring.MinSlots, ring.MaxSlots, opts.MaxReaders, ring.MaxReaders, opts.SlotBytes, ring.MaxSlotBytes)
 	}
-	seg, pool, err := buildSegment(name, g, opts)
+	seg, tmp, pool, err := buildSegment(name, g, opts)
 	if err != nil {
 		return nil, err
 	}
-	p := &Producer{name: name, path: channelPath(name), seg: seg, opts: opts, slots: uint64(opts.Slots),
+	p := &Producer{name: name, path: channelPath(name), tmp: tmp, seg: seg, opts: opts, slots: uint64(opts.Slots),
 		pool: pool}
 	if err := p.install(); err != nil {
 		pool.close()
@@ -192,6 +194,9 @@ func Create(name string, opts Options) (*Producer, error) {
 		closeLockable(seg.File)
 		return nil, err
 	}
+	// Now that this channel exists, remove those of this user that nobody
+	// holds any more (best effort: reclaim.go).
+	reclaimDead(name)
 	return p, nil
 }
 
@@ -275,55 +280,111 @@ func spaceError(name string, size, free, total uint64, err error) error {
 
 func mib(n uint64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }
 
-// buildSegment creates the segment under a hidden temporary name, fully
-// initialised and locked, so that no reader can ever open a half-built
-// channel. With a device, the device pool is made and described in the
-// segment before the header is published.
-func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, *devicePool, error) {
-	var rnd [6]byte
-	_, _ = rand.Read(rnd[:])
-	tmp := fmt.Sprintf("%s/.tsock-tmp.%d.%s", shmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
-	f, err := openLockable(func() (*os.File, error) {
-		return os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, opts.Mode)
-	})
+// buildSegment creates the segment as an unnamed file (createUnnamed),
+// fully initialised and locked before install gives it its name, so that
+// no reader can ever open a half-built channel and a producer killed while
+// creating leaves nothing behind. With a device, the device pool is made
+// and described in the segment before the header is published.
+func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, string, *devicePool, error) {
+	f, tmp, err := createUnnamed()
 	if err != nil {
-		return nil, nil, sysError(err, "create %s", tmp)
+		return nil, "", nil, err
 	}
-	fail := func(err error) (*ring.Segment, *devicePool, error) {
+	where := tmp
+	if where == "" {
+		where = "the new segment of " + name
+	}
+	fail := func(err error) (*ring.Segment, string, *devicePool, error) {
 		closeLockable(f)
-		os.Remove(tmp)
-		return nil, nil, err
-	}
-	if err := f.Chmod(opts.Mode); err != nil { // the umask must not widen or narrow the choice
-		return fail(sysError(err, "chmod %s", tmp))
-	}
-	if opts.Gid > 0 {
-		if err := f.Chown(-1, opts.Gid); err != nil {
-			return fail(sysError(err, "chown %s to group %d", tmp, opts.Gid))
+		if tmp != "" {
+			os.Remove(tmp)
 		}
+		return nil, "", nil, err
 	}
 	if err := reserveSpace(f, name, g.TotalBytes); err != nil {
 		return fail(err)
 	}
+	// Mapped while the file is still 0600: the mapping comes from a second
+	// open (ring.MapSegment), which a mode without owner write would refuse.
 	seg, err := ring.MapSegment(f, g, opts.Slots, opts.MaxReaders, true)
 	if err != nil {
-		return fail(sysError(err, "map %s", tmp))
+		return fail(sysError(err, "map %s", where))
+	}
+	failMapped := func(err error) (*ring.Segment, string, *devicePool, error) {
+		seg.Unmap()
+		return fail(err)
+	}
+	if err := f.Chmod(opts.Mode); err != nil { // the umask must not widen or narrow the choice
+		return failMapped(sysError(err, "chmod %s", where))
+	}
+	if opts.Gid > 0 {
+		if err := f.Chown(-1, opts.Gid); err != nil {
+			return failMapped(sysError(err, "chown %s to group %d", where, opts.Gid))
+		}
 	}
 	seg.SetJoinWindow(uint64(opts.JoinWindow))
 	var pool *devicePool
 	if ordinal, _ := ParseDevice(opts.Device); ordinal >= 0 {
 		if pool, err = openPool(ordinal, seg); err != nil {
-			seg.Unmap()
-			return fail(err)
+			return failMapped(err)
 		}
 	}
 	seg.InitHeader(name, os.Getpid(), uint64(time.Now().UnixNano()))
 	if err := ring.LockByte(f, ring.LockProducer); err != nil {
 		pool.close()
-		seg.Unmap()
-		return fail(sysError(err, "lock %s", tmp))
+		return failMapped(sysError(err, "lock %s", where))
 	}
-	return seg, pool, nil
+	return seg, tmp, pool, nil
+}
+
+// createUnnamed makes the segment's file in shmDir without a name
+// (O_TMPFILE): it exists only through its descriptor until install links
+// it, so if the producer dies first, the kernel frees it with the
+// descriptor. Where O_TMPFILE is not supported (Linux before 3.11, or a
+// filesystem without it; tmpfs has it) it falls back to a hidden temporary
+// name, returned as tmp, which a producer killed before install leaves
+// behind (tsock rm removes those of dead processes).
+func createUnnamed() (f *os.File, tmp string, err error) {
+	err = unix.EOPNOTSUPP
+	if useTmpfile {
+		f, err = openLockable(func() (*os.File, error) {
+			return os.OpenFile(shmDir, os.O_RDWR|unix.O_TMPFILE, 0o600)
+		})
+	}
+	if err == nil {
+		return f, "", nil
+	}
+	if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.EISDIR) && !errors.Is(err, unix.EINVAL) {
+		return nil, "", sysError(err, "create an unnamed file in %s", shmDir)
+	}
+	var rnd [6]byte
+	_, _ = rand.Read(rnd[:])
+	tmp = fmt.Sprintf("%s/.tsock-tmp.%d.%s", shmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
+	f, err = openLockable(func() (*os.File, error) {
+		return os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+	})
+	if err != nil {
+		return nil, "", sysError(err, "create %s", tmp)
+	}
+	return f, tmp, nil
+}
+
+// useTmpfile is false only in tests of the fallback.
+var useTmpfile = true
+
+// link gives the built segment the channel's name; like link(2) it fails
+// with EEXIST when the name exists. An unnamed file is linked through
+// /proc/self/fd (linkat with AT_SYMLINK_FOLLOW: AT_EMPTY_PATH would need
+// CAP_DAC_READ_SEARCH).
+func (p *Producer) link() error {
+	if p.tmp != "" {
+		return os.Link(p.tmp, p.path)
+	}
+	src := "/proc/self/fd/" + strconv.Itoa(int(p.seg.File.Fd()))
+	if err := unix.Linkat(unix.AT_FDCWD, src, unix.AT_FDCWD, p.path, unix.AT_SYMLINK_FOLLOW); err != nil {
+		return &os.LinkError{Op: "linkat", Old: src, New: p.path, Err: err}
+	}
+	return nil
 }
 
 // install links the built segment at the channel's name. If a segment is
@@ -331,10 +392,11 @@ func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, *d
 // owner is an error, a dead one's segment is removed (its readers then see
 // "producer gone").
 func (p *Producer) install() error {
-	tmp := p.seg.File.Name()
-	defer os.Remove(tmp)
+	if p.tmp != "" {
+		defer os.Remove(p.tmp)
+	}
 	for attempt := 0; attempt < 100; attempt++ {
-		err := os.Link(tmp, p.path)
+		err := p.link()
 		if err == nil {
 			return nil
 		}
@@ -362,11 +424,8 @@ func reclaimStale(path string) error {
 		return sysError(err, "open existing %s", path)
 	}
 	defer closeLockable(f)
-	if err := ring.LockByte(f, ring.LockProducer); err != nil {
-		if err == ring.ErrLocked {
-			return ring.Errorf(ring.StatusExist, "%s has a live producer", path)
-		}
-		return sysError(err, "lock %s", path)
+	if err := lockStale(f, path); err != nil {
+		return err
 	}
 	// We hold the dead producer's lock. Make sure the path still names this
 	// file (another producer may have replaced it meanwhile), then remove it.
@@ -384,6 +443,39 @@ func reclaimStale(path string) error {
 		return sysError(err, "remove stale %s", path)
 	}
 	return nil
+}
+
+// lockStale takes the producer lock of the segment f, opened at path. The
+// lock is held either by a live producer, or for a moment by a process
+// reclaiming this dead segment (reclaimDead, at another channel's Create),
+// which then removes the name: so a held lock is given up to 50 ms to go
+// away or the name to change (nil error, lock not taken: the caller's
+// check that path still names f then sends it round again) before it
+// counts as a live producer.
+func lockStale(f *os.File, path string) error {
+	deadline := time.Now().Add(50 * time.Millisecond)
+	for {
+		err := ring.LockByte(f, ring.LockProducer)
+		if err == nil {
+			return nil
+		}
+		if err != ring.ErrLocked {
+			return sysError(err, "lock %s", path)
+		}
+		if st, err := os.Lstat(path); err != nil || !sameFile(f, st) {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return ring.Errorf(ring.StatusExist, "%s has a live producer", path)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// sameFile reports whether f is the file st describes.
+func sameFile(f *os.File, st os.FileInfo) bool {
+	fst, err := f.Stat()
+	return err == nil && os.SameFile(fst, st)
 }
 
 func looksLikeSegment(hdr []byte) bool {

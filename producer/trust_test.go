@@ -238,3 +238,24 @@ func TestCreateReservesSpace(t *testing.T) {
 	}
 	require.NoError(t, p.Abort())
 }
+
+// TestCreateFallbackTempName: without O_TMPFILE, Create builds the segment
+// under a hidden temporary name and links it; the channel works, and the
+// temporary name is gone once created (and after a failed create).
+func TestCreateFallbackTempName(t *testing.T) {
+	t.Cleanup(producer.NoTmpfileForTest())
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 64 << 10, Mode: 0o640})
+	st, err := os.Stat(ring.ChannelPath(name))
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o640), st.Mode().Perm())
+	r := testkit.Attach(t, name, reader.Options{})
+	require.NoError(t, publish(p, 0, time.Second))
+	b, err := r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	noLeftovers(t, ring.ShmDir, name+"-none")
+	_, err = producer.Create(name, producer.Options{})
+	require.ErrorIs(t, err, producer.ErrExist)
+	noLeftovers(t, ring.ShmDir, name+"-none")
+}
