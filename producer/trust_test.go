@@ -259,3 +259,24 @@ func TestCreateFallbackTempName(t *testing.T) {
 	require.ErrorIs(t, err, producer.ErrExist)
 	noLeftovers(t, ring.ShmDir, name+"-none")
 }
+
+// TestCreateWaitsForReclaimer: a Create that finds its name's dead segment
+// locked by a process reclaiming it (another channel's Create sweeping
+// dead channels holds the producer lock for a moment, then unlinks it)
+// waits for the name to go instead of failing with ErrExist.
+func TestCreateWaitsForReclaimer(t *testing.T) {
+	name := testkit.Channel(t)
+	staleSegment(t, name, 0)
+	f, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, ring.LockByte(f, ring.LockProducer))
+	go func() {
+		time.Sleep(10 * time.Millisecond)
+		os.Remove(ring.ChannelPath(name)) // what the reclaimer does, then it closes
+		f.Close()
+	}()
+	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.NoError(t, err, "a reclaimer's moment on the lock is not a live producer")
+	require.NoError(t, p.Close())
+}
