@@ -58,24 +58,22 @@ func reclaimIfDead(path string, uid uint32) bool {
 	if !sameFile(f, st) {
 		return false
 	}
+	// Look before taking any lock: while we hold a segment's producer lock
+	// it looks alive to everyone, so take it only on a likely candidate.
+	if held, err := ring.RangeLocked(f, ring.LockProducer, 0); err != nil || held {
+		return false // a live producer, or a live reader
+	}
+	if !quiet(f) {
+		return false
+	}
 	// Holding the producer lock keeps any other producer from taking the
 	// file, and makes a Create of this very name wait (lockStale) until
-	// the name is gone.
+	// the name is gone. Then look again: a reader may have come meanwhile.
 	if ring.LockByte(f, ring.LockProducer) != nil {
 		return false // a live producer (or another reclaimer)
 	}
 	if held, err := ring.RangeLocked(f, ring.LockReader0, 0); err != nil || held {
 		return false // a live reader: it may still be reading the batches left
-	}
-	// A private copy of the header: only the magic and the last publish.
-	hdr := make([]byte, ring.HeaderSize)
-	if n, _ := f.ReadAt(hdr, 0); n < len(hdr) || !looksLikeSegment(hdr) {
-		return false // not ours to judge: tsock rm --force
-	}
-	if hb := binary.LittleEndian.Uint64(hdr[ring.HeaderOffHeartbeatNs:]); hb != 0 {
-		if now := ring.MonotonicNs(); now > hb && time.Duration(now-hb) < reclaimGrace {
-			return false
-		}
 	}
 	// The path must still name this file: it cannot change while we hold
 	// the lock (a Create of this name waits for it, and only a process
@@ -86,6 +84,22 @@ func reclaimIfDead(path string, uid uint32) bool {
 		return false
 	}
 	return os.Remove(path) == nil
+}
+
+// quiet reports whether f is a tsock segment that published nothing for
+// reclaimGrace, from a private copy of its header (only the magic and the
+// last publish are used).
+func quiet(f *os.File) bool {
+	hdr := make([]byte, ring.HeaderSize)
+	if n, _ := f.ReadAt(hdr, 0); n < len(hdr) || !looksLikeSegment(hdr) {
+		return false // not ours to judge: tsock rm --force
+	}
+	if hb := binary.LittleEndian.Uint64(hdr[ring.HeaderOffHeartbeatNs:]); hb != 0 {
+		if now := ring.MonotonicNs(); now > hb && time.Duration(now-hb) < reclaimGrace {
+			return false
+		}
+	}
+	return true
 }
 
 func ownedBy(st os.FileInfo, uid uint32) bool {
