@@ -13,13 +13,17 @@ package main
 #include <stdlib.h>
 #include "tsock.h"
 void tsockgo_set_error(const char *msg);
-void tsockgo_track_fd(int fd);
-void tsockgo_untrack_fd(int fd);
+int tsockgo_fork_hold(void);
+int tsockgo_fork_unhold(void);
+int tsockgo_fork_track_held(int fd);
+void tsockgo_fork_untrack_held(int fd);
 */
 import "C"
 
 import (
 	"fmt"
+	"os"
+	"runtime"
 	"sync"
 	"time"
 	"unsafe"
@@ -30,6 +34,43 @@ import (
 )
 
 func main() {}
+
+// forkGuard keeps the producer's lock descriptors out of children that the
+// host process forks without exec (shim.c, "the producer's fork guard").
+type forkGuard struct{}
+
+// Open runs open with fork() held off and registers its descriptor before
+// letting fork() run again. The pthread mutex is taken and released by the
+// same OS thread, hence LockOSThread.
+func (forkGuard) Open(open func() (*os.File, error)) (*os.File, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	C.tsockgo_fork_hold()
+	defer C.tsockgo_fork_unhold()
+	f, err := open()
+	if err != nil {
+		return nil, err
+	}
+	if C.tsockgo_fork_track_held(C.int(f.Fd())) != 0 {
+		f.Close()
+		return nil, ring.Errorf(ring.StatusNoMem, "out of memory registering a descriptor with the fork guard")
+	}
+	return f, nil
+}
+
+// Close unregisters and closes f with fork() held off.
+func (forkGuard) Close(f *os.File) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	C.tsockgo_fork_hold()
+	defer C.tsockgo_fork_unhold()
+	if fd := f.Fd(); fd != ^uintptr(0) {
+		C.tsockgo_fork_untrack_held(C.int(fd))
+	}
+	return f.Close()
+}
+
+func init() { producer.SetForkGuard(forkGuard{}) }
 
 // entry is one open producer handle and its scratch space, so publishing
 // from C allocates nothing.
@@ -95,7 +136,6 @@ func tsockgo_producer_create(name *C.char, o *C.tsock_producer_options_t, out *C
 	if err != nil {
 		return fail(err)
 	}
-	C.tsockgo_track_fd(C.int(p.Fd()))
 	handlesMu.Lock()
 	nextID += 16
 	id := nextID
@@ -204,6 +244,5 @@ func tsockgo_producer_close(h C.uintptr_t) C.int {
 	if e == nil {
 		return fail(ring.Errorf(ring.StatusHandle, "producer handle %#x is not open", uintptr(h)))
 	}
-	C.tsockgo_untrack_fd(C.int(e.p.Fd()))
 	return fail(e.p.Close())
 }

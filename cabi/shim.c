@@ -5,7 +5,10 @@
  * arguments, refuse to enter the Go runtime in a forked child, and call the
  * Go implementation (exports.go, tsockgo_* symbols).
  */
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "_cgo_export.h"
 #include "internal.h"
@@ -31,8 +34,69 @@ static int forked(void) {
 }
 
 void tsockgo_set_error(const char *msg) { tsock__fail(TSOCK_OK, "%s", msg); }
-void tsockgo_track_fd(int fd) { tsock__fork_track(fd); }
-void tsockgo_untrack_fd(int fd) { tsock__fork_untrack(fd); }
+
+/* ---- the producer's fork guard ----
+ * The producer's descriptors that hold (or may come to hold) an OFD lock:
+ * its segment's producer lock, and a dead producer's segment while it is
+ * reclaimed. A child forked without exec must not keep any of them, or a
+ * dead parent's lock stays held for the child's lifetime. Each is opened
+ * and closed by Go inside tsockgo_fork_hold/unhold, whose mutex the atfork
+ * prepare handler also takes: fork() cannot run between the open and the
+ * registration, nor between the unregistration and the close, so at every
+ * fork each such descriptor is either registered (closed in the child) or
+ * not open. The list is the producer's own, not the reader's
+ * (reader/platform.c): the hold never waits for another lock, so it cannot
+ * deadlock against the reader's handlers, whatever their order. */
+static pthread_mutex_t pfork_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t pfork_once = PTHREAD_ONCE_INIT;
+static int *pfork_fds;
+static size_t pfork_n, pfork_cap;
+
+static void pfork_prepare(void) { pthread_mutex_lock(&pfork_mu); }
+static void pfork_parent(void) { pthread_mutex_unlock(&pfork_mu); }
+static void pfork_child(void) {
+  for (size_t i = 0; i < pfork_n; i++) close(pfork_fds[i]);
+  pfork_n = 0;
+  pthread_mutex_unlock(&pfork_mu);
+}
+static void pfork_install(void) { pthread_atfork(pfork_prepare, pfork_parent, pfork_child); }
+
+/* Installed at load, like the reader's guard, so no fork can precede it. */
+__attribute__((constructor)) static void pfork_at_load(void) {
+  pthread_once(&pfork_once, pfork_install);
+}
+
+/* They return an int only because cgo's prologue for a void(void) function
+ * does not compile with -Wextra -Werror. */
+int tsockgo_fork_hold(void) {
+  pthread_once(&pfork_once, pfork_install);
+  return pthread_mutex_lock(&pfork_mu);
+}
+int tsockgo_fork_unhold(void) { return pthread_mutex_unlock(&pfork_mu); }
+
+/* Under the hold. Returns 0, or -1 when out of memory (the caller closes
+ * the descriptor: an untracked one must not stay open). */
+int tsockgo_fork_track_held(int fd) {
+  if (pfork_n == pfork_cap) {
+    size_t cap = pfork_cap ? 2 * pfork_cap : 16;
+    int *n = realloc(pfork_fds, cap * sizeof *n);
+    if (n == NULL) return -1;
+    pfork_fds = n;
+    pfork_cap = cap;
+  }
+  pfork_fds[pfork_n++] = fd;
+  return 0;
+}
+
+/* Under the hold, just before the descriptor is closed. */
+void tsockgo_fork_untrack_held(int fd) {
+  for (size_t i = 0; i < pfork_n; i++) {
+    if (pfork_fds[i] == fd) {
+      pfork_fds[i] = pfork_fds[--pfork_n];
+      return;
+    }
+  }
+}
 
 int tsock_producer_create(const char *name, const tsock_producer_options_t *opts,
                           tsock_producer_t **out) {

@@ -12,10 +12,13 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/tsock/tsock/ring"
 )
@@ -65,6 +68,39 @@ var (
 // Tensor places one tensor in a batch's payload (see ring.Tensor).
 type Tensor = ring.Tensor
 
+// ForkGuard keeps the descriptors that carry liveness locks out of
+// children forked without exec. A Go program cannot fork without exec; a C
+// or Python program that loads libtsock.so can, and does (DataLoader
+// workers): the C ABI installs a guard whose fork handler closes them in
+// the child. Open runs open, which makes one descriptor, so that no fork()
+// can copy it before the guard knows it; Close closes one the same way.
+type ForkGuard interface {
+	Open(open func() (*os.File, error)) (*os.File, error)
+	Close(f *os.File) error
+}
+
+var forkGuard ForkGuard
+
+// SetForkGuard installs g; call it once, before any producer is created.
+func SetForkGuard(g ForkGuard) { forkGuard = g }
+
+// openLockable opens a descriptor that holds, or may come to hold, an OFD
+// lock, under the fork guard if there is one.
+func openLockable(open func() (*os.File, error)) (*os.File, error) {
+	if forkGuard == nil {
+		return open()
+	}
+	return forkGuard.Open(open)
+}
+
+// closeLockable closes a descriptor opened with openLockable.
+func closeLockable(f *os.File) error {
+	if forkGuard == nil {
+		return f.Close()
+	}
+	return forkGuard.Close(f)
+}
+
 // livenessPeriod bounds how long a dead reader can hold the producer back:
 // while blocked, the producer re-checks the readers' locks this often.
 const livenessPeriod = 10 * time.Millisecond
@@ -74,6 +110,7 @@ type Producer struct {
 	mu      sync.Mutex
 	name    string
 	path    string
+	tmp     string // the segment's temporary name until installed; "" for an unnamed file
 	seg     *ring.Segment
 	opts    Options
 	slots   uint64
@@ -87,6 +124,14 @@ type Producer struct {
 	index     uint64
 	descs     [ring.MaxTensors]ring.ShmTensor
 	pool      *devicePool // nil without a device
+
+	// live guards the mapping's lifetime against the calls that may come
+	// from any goroutine (Stats, Readers, WaitReaders) and so do not take
+	// mu, which Reserve holds while it waits: they read the segment under
+	// the read lock, Close unmaps it under the write lock.
+	live     sync.RWMutex
+	unmapped bool  // under live
+	final    Stats // the counters as Close left them, under live
 
 	// gating reader watch, for the eviction policy
 	gateCursor uint64
@@ -137,68 +182,209 @@ func Create(name string, opts Options) (*Producer, error) {
 			"geometry out of range: slots %d (power of two, %d..%d), readers %d (1..%d), slot bytes %d (1..%d)",
 			opts.Slots, ring.MinSlots, ring.MaxSlots, opts.MaxReaders, ring.MaxReaders, opts.SlotBytes, ring.MaxSlotBytes)
 	}
-	seg, pool, err := buildSegment(name, g, opts)
+	seg, tmp, pool, err := buildSegment(name, g, opts)
 	if err != nil {
 		return nil, err
 	}
-	p := &Producer{name: name, path: ring.ChannelPath(name), seg: seg, opts: opts, slots: uint64(opts.Slots),
+	p := &Producer{name: name, path: channelPath(name), tmp: tmp, seg: seg, opts: opts, slots: uint64(opts.Slots),
 		pool: pool}
 	if err := p.install(); err != nil {
 		pool.close()
 		seg.Unmap()
-		seg.File.Close()
+		closeLockable(seg.File)
 		return nil, err
 	}
+	// Now that this channel exists, remove those of this user that nobody
+	// holds any more (best effort: reclaim.go).
+	reclaimDead(name)
 	return p, nil
 }
 
-// buildSegment creates the segment under a hidden temporary name, fully
-// initialised and locked, so that no reader can ever open a half-built
-// channel. With a device, the device pool is made and described in the
-// segment before the header is published.
-func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, *devicePool, error) {
-	var rnd [6]byte
-	_, _ = rand.Read(rnd[:])
-	tmp := fmt.Sprintf("%s/.tsock-tmp.%d.%s", ring.ShmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
-	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, opts.Mode)
-	if err != nil {
-		return nil, nil, sysError(err, "create %s", tmp)
+// shmDir is where channels are made: ring.ShmDir, which readers and tools
+// also use. Only tests point it elsewhere (a small tmpfs, export_test.go).
+var shmDir = ring.ShmDir
+
+// channelPath is the segment file of channel name.
+func channelPath(name string) string { return shmDir + "/" + ring.ShmPrefix + name }
+
+// checkFree is the early statfs check of reserveSpace; tests turn it off to
+// reach the fallocate path.
+var checkFree = true
+
+// fallocChunk is how much reserveSpace allocates per fallocate call: a
+// call interrupted by a signal (EINTR, on kernels that abort tmpfs
+// fallocate on any signal, and the Go runtime preempts with signals) then
+// repeats one chunk, not the whole segment.
+const fallocChunk = 64 << 20
+
+// reserveSpace sizes the segment file to size bytes and allocates every
+// page of it now. A tmpfs file is sparse: a segment that does not fit
+// would be created fine and kill the producer or a reader with SIGBUS at
+// the first touch of a page the filesystem cannot supply (PyTorch's most
+// reported shared-memory failure). Reserving makes the segment's memory
+// committed from creation on, and turns "does not fit" into an error
+// here, naming the sizes.
+func reserveSpace(f *os.File, name string, size uint64) error {
+	fd := int(f.Fd())
+	if checkFree {
+		if free, total, ok := fsFree(fd); ok && size > free {
+			return spaceError(name, size, free, total, nil)
+		}
 	}
-	fail := func(err error) (*ring.Segment, *devicePool, error) {
-		f.Close()
-		os.Remove(tmp)
-		return nil, nil, err
+	if err := f.Truncate(int64(size)); err != nil {
+		return sysError(err, "size channel %q to %d bytes", name, size)
+	}
+	for off := uint64(0); off < size; {
+		n := min(size-off, fallocChunk)
+		err := unix.Fallocate(fd, 0, int64(off), int64(n))
+		switch {
+		case err == nil:
+			off += n
+		case errors.Is(err, unix.EINTR):
+			// retry the chunk
+		case errors.Is(err, unix.EOPNOTSUPP):
+			// Not tmpfs (tmpfs has fallocate since Linux 3.5): the file
+			// stays sparse, and only the statfs check above stood
+			// between a segment too big and SIGBUS.
+			return nil
+		case errors.Is(err, unix.ENOSPC):
+			free, total, _ := fsFree(fd)
+			return spaceError(name, size, free, total, err)
+		default:
+			return sysError(err, "reserve %d bytes for channel %q", size, name)
+		}
+	}
+	return nil
+}
+
+// fsFree is the space an unprivileged user may still allocate in the
+// filesystem of fd, and its size.
+func fsFree(fd int) (free, total uint64, ok bool) {
+	var st unix.Statfs_t
+	if unix.Fstatfs(fd, &st) != nil {
+		return 0, 0, false
+	}
+	return st.Bavail * uint64(st.Bsize), st.Blocks * uint64(st.Bsize), true
+}
+
+func spaceError(name string, size, free, total uint64, err error) error {
+	why := ""
+	if err != nil {
+		why = fmt.Sprintf(" (%v)", err)
+	}
+	return ring.Errorf(ring.StatusNoMem,
+		"channel %q needs %d bytes (%s) in %s, which has %d bytes (%s) free of %d (%s)%s: "+
+			"lower Slots or SlotBytes, remove dead channels (tsock rm --all-dead), or enlarge %s (docker run --shm-size)",
+		name, size, mib(size), shmDir, free, mib(free), total, mib(total), why, shmDir)
+}
+
+func mib(n uint64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }
+
+// buildSegment creates the segment as an unnamed file (createUnnamed),
+// fully initialised and locked before install gives it its name, so that
+// no reader can ever open a half-built channel and a producer killed while
+// creating leaves nothing behind. With a device, the device pool is made
+// and described in the segment before the header is published.
+func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, string, *devicePool, error) {
+	f, tmp, err := createUnnamed()
+	if err != nil {
+		return nil, "", nil, err
+	}
+	where := tmp
+	if where == "" {
+		where = "the new segment of " + name
+	}
+	fail := func(err error) (*ring.Segment, string, *devicePool, error) {
+		closeLockable(f)
+		if tmp != "" {
+			os.Remove(tmp)
+		}
+		return nil, "", nil, err
+	}
+	if err := reserveSpace(f, name, g.TotalBytes); err != nil {
+		return fail(err)
+	}
+	// Mapped while the file is still 0600: the mapping comes from a second
+	// open (ring.MapSegment), which a mode without owner write would refuse.
+	seg, err := ring.MapSegment(f, g, opts.Slots, opts.MaxReaders, true)
+	if err != nil {
+		return fail(sysError(err, "map %s", where))
+	}
+	failMapped := func(err error) (*ring.Segment, string, *devicePool, error) {
+		seg.Unmap()
+		return fail(err)
 	}
 	if err := f.Chmod(opts.Mode); err != nil { // the umask must not widen or narrow the choice
-		return fail(sysError(err, "chmod %s", tmp))
+		return failMapped(sysError(err, "chmod %s", where))
 	}
 	if opts.Gid > 0 {
 		if err := f.Chown(-1, opts.Gid); err != nil {
-			return fail(sysError(err, "chown %s to group %d", tmp, opts.Gid))
+			return failMapped(sysError(err, "chown %s to group %d", where, opts.Gid))
 		}
-	}
-	if err := f.Truncate(int64(g.TotalBytes)); err != nil {
-		return fail(sysError(err, "size %s to %d bytes", tmp, g.TotalBytes))
-	}
-	seg, err := ring.MapSegment(f, g, opts.Slots, opts.MaxReaders, true)
-	if err != nil {
-		return fail(sysError(err, "map %s", tmp))
 	}
 	seg.SetJoinWindow(uint64(opts.JoinWindow))
 	var pool *devicePool
 	if ordinal, _ := ParseDevice(opts.Device); ordinal >= 0 {
 		if pool, err = openPool(ordinal, seg); err != nil {
-			seg.Unmap()
-			return fail(err)
+			return failMapped(err)
 		}
 	}
 	seg.InitHeader(name, os.Getpid(), uint64(time.Now().UnixNano()))
 	if err := ring.LockByte(f, ring.LockProducer); err != nil {
 		pool.close()
-		seg.Unmap()
-		return fail(sysError(err, "lock %s", tmp))
+		return failMapped(sysError(err, "lock %s", where))
 	}
-	return seg, pool, nil
+	return seg, tmp, pool, nil
+}
+
+// createUnnamed makes the segment's file in shmDir without a name
+// (O_TMPFILE): it exists only through its descriptor until install links
+// it, so if the producer dies first, the kernel frees it with the
+// descriptor. Where O_TMPFILE is not supported (Linux before 3.11, or a
+// filesystem without it; tmpfs has it) it falls back to a hidden temporary
+// name, returned as tmp, which a producer killed before install leaves
+// behind (tsock rm removes those of dead processes).
+func createUnnamed() (f *os.File, tmp string, err error) {
+	err = unix.EOPNOTSUPP
+	if useTmpfile {
+		f, err = openLockable(func() (*os.File, error) {
+			return os.OpenFile(shmDir, os.O_RDWR|unix.O_TMPFILE, 0o600)
+		})
+	}
+	if err == nil {
+		return f, "", nil
+	}
+	if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.EISDIR) && !errors.Is(err, unix.EINVAL) {
+		return nil, "", sysError(err, "create an unnamed file in %s", shmDir)
+	}
+	var rnd [6]byte
+	_, _ = rand.Read(rnd[:])
+	tmp = fmt.Sprintf("%s/.tsock-tmp.%d.%s", shmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
+	f, err = openLockable(func() (*os.File, error) {
+		return os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+	})
+	if err != nil {
+		return nil, "", sysError(err, "create %s", tmp)
+	}
+	return f, tmp, nil
+}
+
+// useTmpfile is false only in tests of the fallback.
+var useTmpfile = true
+
+// link gives the built segment the channel's name; like link(2) it fails
+// with EEXIST when the name exists. An unnamed file is linked through
+// /proc/self/fd (linkat with AT_SYMLINK_FOLLOW: AT_EMPTY_PATH would need
+// CAP_DAC_READ_SEARCH).
+func (p *Producer) link() error {
+	if p.tmp != "" {
+		return os.Link(p.tmp, p.path)
+	}
+	src := "/proc/self/fd/" + strconv.Itoa(int(p.seg.File.Fd()))
+	if err := unix.Linkat(unix.AT_FDCWD, src, unix.AT_FDCWD, p.path, unix.AT_SYMLINK_FOLLOW); err != nil {
+		return &os.LinkError{Op: "linkat", Old: src, New: p.path, Err: err}
+	}
+	return nil
 }
 
 // install links the built segment at the channel's name. If a segment is
@@ -206,10 +392,11 @@ func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, *d
 // owner is an error, a dead one's segment is removed (its readers then see
 // "producer gone").
 func (p *Producer) install() error {
-	tmp := p.seg.File.Name()
-	defer os.Remove(tmp)
+	if p.tmp != "" {
+		defer os.Remove(p.tmp)
+	}
 	for attempt := 0; attempt < 100; attempt++ {
-		err := os.Link(tmp, p.path)
+		err := p.link()
 		if err == nil {
 			return nil
 		}
@@ -226,7 +413,7 @@ func (p *Producer) install() error {
 // reclaimStale removes the segment at path if its producer is dead. It
 // returns nil when the path is free to try again.
 func reclaimStale(path string) error {
-	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	f, err := openLockable(func() (*os.File, error) { return os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0) })
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
@@ -236,12 +423,9 @@ func reclaimStale(path string) error {
 	if err != nil {
 		return sysError(err, "open existing %s", path)
 	}
-	defer f.Close()
-	if err := ring.LockByte(f, ring.LockProducer); err != nil {
-		if err == ring.ErrLocked {
-			return ring.Errorf(ring.StatusExist, "%s has a live producer", path)
-		}
-		return sysError(err, "lock %s", path)
+	defer closeLockable(f)
+	if err := lockStale(f, path); err != nil {
+		return err
 	}
 	// We hold the dead producer's lock. Make sure the path still names this
 	// file (another producer may have replaced it meanwhile), then remove it.
@@ -259,6 +443,39 @@ func reclaimStale(path string) error {
 		return sysError(err, "remove stale %s", path)
 	}
 	return nil
+}
+
+// lockStale takes the producer lock of the segment f, opened at path. The
+// lock is held either by a live producer, or for a moment by a process
+// reclaiming this dead segment (reclaimDead, at another channel's Create),
+// which then removes the name: so a held lock is given up to 50 ms to go
+// away or the name to change (nil error, lock not taken: the caller's
+// check that path still names f then sends it round again) before it
+// counts as a live producer.
+func lockStale(f *os.File, path string) error {
+	deadline := time.Now().Add(50 * time.Millisecond)
+	for {
+		err := ring.LockByte(f, ring.LockProducer)
+		if err == nil {
+			return nil
+		}
+		if err != ring.ErrLocked {
+			return sysError(err, "lock %s", path)
+		}
+		if st, err := os.Lstat(path); err != nil || !sameFile(f, st) {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return ring.Errorf(ring.StatusExist, "%s has a live producer", path)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// sameFile reports whether f is the file st describes.
+func sameFile(f *os.File, st os.FileInfo) bool {
+	fst, err := f.Stat()
+	return err == nil && os.SameFile(fst, st)
 }
 
 func looksLikeSegment(hdr []byte) bool {
@@ -279,9 +496,6 @@ func sysError(err error, format string, args ...any) error {
 
 // Name is the channel name.
 func (p *Producer) Name() string { return p.name }
-
-// Fd is the segment's file descriptor (for the C ABI's fork guard).
-func (p *Producer) Fd() uintptr { return p.seg.File.Fd() }
 
 // SlotBytes is the payload capacity of one batch.
 func (p *Producer) SlotBytes() uint64 { return p.seg.Geometry.SlotPayloadBytes }
@@ -445,6 +659,15 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 		if seq < p.cachedMin+p.slots {
 			return nil
 		}
+		// Nor may it escape the eviction policy: a caller that polls with
+		// timeout 0 is blocked by a stuck reader as surely as one that
+		// waits. The policy's clock runs across calls.
+		if p.maybeEvict(p.cachedMin) {
+			p.cachedMin = p.scan(seq, false)
+			if seq < p.cachedMin+p.slots {
+				return nil
+			}
+		}
 		return ring.Errorf(ring.StatusBackpressure, "ring full: the slowest reader is at batch %d, publishing %d", p.cachedMin, seq)
 	}
 	start := time.Now()
@@ -531,18 +754,20 @@ func (p *Producer) reclaimIfDead(i uint32, claim uint64) bool {
 }
 
 // maybeEvict applies the opt-in eviction policy: readers whose cursor is
-// the gating minimum and has not moved for EvictAfter are evicted.
-func (p *Producer) maybeEvict(least uint64) {
+// the gating minimum and has not moved for EvictAfter are evicted. It
+// reports whether it evicted any.
+func (p *Producer) maybeEvict(least uint64) bool {
 	if p.opts.EvictAfter <= 0 {
-		return
+		return false
 	}
 	if least != p.gateCursor || p.gateSince.IsZero() {
 		p.gateCursor, p.gateSince = least, time.Now()
-		return
+		return false
 	}
 	if time.Since(p.gateSince) < p.opts.EvictAfter {
-		return
+		return false
 	}
+	evicted := false
 	seq := p.next
 	for i := uint32(0); i < p.seg.Readers; i++ {
 		c := p.seg.Claim(i)
@@ -555,9 +780,11 @@ func (p *Producer) maybeEvict(least uint64) {
 		}
 		if cur == least && p.seg.CASClaim(i, c, ring.MakeClaim(ring.ClaimGen(c), ring.ReaderEvicted)) {
 			p.seg.AddEvicted()
+			evicted = true
 		}
 	}
 	p.gateSince = time.Time{}
+	return evicted
 }
 
 // ReaderInfo describes one attached reader.
@@ -571,8 +798,20 @@ type ReaderInfo struct {
 	Evicted  bool
 }
 
-// Readers lists the live readers. It may be called from any goroutine.
+// Readers lists the live readers. It may be called from any goroutine;
+// once the producer is closed it returns nil.
 func (p *Producer) Readers() []ReaderInfo {
+	p.live.RLock()
+	defer p.live.RUnlock()
+	if p.unmapped {
+		return nil
+	}
+	return p.readers()
+}
+
+// readers lists the live readers; the caller holds live and the segment is
+// mapped.
+func (p *Producer) readers() []ReaderInfo {
 	var out []ReaderInfo
 	for i := uint32(0); i < p.seg.Readers; i++ {
 		s := p.seg.Snapshot(i)
@@ -617,10 +856,21 @@ type Stats struct {
 	ReadersEvicted   uint64
 }
 
-// Stats reads the counters. It may be called from any goroutine.
+// Stats reads the counters. It may be called from any goroutine; once the
+// producer is closed it returns the counters as Close left them.
 func (p *Producer) Stats() Stats {
+	p.live.RLock()
+	defer p.live.RUnlock()
+	if p.unmapped {
+		return p.final
+	}
+	return p.stats()
+}
+
+// stats reads the counters; the caller holds live and the segment is mapped.
+func (p *Producer) stats() Stats {
 	h := p.seg.Stats()
-	return Stats{Readers: len(p.Readers()), Published: p.seg.Published(), Epoch: p.seg.Epoch(),
+	return Stats{Readers: len(p.readers()), Published: p.seg.Published(), Epoch: p.seg.Epoch(),
 		BackpressureNs: h.BackpressureNs, ReadersReclaimed: h.ReadersReclaimed,
 		ReadersEvicted: h.ReadersEvicted}
 }
@@ -642,8 +892,15 @@ func (p *Producer) Close() error {
 		_ = os.Remove(p.path)
 	}
 	p.releasePool()
+	// Stats, Readers and WaitReaders may be reading the segment from other
+	// goroutines right now: unmap only once none is, and leave them the
+	// final counters.
+	p.live.Lock()
+	defer p.live.Unlock()
+	p.final = p.stats()
+	p.unmapped = true
 	err := p.seg.Unmap()
-	if cerr := p.seg.File.Close(); err == nil {
+	if cerr := closeLockable(p.seg.File); err == nil {
 		err = cerr
 	}
 	return err

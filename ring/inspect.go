@@ -66,6 +66,7 @@ const (
 	HeaderOffGPUPoolBytes  = unsafe.Offsetof(Header{}.gpu_pool_bytes)
 	HeaderOffGPUUUID       = unsafe.Offsetof(Header{}.gpu_uuid)
 	HeaderOffPublished     = unsafe.Offsetof(Header{}.published)
+	HeaderOffHeartbeatNs   = unsafe.Offsetof(Header{}.heartbeat_ns)
 )
 
 // Close unmaps the segment and closes its file.

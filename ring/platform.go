@@ -66,6 +66,17 @@ func ByteLocked(f *os.File, b int64) (bool, error) {
 	return fl.Type != unix.F_UNLCK, nil
 }
 
+// RangeLocked reports whether another open file description holds a lock
+// on any byte of f in [start, start+length); length 0 means to the end of
+// the file and beyond. One system call, whatever the range.
+func RangeLocked(f *os.File, start, length int64) (bool, error) {
+	fl := unix.Flock_t{Type: unix.F_WRLCK, Whence: 0, Start: start, Len: length}
+	if err := unix.FcntlFlock(f.Fd(), unix.F_OFD_GETLK, &fl); err != nil {
+		return false, err
+	}
+	return fl.Type != unix.F_UNLCK, nil
+}
+
 // ProcStartTime is field 22 of /proc/<pid>/stat (clock ticks since boot);
 // with the pid it identifies a process even after the pid is reused. 0 if
 // unknown.

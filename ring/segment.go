@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"sync/atomic"
 	"unsafe"
 
@@ -25,17 +26,60 @@ type Segment struct {
 
 // MapSegment maps an open segment file whose header is already valid (or,
 // for the producer, whose geometry is g). writable maps it read-write.
+//
+// The mapping is made through a second open of the file (Reopen), closed
+// once mapped, never through f itself: a mapping holds the open file
+// description it was made from, and f's description carries the liveness
+// lock. A child forked without exec inherits every mapping; had it been
+// made from f, the child would keep a dead parent's lock held for as long
+// as it lives (a DataLoader worker: the whole epoch), although the fork
+// guard closed every tsock descriptor in it.
 func MapSegment(f *os.File, g Geometry, slots, readers uint32, writable bool) (*Segment, error) {
 	prot := mmap.RDONLY
 	if writable {
 		prot = mmap.RDWR
 	}
-	m, err := mmap.MapRegion(f, int(g.TotalBytes), prot, 0, 0)
+	mf, err := Reopen(f, writable)
+	if err != nil {
+		return nil, err
+	}
+	m, err := mmap.MapRegion(mf, int(g.TotalBytes), prot, 0, 0)
+	mf.Close() // the mapping keeps the file; it needs no descriptor
 	if err != nil {
 		return nil, fmt.Errorf("mmap %s: %w", f.Name(), err)
 	}
 	return &Segment{File: f, mem: m, base: unsafe.Pointer(&m[0]), Geometry: g,
 		SlotCount: slots, Readers: readers, mask: uint64(slots) - 1}, nil
+}
+
+// Reopen opens the file of f again, as a new open file description (not a
+// dup: a lock on f's description is not shared with it), through
+// /proc/self/fd, which works for a file without a name too (O_TMPFILE).
+// The result is checked to be the same file.
+func Reopen(f *os.File, writable bool) (*os.File, error) {
+	flags := os.O_RDONLY
+	if writable {
+		flags = os.O_RDWR
+	}
+	sc, err := f.SyscallConn()
+	if err != nil {
+		return nil, fmt.Errorf("reopen %s: %w", f.Name(), err)
+	}
+	var fd uintptr
+	if err := sc.Control(func(d uintptr) { fd = d }); err != nil {
+		return nil, fmt.Errorf("reopen %s: %w", f.Name(), err)
+	}
+	r, err := os.OpenFile("/proc/self/fd/"+strconv.FormatUint(uint64(fd), 10), flags, 0)
+	if err != nil {
+		return nil, fmt.Errorf("reopen %s through /proc/self/fd (is /proc mounted?): %w", f.Name(), err)
+	}
+	a, err1 := f.Stat()
+	b, err2 := r.Stat()
+	if err1 != nil || err2 != nil || !os.SameFile(a, b) {
+		r.Close()
+		return nil, fmt.Errorf("reopen %s: /proc/self/fd gave another file", f.Name())
+	}
+	return r, nil
 }
 
 // Unmap releases the mapping (the file stays open).

@@ -101,8 +101,11 @@ func stridedSpan(shape, strides []int64, item uint64) uint64 {
 
 // BeginSlot marks the slot of seq as being written (stamp 0), so a reader
 // that was lapped cannot take its half-written descriptors for valid ones.
+// The 0 must become visible before any store that follows (the caller's
+// payload, WriteSlot's descriptors): beginSlot, per architecture
+// (order_*.go), see there and docs/ARCHITECTURE.md, Publish.
 func (s *Segment) BeginSlot(seq uint64) {
-	atomic.StoreUint64(u64(&s.SlotAt(seq).stamp), 0)
+	beginSlot(u64(&s.SlotAt(seq).stamp))
 }
 
 // WriteSlot fills the slot of seq and stamps it seq+1 last. The tensors

@@ -27,7 +27,12 @@ another layout version) is left alone unless --force is given; a symbolic
 link is never followed and never removed.
 
 Every run also removes the producers' hidden temporary files
-(/dev/shm/.tsock-tmp.PID.*) whose creating process is gone.
+(/dev/shm/.tsock-tmp.PID.*, made only where O_TMPFILE is not supported)
+whose creating process is gone.
+
+Each producer's creation already removes its user's dead channels that no
+reader holds and that showed no sign of life for 30 s; rm is for the rest
+(another user's, one a reader still holds, one just dead, foreign files).
 
 --all-dead removes every dead or closed channel instead of named ones
 (those whose name matches --match, a glob, if given).

@@ -1,0 +1,25 @@
+package producer
+
+// Test hooks (compiled into this package's tests only).
+
+// SetShmDirForTest makes channels in dir instead of /dev/shm and returns
+// the function that puts it back.
+func SetShmDirForTest(dir string) (restore func()) {
+	old := shmDir
+	shmDir = dir
+	return func() { shmDir = old }
+}
+
+// SkipFreeCheckForTest turns off the early statfs check, so that a segment
+// too big meets fallocate's ENOSPC.
+func SkipFreeCheckForTest() (restore func()) {
+	checkFree = false
+	return func() { checkFree = true }
+}
+
+// NoTmpfileForTest makes Create take the fallback of a system without
+// O_TMPFILE: a hidden temporary name.
+func NoTmpfileForTest() (restore func()) {
+	useTmpfile = false
+	return func() { useTmpfile = true }
+}

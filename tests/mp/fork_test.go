@@ -1,0 +1,86 @@
+package mp
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tsock/tsock/producer"
+	"github.com/tsock/tsock/reader"
+)
+
+// TestForkedChildDoesNotKeepProducerAlive: a producer that forks (a
+// DataLoader worker: fork without exec) and is then SIGKILLed. The child
+// inherits the producer's mapping and lives on for 10 s; it must not keep
+// the producer's liveness lock: readers get "producer gone" within 1 s and
+// a new producer can take the name at once. Before the fix the mapping,
+// made from the locked descriptor, held the locked open file description:
+// readers saw EAGAIN and Create ErrExist until the child exited.
+func TestForkedChildDoesNotKeepProducerAlive(t *testing.T) {
+	exe := needABIProducer(t)
+	name := channel(t)
+	prod := start(t, "forking producer", nil, exe, "fork", name, "10")
+	line := prod.waitLine(t, "ready ", 30*time.Second)
+	childPid, err := strconv.Atoi(strings.TrimPrefix(line, "ready "))
+	require.NoError(t, err, line)
+	t.Cleanup(func() {
+		_ = syscall.Kill(childPid, syscall.SIGKILL)
+		var ws syscall.WaitStatus
+		_, _ = syscall.Wait4(childPid, &ws, syscall.WNOHANG, nil) // reaped by init once its parent is gone
+	})
+
+	r, err := reader.Attach(name, reader.Options{Start: reader.StartNow})
+	require.NoError(t, err)
+	defer r.Detach()
+
+	killed := time.Now()
+	require.NoError(t, prod.cmd.Process.Kill())
+	prod.wait(t, 10*time.Second)
+	var gone time.Duration
+	for {
+		b, err := r.Acquire(20 * time.Millisecond)
+		if b != nil {
+			require.NoError(t, r.Release(b))
+			continue
+		}
+		if err != nil {
+			require.ErrorIs(t, err, reader.ErrProducerGone)
+			gone = time.Since(killed)
+			break
+		}
+		require.Less(t, time.Since(killed), 3*time.Second, "reader still sees no producer death (EAGAIN)")
+	}
+	assert.Less(t, gone, time.Second, "reader noticed the producer's death too late")
+	require.NoError(t, syscall.Kill(childPid, 0), "the forked child must still be alive for this test to mean anything")
+
+	np, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 4096})
+	require.NoError(t, err, "a new producer takes the name while the dead one's child lives")
+	require.NoError(t, np.Close())
+	t.Logf("producer SIGKILL -> reader saw producer gone after %v, with the forked child alive", gone.Round(time.Millisecond))
+}
+
+// TestForkAnyInstantKeepsNoLock: the host process forks at any instant,
+// also while another thread is creating or closing a producer. No child
+// may ever hold a locked open file description: the producer's lock
+// descriptor is registered with the fork guard from the moment it exists
+// (before the fix: only after Create returned, so a child forked during
+// creation kept the new producer's lock for its lifetime).
+func TestForkAnyInstantKeepsNoLock(t *testing.T) {
+	exe := needABIProducer(t)
+	name := channel(t)
+	p := start(t, "fork storm", nil, exe, "forkstorm", name, "4")
+	require.Equal(t, 0, p.wait(t, 60*time.Second), "output:\n%s", p.Output())
+	var forks, leaks, creates int
+	_, err := fmt.Sscanf(p.waitLine(t, "forks ", time.Second), "forks %d leaks %d creates %d", &forks, &leaks, &creates)
+	require.NoError(t, err, p.Output())
+	t.Logf("%d forks during %d creates", forks, creates)
+	require.Greater(t, forks, 50)
+	require.Greater(t, creates, 20)
+	assert.Zero(t, leaks, "children forked while a producer was created held its lock")
+}

@@ -1,0 +1,217 @@
+/*
+ * abi_producer.c - a producer written against include/tsock.h and linked
+ * with libtsock.so, for the multi-process tests in tests/mp/abi_test.go
+ * (a Go test process cannot fork without exec; a C program can).
+ *
+ *   abi_producer race NAME ITERS
+ *       ITERS times: create NAME, start threads calling
+ *       tsock_producer_stats and tsock_producer_wait_readers in a loop,
+ *       close the producer from the main thread while they run. Every call
+ *       must return a status (OK, EHANDLE, ETIMEDOUT): exit 1 otherwise.
+ *   abi_producer fork NAME CHILD_SECONDS
+ *       create NAME, publish 3 batches, fork() a child that does not exec
+ *       and lives CHILD_SECONDS, print "ready CHILD_PID" and wait to be
+ *       killed. The child inherits the producer's mapping, never its lock.
+ *   abi_producer forkstorm NAME SECONDS
+ *       a thread creates and closes producer NAME in a loop while the main
+ *       thread forks children for SECONDS; each child looks for an open
+ *       file description with an OFD lock among its descriptors
+ *       (/proc/self/fdinfo "lock:" lines) and exits 7 if it finds one.
+ *       Prints "forks N leaks K creates C".
+ */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tsock.h"
+
+static tsock_producer_t *_Atomic shared_p;
+static atomic_int stop_threads;
+static atomic_int bad;
+static atomic_long calls;
+
+static void *hammer(void *arg) {
+  int kind = (int)(intptr_t)arg;
+  while (!atomic_load(&stop_threads)) {
+    tsock_producer_t *p = atomic_load(&shared_p);
+    int rc;
+    if (kind == 0) {
+      tsock_producer_stats_t st;
+      memset(&st, 0, sizeof st);
+      st.size = sizeof st;
+      rc = tsock_producer_stats(p, &st);
+      if (rc != TSOCK_OK && rc != TSOCK_EHANDLE) {
+        fprintf(stderr, "stats: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+        atomic_store(&bad, 1);
+      }
+    } else {
+      rc = tsock_producer_wait_readers(p, 1, 1000);
+      if (rc != TSOCK_ETIMEDOUT && rc != TSOCK_EHANDLE) {
+        fprintf(stderr, "wait_readers: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+        atomic_store(&bad, 1);
+      }
+    }
+    atomic_fetch_add(&calls, 1);
+  }
+  return NULL;
+}
+
+static int race(const char *name, int iters) {
+  for (int it = 0; it < iters; it++) {
+    tsock_producer_options_t o;
+    tsock_producer_options_init(&o);
+    o.slot_count = 2;
+    o.slot_bytes = 4096;
+    tsock_producer_t *p = NULL;
+    int rc = tsock_producer_create(name, &o, &p);
+    if (rc != TSOCK_OK) {
+      fprintf(stderr, "create: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+      return 1;
+    }
+    atomic_store(&shared_p, p);
+    atomic_store(&stop_threads, 0);
+    long before = atomic_load(&calls);
+    pthread_t th[4];
+    for (int k = 0; k < 4; k++) pthread_create(&th[k], NULL, hammer, (void *)(intptr_t)(k % 2));
+    while (atomic_load(&calls) < before + 8) sched_yield();
+    rc = tsock_producer_close(p);
+    if (rc != TSOCK_OK) {
+      fprintf(stderr, "close: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+      return 1;
+    }
+    long after_close = atomic_load(&calls);
+    while (atomic_load(&calls) < after_close + 8) sched_yield();
+    atomic_store(&stop_threads, 1);
+    for (int k = 0; k < 4; k++) pthread_join(th[k], NULL);
+    if (atomic_load(&bad)) return 1;
+  }
+  printf("race ok %ld calls\n", atomic_load(&calls));
+  return 0;
+}
+
+static int fork_child(const char *name, int child_seconds) {
+  tsock_producer_options_t o;
+  tsock_producer_options_init(&o);
+  o.slot_count = 4;
+  o.slot_bytes = 4096;
+  tsock_producer_t *p = NULL;
+  int rc = tsock_producer_create(name, &o, &p);
+  if (rc != TSOCK_OK) {
+    fprintf(stderr, "create: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+    return 1;
+  }
+  for (int i = 0; i < 3; i++) {
+    void *buf;
+    if ((rc = tsock_producer_reserve(p, 8, -1, &buf)) != TSOCK_OK) return 1;
+    memcpy(buf, &i, sizeof i);
+    if ((rc = tsock_producer_publish(p, NULL, 0, NULL, 0)) != TSOCK_OK) return 1;
+  }
+  fflush(stdout);
+  pid_t child = fork();
+  if (child < 0) return 1;
+  if (child == 0) {
+    /* A DataLoader worker: lives on, never calls tsock; the producer's
+     * handle must say so if it did. */
+    rc = tsock_producer_stats(p, NULL);
+    if (rc != TSOCK_EFORKED) _exit(5);
+    /* Let go of the test's pipes: only what tsock leaves us may remain. */
+    int devnull = open("/dev/null", O_RDWR);
+    dup2(devnull, 1);
+    dup2(devnull, 2);
+    struct timespec ts = {child_seconds, 0};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+    _exit(0);
+  }
+  printf("ready %d\n", (int)child);
+  fflush(stdout);
+  for (;;) pause();
+}
+
+static atomic_long creates;
+
+static void *create_loop(void *arg) {
+  const char *name = arg;
+  while (!atomic_load(&stop_threads)) {
+    tsock_producer_options_t o;
+    tsock_producer_options_init(&o);
+    o.slot_count = 2;
+    o.slot_bytes = 4096;
+    tsock_producer_t *p = NULL;
+    int rc = tsock_producer_create(name, &o, &p);
+    if (rc != TSOCK_OK) {
+      fprintf(stderr, "create: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+      atomic_store(&bad, 1);
+      return NULL;
+    }
+    atomic_fetch_add(&creates, 1);
+    tsock_producer_close(p);
+  }
+  return NULL;
+}
+
+/* In the child: only system calls (the parent has other threads). */
+static int child_holds_lock(void) {
+  char path[64], buf[4096];
+  for (int fd = 0; fd < 1024; fd++) {
+    if (fcntl(fd, F_GETFD) < 0) continue;
+    /* "/proc/self/fdinfo/" + fd */
+    static const char pre[] = "/proc/self/fdinfo/";
+    size_t n = sizeof pre - 1;
+    memcpy(path, pre, n);
+    char digits[12];
+    int nd = 0, v = fd;
+    do {
+      digits[nd++] = (char)('0' + v % 10);
+      v /= 10;
+    } while (v > 0);
+    while (nd > 0) path[n++] = digits[--nd];
+    path[n] = 0;
+    int f = open(path, O_RDONLY);
+    if (f < 0) continue;
+    ssize_t got = read(f, buf, sizeof buf - 1);
+    close(f);
+    if (got <= 0) continue;
+    buf[got] = 0;
+    if (strstr(buf, "OFDLCK") != NULL) return 1;
+  }
+  return 0;
+}
+
+static int forkstorm(const char *name, int seconds) {
+  pthread_t th;
+  pthread_create(&th, NULL, create_loop, (void *)name);
+  struct timespec t0, now;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  long forks = 0, leaks = 0;
+  do {
+    pid_t c = fork();
+    if (c < 0) break;
+    if (c == 0) _exit(child_holds_lock() ? 7 : 0);
+    int ws = 0;
+    waitpid(c, &ws, 0);
+    forks++;
+    if (WIFEXITED(ws) && WEXITSTATUS(ws) == 7) leaks++;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+  } while (now.tv_sec - t0.tv_sec < seconds);
+  atomic_store(&stop_threads, 1);
+  pthread_join(th, NULL);
+  printf("forks %ld leaks %ld creates %ld\n", forks, leaks, atomic_load(&creates));
+  return atomic_load(&bad) ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc == 4 && strcmp(argv[1], "race") == 0) return race(argv[2], atoi(argv[3]));
+  if (argc == 4 && strcmp(argv[1], "fork") == 0) return fork_child(argv[2], atoi(argv[3]));
+  if (argc == 4 && strcmp(argv[1], "forkstorm") == 0) return forkstorm(argv[2], atoi(argv[3]));
+  fprintf(stderr, "usage: abi_producer race NAME ITERS | fork NAME CHILD_SECONDS | forkstorm NAME SECONDS\n");
+  return 2;
+}
