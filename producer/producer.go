@@ -635,9 +635,9 @@ func (p *Producer) write(c ring.SlotContents, n int) {
 	p.next = seq + 1
 	p.reserved = false
 	p.seg.StorePublished(p.next)
-	// Sequentially consistent store above, load here: pairs with a reader
-	// that bumps waiters and then re-reads published before sleeping.
-	if p.seg.Waiters() != 0 {
+	// Sequentially consistent store above, loads here: pairs with a reader
+	// that sets its sleepers bit and then re-reads published before sleeping.
+	if p.seg.AnySleeper() {
 		ring.FutexWakeAll(p.seg.PublishedWord())
 	}
 }
@@ -749,6 +749,9 @@ func (p *Producer) reclaimIfDead(i uint32, claim uint64) bool {
 	}
 	if p.seg.CASClaim(i, claim, ring.MakeClaim(ring.ClaimGen(claim)+1, ring.ReaderFree)) {
 		p.seg.AddReclaimed()
+		// A reader killed in its sleep left its bit set: every publish
+		// would wake nobody, with a system call, for ever.
+		p.seg.ClearSleeper(i)
 	}
 	return true
 }
@@ -780,6 +783,7 @@ func (p *Producer) maybeEvict(least uint64) bool {
 		}
 		if cur == least && p.seg.CASClaim(i, c, ring.MakeClaim(ring.ClaimGen(c), ring.ReaderEvicted)) {
 			p.seg.AddEvicted()
+			p.seg.ClearSleeper(i) // it wakes within its sleep slice and sees EEVICTED
 			evicted = true
 		}
 	}

@@ -611,13 +611,16 @@ static int wait_for_data(struct reader_impl *r, int64_t timeout_ns, uint64_t sta
       if (r->fenced > 0 && slice > FENCE_POLL_NS) slice = FENCE_POLL_NS;
     }
     if (timeout_ns >= 0 && timeout_ns - elapsed < slice) slice = timeout_ns - elapsed;
-    uint32_t *waiters = &r->area->shared.waiters;
+    uint64_t *sleepers = &r->area->shared.sleepers[r->index / 64];
+    uint64_t bit = 1ull << (r->index % 64);
     uint32_t word = (uint32_t)__atomic_load_n(pub, __ATOMIC_SEQ_CST);
-    __atomic_add_fetch(waiters, 1, __ATOMIC_SEQ_CST);
-    /* Dekker pairing with publish: it stores published, then reads waiters. */
+    /* Dekker pairing with publish: it stores published, then reads the
+     * sleepers bits. Set on every sleep: the producer clears the bit of a
+     * record it reclaims, and a clear that raced our claim costs one slice. */
+    __atomic_fetch_or(sleepers, bit, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(pub, __ATOMIC_SEQ_CST) <= r->next)
       tsock__futex_wait((const uint32_t *)pub, word, slice);
-    __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+    __atomic_fetch_and(sleepers, ~bit, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(pub, __ATOMIC_ACQUIRE) > r->next) return TSOCK_OK;
   }
 }

@@ -28,7 +28,7 @@ const (
 
 // Byte offsets of the reader area's shared words (tsock_reader_shared).
 const (
-	SharedOffWaiters       = unsafe.Offsetof(ReaderShared{}.waiters)
+	SharedOffSleepers      = unsafe.Offsetof(ReaderShared{}.sleepers)
 	SharedOffReleaseNotify = unsafe.Offsetof(ReaderShared{}.release_notify)
 )
 

@@ -32,7 +32,7 @@
 #include "tsock.h"
 
 #define TSOCK_MAGIC 0x4d48534b434f5354ull /* "TSOCKSHM" in a little-endian word */
-#define TSOCK_LAYOUT_VERSION 2u
+#define TSOCK_LAYOUT_VERSION 3u
 
 #define TSOCK_PAGE 4096u
 #define TSOCK_CACHE_LINE 64u
@@ -143,9 +143,16 @@ typedef struct tsock_header {
  * The only memory readers write. The first two cache lines are shared words
  * every reader may touch; then one record per reader. */
 typedef struct tsock_reader_shared {
-  uint32_t waiters;        /* readers sleeping on header.notify (atomic add) */
   uint32_t release_notify; /* futex word the producer sleeps on; readers bump it */
-  uint8_t pad[120];
+  uint8_t pad0[60];
+  /* Bit i set: reader record i may be asleep on header.published (atomic
+   * OR before its last look at published, AND after). The producer wakes
+   * sleepers when any bit is set. A bit per record, not a count: the
+   * producer clears the bit of a record it reclaims or evicts, so a reader
+   * killed in its sleep cannot leave every later publish paying a wake-up
+   * (a counter cannot be repaired: nobody knows the dead reader's share). */
+  uint64_t sleepers[TSOCK_MAX_READERS / 64];
+  uint8_t pad1[64];
 } tsock_reader_shared;
 
 /* One record per reader. Each field has one writer:
@@ -223,7 +230,8 @@ TSOCK_STATIC_ASSERT(offsetof(tsock_header, total_bytes) == 64, "line 1");
 TSOCK_STATIC_ASSERT(offsetof(tsock_header, state) == 128, "state line");
 TSOCK_STATIC_ASSERT(offsetof(tsock_header, published) == 256, "published line");
 TSOCK_STATIC_ASSERT(offsetof(tsock_header, stat_backpressure_ns) == 384, "stats line");
-TSOCK_STATIC_ASSERT(sizeof(tsock_reader_shared) == 128, "reader shared words");
+TSOCK_STATIC_ASSERT(sizeof(tsock_reader_shared) == 256, "reader shared words");
+TSOCK_STATIC_ASSERT(offsetof(tsock_reader_shared, sleepers) == 64, "sleepers line");
 TSOCK_STATIC_ASSERT(sizeof(tsock_reader_record) == 128, "reader record");
 TSOCK_STATIC_ASSERT(offsetof(tsock_reader_record, cursor) == 24, "cursor");
 TSOCK_STATIC_ASSERT(sizeof(tsock_shm_tensor) == 152, "tensor descriptor");

@@ -156,9 +156,9 @@ func TestLayoutPinned(t *testing.T) {
 	assert.Equal(t, uintptr(576), off(h, "gpu_mem_handle"))
 
 	rs := reflect.TypeOf(ring.ReaderShared{})
-	assert.Equal(t, uintptr(128), rs.Size())
-	assert.Equal(t, uintptr(0), off(rs, "waiters"))
-	assert.Equal(t, uintptr(4), off(rs, "release_notify"))
+	assert.Equal(t, uintptr(256), rs.Size())
+	assert.Equal(t, uintptr(0), off(rs, "release_notify"))
+	assert.Equal(t, uintptr(64), off(rs, "sleepers"))
 
 	rr := reflect.TypeOf(ring.ReaderRecord{})
 	assert.Equal(t, uintptr(128), rr.Size())

@@ -3,6 +3,7 @@ package ring
 import (
 	"errors"
 	"fmt"
+	"math/bits"
 	"os"
 	"strconv"
 	"sync/atomic"
@@ -127,7 +128,7 @@ func u32(p *C32) *uint32 { return (*uint32)(unsafe.Pointer(p)) }
 func (s *Segment) Published() uint64 { return atomic.LoadUint64(u64(&s.Header().published)) }
 
 // StorePublished makes every seq below v readable (atomic, sequentially
-// consistent: pairs with the readers' waiters count).
+// consistent: pairs with the readers' sleepers bits).
 func (s *Segment) StorePublished(v uint64) { atomic.StoreUint64(u64(&s.Header().published), v) }
 
 // PublishedWord is the futex word readers sleep on: the low half of
@@ -149,8 +150,33 @@ func (s *Segment) SetProducerWaiting(on bool) {
 	atomic.StoreUint32(u32(&s.Header().producer_waiting), v)
 }
 
-// Waiters is how many readers sleep on the published word.
-func (s *Segment) Waiters() uint32 { return atomic.LoadUint32(u32(&s.shared().waiters)) }
+// AnySleeper reports whether any reader may sleep on the published word
+// (its sleepers bit is set): the producer then wakes them after a publish.
+// One word per 64 records: one load at the default 64 readers.
+func (s *Segment) AnySleeper() bool {
+	words := &s.shared().sleepers
+	for w := uint32(0); w < (s.Readers+63)/64; w++ {
+		if atomic.LoadUint64(u64(&words[w])) != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// ClearSleeper clears record i's sleepers bit: the producer does this when
+// it reclaims or evicts the record, whose owner can no longer clear it.
+func (s *Segment) ClearSleeper(i uint32) {
+	atomic.AndUint64(u64(&s.shared().sleepers[i/64]), ^(uint64(1) << (i % 64)))
+}
+
+// Sleepers counts the records whose sleepers bit is set (for tools).
+func (s *Segment) Sleepers() int {
+	n := 0
+	for w := uint32(0); w < (s.Readers+63)/64; w++ {
+		n += bits.OnesCount64(atomic.LoadUint64(u64(&s.shared().sleepers[w])))
+	}
+	return n
+}
 
 // ReleaseWord is the futex word the producer sleeps on; readers bump it.
 func (s *Segment) ReleaseWord() *uint32 { return u32(&s.shared().release_notify) }
