@@ -60,8 +60,8 @@ constraints:
 # pytest with the current leg's Python and with the oldest leg's.
 PY_TEST_ENV = TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python)
 py-test: build py-env-test
-	$(PY) -m ruff check python tests/python examples bench
-	$(PY) -m ruff format --check python tests/python examples bench
+	$(PY) -m ruff check python tests/python tests/wheel examples bench
+	$(PY) -m ruff format --check python tests/python tests/wheel examples bench
 	$(PY_TEST_ENV) TSOCK_LEG=current $(PY) -m pytest -q tests/python
 	$(PY_TEST_ENV) TSOCK_LEG=oldest $(PY_OLDEST) -m pytest -q tests/python
 

@@ -31,7 +31,8 @@ def blocks(text: str, lang: str) -> list[str]:
 
 def commands(text: str) -> list[str]:
     """The shell lines of a section's sh blocks that build something."""
-    return [line for b in blocks(text, "sh") for line in b.splitlines() if line.split(" ")[0] in ("export", "cc", "c++")]
+    lines = [line for b in blocks(text, "sh") for line in b.splitlines()]
+    return [line for line in lines if line.split(" ")[0] in ("export", "cc", "c++")]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,8 @@ def test_snippets_build_with_the_readme_commands_and_run(prefix, tmp_path):
                 r.kill()
         Path(f"/dev/shm/tsock.{name}").unlink(missing_ok=True)
     assert [r.returncode for r in readers] == [0, 0], (c_err, cpp_err)
-    assert c_out.splitlines() == ["epoch 0: 5 batches", "epoch 1: 5 batches", "stopped: channel closed by the producer"], c_out
+    want = ["epoch 0: 5 batches", "epoch 1: 5 batches", "stopped: channel closed by the producer"]
+    assert c_out.splitlines() == want, c_out
     cpp_lines = cpp_out.splitlines()
     assert cpp_lines.count("epoch 0 done") == 1 and cpp_lines.count("epoch 1 done") == 1, cpp_out
     assert sum(line.startswith("batch of 32 rows, x[0] = ") for line in cpp_lines) == 10, cpp_out
