@@ -161,7 +161,8 @@ print("closed", flush=True)
 
 def test_dataloader_workers_forked_from_a_go_process(channel, spawn):
     prod = spawn(FORK_PRODUCER, channel, 2)
-    with tsock.Consumer(channel, output="torch", batch_size=5, timeout=30) as c:
+    # The producer imports PyTorch before it creates the channel: generous.
+    with tsock.Consumer(channel, output="torch", batch_size=5, timeout=180) as c:
         assert len(c) == 13
         for _ in range(2):
             ids = []
@@ -179,7 +180,7 @@ def test_killed_producer_with_live_workers_is_still_seen_dead(channel, spawn):
     # fork guard closes it in them, so they cannot keep the producer's lock
     # (and with it, its liveness) after the producer is killed.
     prod = spawn(FORK_PRODUCER, channel, "forever")
-    with tsock.Consumer(channel, timeout=30) as c:
+    with tsock.Consumer(channel, timeout=180) as c:
         it = iter(c)
         for _ in range(20):  # into the second epoch: workers were forked after creation
             next(it, None)
