@@ -71,8 +71,9 @@ wheel: py-env
 	bash scripts/build-wheel.sh dist
 
 # The wheel in a fresh venv on a PATH with no go and no cc.
-wheel-test: wheel
-	TSOCK_WHEEL_DIR=$(abspath dist) $(PY_TEST_ENV) $(PY) -m pytest -q tests/wheel
+wheel-test: wheel py-env-test
+	TSOCK_WHEEL_DIR=$(abspath dist) TSOCK_WHEEL_PYTHONS="$(abspath $(PY)) $(abspath $(PY_OLDEST))" \
+		$(PY) -m pytest -q tests/wheel
 
 # The benchmarks' smoke run (bench/run.py --quick, in bench/test_bench.py)
 # with the benchmarks' extras.
