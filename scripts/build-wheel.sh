@@ -28,6 +28,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$here/dist}
 uv=${TSOCK_PY_TOOLS:-$here/build/py-tools}/bin/uv
 pins=$here/requirements/current.txt
+export UV_SYSTEM_CERTS=${UV_SYSTEM_CERTS:-1} # the system's CAs, as in py-env.sh
 [ -x "$uv" ] || { echo "build-wheel: no $uv: run make py-env first" >&2; exit 1; }
 
 tools=$here/build/wheel-tools

@@ -30,6 +30,10 @@ shift 2
 groups=("$@")
 [ ${#groups[@]} -gt 0 ] || groups=(sweep)
 
+# uv trusts the system's certificate store (as pip does), not only its own
+# bundle: a site's TLS-inspecting proxy has its CA there.
+export UV_SYSTEM_CERTS=${UV_SYSTEM_CERTS:-1}
+
 say() { echo "py-env: $*"; }
 die() { echo "py-env: $*" >&2; exit 1; }
 
