@@ -96,6 +96,9 @@ CHECK = (Path(__file__).with_name("c_roundtrip.py").read_text() + "\n") + textwr
 )
 
 
+# A venv, an isolated build (setuptools fetched, go build, cc) and NumPy from
+# PyPI: minutes on a loaded 2-CPU machine.
+@pytest.mark.timeout(900)
 def test_pip_install_into_fresh_venv(tmp_path):
     env = clean_env()
     venv = tmp_path / "venv"
