@@ -25,6 +25,8 @@ useradd -m -s /bin/bash "$user" || exit 1
 cleanup() {
   if [ -z "${KEEP_USER:-}" ]; then
     pkill -u "$user" 2>/dev/null
+    for _ in $(seq 50); do pgrep -u "$user" >/dev/null || break; sleep 0.2; done
+    find /dev/shm -user "$user" -delete 2>/dev/null
     userdel -r "$user" 2>/dev/null
   fi
 }
