@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <sys/wait.h>
 
+#include "fake_join.h"
 #include "layout.h"
 #include "test_util.h"
 
@@ -21,11 +22,11 @@ static void make_header(tsock_header *h, uint32_t slots, uint32_t readers, uint6
   h->layout_version = TSOCK_LAYOUT_VERSION;
   h->header_size = sizeof(tsock_header);
   h->slot_size = sizeof(tsock_slot);
-  h->reader_record_size = sizeof(tsock_reader_record);
+  h->roster_entry_size = sizeof(tsock_roster_entry);
   h->slot_count = slots;
   h->reader_capacity = readers;
   h->slot_payload_bytes = g.slot_payload_bytes;
-  h->readers_offset = g.readers_offset;
+  h->roster_offset = g.roster_offset;
   h->slots_offset = g.slots_offset;
   h->payload_offset = g.payload_offset;
   h->total_bytes = g.total_bytes;
@@ -149,11 +150,14 @@ static void test_no_producer(void) {
   remove_file(name);
 }
 
-/* A fake producer: holds the producer lock and writes slots by hand. */
+/* A fake producer: holds the producer lock, lets readers join through
+ * fake_join.h and writes slots by hand. */
 typedef struct fake {
   int fd;
   uint8_t *map;
   tsock_header *h;
+  uint64_t total; /* the mapping's length, whatever the header says later */
+  fake_join join;
 } fake;
 
 static int fake_open(fake *f, const char *name, uint32_t slots, uint32_t readers) {
@@ -165,7 +169,16 @@ static int fake_open(fake *f, const char *name, uint32_t slots, uint32_t readers
   f->map = mmap(NULL, h.total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd, 0);
   if (f->map == MAP_FAILED) return -1;
   f->h = (tsock_header *)f->map;
-  return 0;
+  f->total = h.total_bytes;
+  return fake_join_start(&f->join, f->map);
+}
+
+/* The fake producer goes away: join socket, mapping, lock, file. */
+static void fake_close(fake *f, const char *name) {
+  fake_join_stop(&f->join);
+  munmap(f->map, f->total);
+  close(f->fd);
+  remove_file(name);
 }
 
 /* Writes slot `seq`: a uint8 [n] tensor of bytes seq+j, then publishes it. */
@@ -261,9 +274,7 @@ static void test_fake_producer(void) {
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
   CHECK_RC(tsock_reader_detach(r), TSOCK_EHANDLE);
 
-  munmap(f.map, f.h->total_bytes);
-  close(f.fd);
-  remove_file(name);
+  fake_close(&f, name);
 }
 
 /* Runs fn(arg) in a forked child: 1 if it exited 0, 0 if it failed or died
@@ -276,6 +287,74 @@ static int in_child(int (*fn)(const void *), const void *arg) {
   if (pid < 0 || waitpid(pid, &status, 0) != pid) return 0;
   if (WIFSIGNALED(status)) fprintf(stderr, "child died of signal %d\n", WTERMSIG(status));
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* What a reader process holds of a channel (issue 10, section 3): it opens
+ * the segment read-only and maps it read-only, so it cannot change a
+ * descriptor or a payload byte, nor truncate the file under the producer.
+ * The only memory it may write is its own record (an anonymous memfd).
+ * Checked in a child that has let go of the test's own (producer's)
+ * read-write mapping and descriptor. */
+typedef struct {
+  const char *name;
+  uint8_t *producer_map;
+  uint64_t producer_len;
+  int producer_fd;
+} ro_args;
+
+static int holds_segment_read_only(const void *arg) {
+  const ro_args *a = arg;
+  munmap(a->producer_map, a->producer_len);
+  close(a->producer_fd);
+  tsock_reader_t *r = NULL;
+  if (tsock_reader_attach(a->name, NULL, &r) != TSOCK_OK) {
+    fprintf(stderr, "attach: %s\n", tsock_last_error());
+    return 1;
+  }
+  char path[128], line[512];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", a->name);
+  FILE *maps = fopen("/proc/self/maps", "r");
+  int mapped = 0, writable = 0, records = 0;
+  while (maps != NULL && fgets(line, sizeof line, maps) != NULL) {
+    char perms[8] = "";
+    if (sscanf(line, "%*s %7s", perms) != 1) continue;
+    if (strstr(line, path) != NULL) {
+      mapped++;
+      writable += strchr(perms, 'w') != NULL;
+    }
+    records += strstr(line, "fake-record") != NULL && strchr(perms, 'w') != NULL;
+  }
+  if (maps != NULL) fclose(maps);
+  int fds = 0, rw_fds = 0;
+  for (int fd = 0; fd < 1024; fd++) {
+    char link[64], target[256];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    if (strcmp(target, path) != 0) continue;
+    fds++;
+    int fl = fcntl(fd, F_GETFL);
+    rw_fds += fl < 0 || (fl & O_ACCMODE) != O_RDONLY;
+  }
+  tsock_reader_detach(r);
+  fprintf(stderr, "reader: %d mappings of the segment (%d writable), %d descriptors (%d not "
+                  "read-only), %d writable record mappings\n",
+          mapped, writable, fds, rw_fds, records);
+  return mapped >= 1 && writable == 0 && fds >= 1 && rw_fds == 0 && records == 1 ? 0 : 1;
+}
+
+static void test_reader_holds_segment_read_only(void) {
+  const char *name = test_name("tseg", "ro");
+  fake f;
+  if (fake_open(&f, name, 4, 2) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  ro_args a = {.name = name, .producer_map = f.map, .producer_len = f.total, .producer_fd = f.fd};
+  CHECK(in_child(holds_segment_read_only, &a));
+  fake_close(&f, name);
 }
 
 /* The head of a legacy DLManagedTensor: the data pointer comes first. */
@@ -339,9 +418,7 @@ static void test_pin_tokens(void) {
   ((dl_head *)dl)->deleter(dl);
   CHECK_RC(tsock_mapping_unpin(pin2), TSOCK_EHANDLE);
 
-  munmap(f.map, f.h->total_bytes);
-  close(f.fd);
-  remove_file(name);
+  fake_close(&f, name);
 }
 
 /* 1 while some open file description holds the lock on reader record i's
@@ -418,9 +495,7 @@ static void forked_child_outlives_reader(const char *tag, uint32_t n) {
   CHECK(took >= 0 && took < 100 * MS);
   CHECK(child > 0 && kill(child, 0) == 0); /* the child still lives */
   if (child > 0) kill(child, SIGKILL);
-  munmap(f.map, f.h->total_bytes);
-  close(f.fd);
-  remove_file(name);
+  fake_close(&f, name);
 }
 
 static void test_forked_child_outlives_reader(void) { forked_child_outlives_reader("forkkill", 1); }
@@ -496,9 +571,7 @@ static void test_fork_while_attaching(void) {
   pthread_join(t2, NULL);
   if (hung || failed) fprintf(stderr, "%d of %d children hung, %d failed\n", hung, forks, failed);
   CHECK(hung == 0 && failed == 0 && forks >= 50 && a.attaches > 0);
-  munmap(f.map, f.h->total_bytes);
-  close(f.fd);
-  remove_file(name);
+  fake_close(&f, name);
 }
 
 /* A hostile or broken producer rewrites the geometry in the header of a
@@ -607,9 +680,7 @@ static void test_header_flipped_while_attaching(void) {
   CHECK(in_child(attach_while_flipped, name)); /* a fault kills the child, not the test */
   fl.stop = 1;
   pthread_join(t, NULL);
-  munmap(f.map, fl.payload_off + 4 * fl.slot_bytes);
-  close(f.fd);
-  remove_file(name);
+  fake_close(&f, name);
 }
 
 /* What the header said at attach is what the reader goes by: a producer
@@ -643,9 +714,7 @@ static void test_header_changed_after_attach(void) {
   fake_publish(&f, 1, 10);
   CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
-  munmap(f.map, f.h->total_bytes);
-  close(f.fd);
-  remove_file(name);
+  fake_close(&f, name);
 }
 
 int main(void) {
@@ -656,6 +725,7 @@ int main(void) {
   test_no_producer();
   test_fake_producer();
   test_pin_tokens();
+  test_reader_holds_segment_read_only();
   test_forked_child_outlives_reader();
   test_fork_after_300_attaches();
   test_fork_while_attaching();
