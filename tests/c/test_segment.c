@@ -447,12 +447,34 @@ static int64_t wait_reader_bytes_free(int fd, uint32_t n, int64_t limit_ns) {
   }
 }
 
+/* Waits up to limit_ns for roster entries [0, n) to be free (the fake
+ * producer frees one when its reader's connection ends); returns the time
+ * it took, or -1. */
+static int64_t wait_entries_free(fake *f, uint32_t n, int64_t limit_ns) {
+  const tsock_roster_entry *roster = (const tsock_roster_entry *)(f->map + f->h->roster_offset);
+  int64_t t0 = test_now_ns();
+  for (;;) {
+    uint32_t taken = 0;
+    for (uint32_t i = 0; i < n; i++)
+      taken += TSOCK_CLAIM_STATE(__atomic_load_n(&roster[i].claim, __ATOMIC_SEQ_CST)) !=
+               TSOCK_READER_FREE;
+    if (taken == 0) return test_now_ns() - t0;
+    if (test_now_ns() - t0 > limit_ns) {
+      fprintf(stderr, "%u of %u roster entries still taken after %lld ms\n", taken, n,
+              (long long)(limit_ns / MS));
+      return -1;
+    }
+    usleep(200);
+  }
+}
+
 /* A reader process attaches `n` times, forks a child that only sleeps (no
  * exec) and outlives it, and is then killed: every one of its record locks
  * must be free at once, while the child lives on. The child of a reader
  * holds neither the reader's descriptors (the fork guard closes them) nor,
  * through its inherited mappings, the locked open file descriptions (issue
- * 17, item 1: the reader maps the segment through a second open). */
+ * 17, item 1: the reader maps the segment through a second open), nor its
+ * connections to the producer (the fork guard closes them too). */
 static void forked_child_outlives_reader(const char *tag, uint32_t n) {
   const char *name = test_name("tseg", tag);
   fake f;
@@ -492,6 +514,10 @@ static void forked_child_outlives_reader(const char *tag, uint32_t n) {
   kill(reader, SIGKILL);
   waitpid(reader, NULL, 0);
   int64_t took = wait_reader_bytes_free(f.fd, n, 2000 * MS);
+  CHECK(took >= 0 && took < 100 * MS);
+  /* Nor does the child keep the reader's connections open: the producer
+   * sees them end, and frees the entries, at once. */
+  took = wait_entries_free(&f, n, 2000 * MS);
   CHECK(took >= 0 && took < 100 * MS);
   CHECK(child > 0 && kill(child, 0) == 0); /* the child still lives */
   if (child > 0) kill(child, SIGKILL);
