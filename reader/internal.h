@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "layout.h"
 #include "tsock.h"
@@ -49,6 +50,12 @@ TSOCK_INTERNAL uint64_t tsock__proc_start_time(int pid); /* 0 if unknown */
  * descriptor opened elsewhere (the Go producer's). */
 TSOCK_INTERNAL int tsock__fork_open(const char *path, int flags); /* open(2)'s result */
 TSOCK_INTERNAL int tsock__fork_socket(int domain, int type, int protocol); /* socket(2)'s */
+/* recvmsg(2) that never waits (MSG_DONTWAIT), registering every descriptor
+ * received (SCM_RIGHTS) before any fork() can copy it: close each with
+ * tsock__fork_close. One that cannot be registered (out of memory) is
+ * closed and reads -1. */
+struct msghdr;
+TSOCK_INTERNAL ssize_t tsock__fork_recvmsg(int sock, struct msghdr *msg, int flags);
 TSOCK_INTERNAL void tsock__fork_close(int fd);
 TSOCK_INTERNAL int tsock__fork_track(int fd);
 TSOCK_INTERNAL void tsock__fork_untrack(int fd);

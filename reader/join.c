@@ -16,6 +16,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stddef.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -106,12 +107,20 @@ static int join_receive(int sock, tsock_join_reply *rep, int *fd, const char *na
   } ctl;
   struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
                        .msg_controllen = sizeof ctl.buf};
-  ssize_t n;
-  do n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-  while (n < 0 && errno == EINTR);
-  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+  /* Wait for the reply, then take it with fork() held off: the record's
+   * descriptor is known to the fork guard from its first instant. */
+  struct pollfd p = {.fd = sock, .events = POLLIN};
+  int ready;
+  do ready = poll(&p, 1, JOIN_TIMEOUT_S * 1000);
+  while (ready < 0 && errno == EINTR);
+  if (ready == 0)
     return tsock__fail(TSOCK_ETIMEDOUT, "channel '%s': the producer did not answer the join "
                                         "within %d s", name, JOIN_TIMEOUT_S);
+  ssize_t n;
+  do n = tsock__fork_recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  while (n < 0 && errno == EINTR);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+    return tsock__fail(TSOCK_ETIMEDOUT, "channel '%s': the producer did not answer the join", name);
   if (n < 0 && errno == ECONNRESET) n = 0;
   if (n < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "channel '%s': receive the join reply", name);
   int nfd = 0;
@@ -124,7 +133,7 @@ static int join_receive(int sock, tsock_join_reply *rep, int *fd, const char *na
       if (*fd < 0)
         *fd = got;
       else
-        close(got);
+        tsock__fork_close(got);
     }
   }
   if (n == 0)
@@ -192,7 +201,7 @@ int tsock__join(const tsock_header *h, int seg_fd, uint32_t owner, uint32_t star
     rc = tsock__fail(TSOCK_ECORRUPT, "channel '%s': invalid join reply (entry %u of %u)", name,
                      rep.index, h->reader_capacity);
   if (rc == TSOCK_OK) rc = join_map_record(fd, out, name);
-  if (fd >= 0) close(fd); /* the mapping keeps the file */
+  tsock__fork_close(fd); /* the mapping keeps the file */
   if (rc != TSOCK_OK) {
     tsock__join_leave(out);
     return rc;

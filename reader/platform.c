@@ -172,6 +172,30 @@ int tsock__fork_socket(int domain, int type, int protocol) {
   return fd;
 }
 
+ssize_t tsock__fork_recvmsg(int sock, struct msghdr *msg, int flags) {
+  pthread_once(&fork_once, fork_install);
+  pthread_mutex_lock(&fork_mu);
+  ssize_t n = recvmsg(sock, msg, flags | MSG_DONTWAIT);
+  int err = errno;
+  for (struct cmsghdr *c = n < 0 ? NULL : CMSG_FIRSTHDR(msg); c != NULL; c = CMSG_NXTHDR(msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    for (size_t k = 0; k < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); k++) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof fd);
+      if (fork_reserve() == 0) {
+        fork_fds[fork_nfds++] = fd;
+      } else {
+        close(fd);
+        int none = -1;
+        memcpy(CMSG_DATA(c) + k * sizeof(int), &none, sizeof none);
+      }
+    }
+  }
+  pthread_mutex_unlock(&fork_mu);
+  errno = err;
+  return n;
+}
+
 void tsock__fork_close(int fd) {
   if (fd < 0) return;
   pthread_mutex_lock(&fork_mu);
