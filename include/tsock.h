@@ -141,7 +141,9 @@ typedef struct tsock_producer_options {
   uint64_t slot_bytes;     /* payload bytes per batch; default 1 MiB */
   uint32_t max_readers;    /* reader records, 1..1024; default 64 */
   uint32_t mode;           /* file permission bits; default 0600 (user only).
-                              0660 shares with the group of `gid`. */
+                              0640 (or 0660) lets the group of `gid` attach:
+                              readers only read the segment, and group and
+                              others never get a write bit. */
   int64_t gid;             /* group for the segment, -1 keeps the default */
   int64_t evict_after_ns;  /* evict a reader that holds the producer back this
                               long; 0 (default) never evicts: slow readers

@@ -473,7 +473,9 @@ func reclaimStale(path string) error {
 // which then removes the name: so a held lock is given up to 50 ms to go
 // away or the name to change (nil error, lock not taken: the caller's
 // check that path still names f then sends it round again) before it
-// counts as a live producer.
+// counts as a live producer. A read lock there (any reader of the file
+// may take one) is no producer, but it keeps the write lock from us: the
+// error says so, and that tsock rm removes the file.
 func lockStale(f *os.File, path string) error {
 	deadline := time.Now().Add(50 * time.Millisecond)
 	for {
@@ -488,6 +490,10 @@ func lockStale(f *os.File, path string) error {
 			return nil
 		}
 		if time.Now().After(deadline) {
+			if alive, err := ring.ByteWriteLocked(f, ring.LockProducer); err == nil && !alive {
+				return ring.Errorf(ring.StatusExist, "%s: its producer is dead, but a reader process holds a read "+
+					"lock on its producer byte (a broken or hostile reader); `tsock rm` removes the file", path)
+			}
 			return ring.Errorf(ring.StatusExist, "%s has a live producer", path)
 		}
 		time.Sleep(time.Millisecond)

@@ -308,6 +308,10 @@ static int join_channel(struct reader_impl *r, const struct stat *st, const char
                         int start_mode) {
   tsock_join j;
   int rc = tsock__join(&r->h, r->send_fd, (uint32_t)st->st_uid, (uint32_t)start_mode, name, &j);
+  /* A closing producer stops accepting readers: say closed, not gone. */
+  if (rc == TSOCK_EPRODUCER_GONE &&
+      __atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
+    return tsock__fail(TSOCK_ECLOSED, "channel '%s': closed by the producer", name);
   if (rc != TSOCK_OK) return rc;
   r->sock = j.sock;
   r->rec = j.rec;

@@ -458,3 +458,16 @@ func TestDevicePathRefusedWithoutPool(t *testing.T) {
 	assert.ErrorIs(t, err, reader.ErrNoCUDA)
 	assert.Contains(t, err.Error(), "CUDA driver not available")
 }
+
+// TestAttachToClosingChannel: a producer that is closing its channel no
+// longer accepts readers; a reader that found the file first is told the
+// channel is closed, not that its producer died.
+func TestAttachToClosingChannel(t *testing.T) {
+	name := testkit.Channel(t)
+	fs := newFake(t, name, 4)
+	fs.seg.SetState(ring.StateClosed)
+	fs.table.StopJoins()
+	_, err := reader.Attach(name, reader.Options{})
+	require.ErrorIs(t, err, reader.ErrClosed)
+	assert.Contains(t, err.Error(), "closed by the producer")
+}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tsock/tsock/internal/testkit"
 	"github.com/tsock/tsock/producer"
@@ -605,4 +606,29 @@ func TestGpusShowsPlacement(t *testing.T) {
 	assert.Contains(t, out, "PLACEMENT")
 	assert.Contains(t, out, "device")
 
+}
+
+// TestRmIgnoresReadLockOnProducerByte: any reader of a channel may take a
+// read lock on the producer's byte; on a dead channel that keeps a new
+// producer of the name from taking the write lock. The lock is no
+// producer: Create says what holds the name, and tsock rm removes it.
+// Before: rm took any lock there for a live producer and refused.
+func TestRmIgnoresReadLockOnProducerByte(t *testing.T) {
+	name := deadChannel(t, "rdlock")
+	f, err := os.Open(ring.ChannelPath(name))
+	require.NoError(t, err)
+	defer f.Close()
+	fl := unix.Flock_t{Type: unix.F_RDLCK, Start: ring.LockProducer, Len: 1}
+	require.NoError(t, unix.FcntlFlock(f.Fd(), unix.F_OFD_SETLK, &fl))
+
+	_, err = producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.ErrorIs(t, err, producer.ErrExist)
+	assert.Contains(t, err.Error(), "read lock")
+
+	rc, out, errs := runInProcess(t, "rm", name)
+	require.Equal(t, exitOK, rc, "%s%s", out, errs)
+	assert.Contains(t, out, "removed "+name)
+	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.NoError(t, err, "the name is free again")
+	require.NoError(t, p.Close())
 }
