@@ -131,7 +131,6 @@ type Producer struct {
 	descs     [ring.MaxTensors]ring.ShmTensor
 	pool      *devicePool    // nil without a device
 	table     *readers.Table // the readers: join socket, records, liveness
-	waitTimer *time.Timer    // gate's timer, reused
 
 	// live guards the mapping's lifetime against the calls that may come
 	// from any goroutine (Stats, Readers, WaitReaders) and so do not take
@@ -671,6 +670,12 @@ func (p *Producer) write(c ring.SlotContents, n int) {
 	}
 }
 
+// maxSleep bounds one sleep of the gate. The producer sleeps on the cursor
+// word of the reader that holds it back, which that reader's release or
+// death changes and wakes; only a Close that comes between the gate's last
+// look and its sleep goes unseen, for at most this long.
+const maxSleep = 50 * time.Millisecond
+
 // gate returns once slot seq may be overwritten: every reader that gates
 // has released seq - slots. A reader that dies is freed by its
 // connection's goroutine (end of file), which wakes the gate.
@@ -678,7 +683,7 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 	if seq < p.cachedMin+p.slots {
 		return nil
 	}
-	p.cachedMin = p.scan(seq)
+	p.cachedMin, _, _ = p.scan(seq)
 	if seq < p.cachedMin+p.slots {
 		return nil
 	}
@@ -687,7 +692,7 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 		// as surely as one that waits: it may not escape the eviction
 		// policy, whose clock runs across calls.
 		if p.maybeEvict(p.cachedMin) {
-			p.cachedMin = p.scan(seq)
+			p.cachedMin, _, _ = p.scan(seq)
 			if seq < p.cachedMin+p.slots {
 				return nil
 			}
@@ -700,62 +705,53 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 	for {
 		// Dekker pairing with a releasing reader: waiting is stored
 		// before the scan loads cursors; a reader stores its cursor
-		// before it loads waiting, and if it sees it, sends a wake.
+		// before it loads waiting, and if it sees it, wakes its cursor
+		// word. The sleep is on the gating reader's cursor word, with the
+		// value the scan read: a release after the scan changed the word,
+		// and the sleep does not begin (docs/ARCHITECTURE.md, "Publish").
 		p.seg.SetProducerWaiting(true)
-		p.cachedMin = p.scan(seq)
+		var word *uint32
+		var val uint32
+		p.cachedMin, word, val = p.scan(seq)
 		if seq < p.cachedMin+p.slots {
 			return nil
 		}
 		if p.closing.Load() {
 			return ring.Errorf(ring.StatusHandle, "producer of %q closed while waiting", p.name)
 		}
-		p.maybeEvict(p.cachedMin)
-		slice := time.Duration(-1)
+		if p.maybeEvict(p.cachedMin) {
+			continue
+		}
+		slice := maxSleep
 		if p.opts.EvictAfter > 0 {
-			slice = p.opts.EvictAfter // the policy's clock needs a look now and then
+			slice = min(slice, p.opts.EvictAfter) // the policy's clock needs a look now and then
 		}
 		if timeout > 0 {
 			left := timeout - time.Since(start)
 			if left <= 0 {
 				return ring.Errorf(ring.StatusTimedOut, "timed out after %v waiting for the slowest reader (at batch %d)", timeout, p.cachedMin)
 			}
-			if slice < 0 || left < slice {
-				slice = left
-			}
+			slice = min(slice, left)
 		}
-		p.waitWake(slice)
-	}
-}
-
-// waitWake waits for a reader's wake (Table.Wake) or d (negative: no limit).
-func (p *Producer) waitWake(d time.Duration) {
-	if d < 0 {
-		<-p.table.Wake()
-		return
-	}
-	if p.waitTimer == nil {
-		p.waitTimer = time.NewTimer(d)
-	} else {
-		p.waitTimer.Reset(d)
-	}
-	select {
-	case <-p.table.Wake():
-		p.waitTimer.Stop()
-	case <-p.waitTimer.C:
+		if word == nil { // held back by the join window alone: cannot happen (JoinWindow < Slots)
+			time.Sleep(slice)
+			continue
+		}
+		p.table.Wait(word, val, slice)
 	}
 }
 
 // scan returns the smallest cursor of the readers that gate, or seq if
-// none does. Cursors come from other processes: each is clamped into
-// [seq-slots, seq].
-func (p *Producer) scan(seq uint64) uint64 {
+// none does, and where to sleep until it moves (Table.Gating). Cursors
+// come from other processes: each is clamped into [seq-slots, seq].
+func (p *Producer) scan(seq uint64) (uint64, *uint32, uint32) {
 	least := seq
 	// Late-join window: keep the epoch's first batch (and so every later
 	// one) while no more than JoinWindow batches of the epoch are out.
 	if start := p.seg.EpochStart(); p.opts.JoinWindow > 0 && seq-start <= uint64(p.opts.JoinWindow) {
 		least = min(least, start)
 	}
-	return p.table.MinCursor(least, seq, p.slots)
+	return p.table.Gating(least, seq, p.slots)
 }
 
 // maybeEvict applies the opt-in eviction policy: readers whose cursor is
@@ -789,8 +785,10 @@ type ReaderInfo struct {
 	Sleeping bool // may be asleep waiting for the next batch
 }
 
-// Readers lists the live readers. It may be called from any goroutine;
-// once the producer is closed it returns nil.
+// Readers lists the attached readers: those whose attach has completed
+// (they say so in their record; each gates the producer from a little
+// earlier, its join). It may be called from any goroutine; once the
+// producer is closed it returns nil.
 func (p *Producer) Readers() []ReaderInfo {
 	p.live.RLock()
 	defer p.live.RUnlock()
@@ -806,6 +804,9 @@ func (p *Producer) Readers() []ReaderInfo {
 func (p *Producer) readers() []ReaderInfo {
 	var out []ReaderInfo
 	for _, r := range p.table.Readers() {
+		if !r.Attached {
+			continue
+		}
 		out = append(out, ReaderInfo{Index: r.Index, Pid: r.Pid, Uid: r.Uid, Cursor: r.Cursor, Acquired: r.Acquired,
 			Batches: r.Batches, WaitNs: r.WaitNs, Evicted: r.Evicted, Sleeping: r.Sleeping})
 	}

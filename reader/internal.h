@@ -81,10 +81,8 @@ typedef struct tsock_join {
  * the producer's refusal or the failure. */
 TSOCK_INTERNAL int tsock__join(const tsock_header *h, int seg_fd, uint32_t owner, uint32_t start_mode,
                                const char *name, tsock_join *out);
-/* Sends one message byte (TSOCK_MSG_*): never blocks, never raises
- * SIGPIPE; a full or closed connection loses nothing that matters. */
-TSOCK_INTERNAL void tsock__join_send(int sock, char msg);
-/* Unmaps j's record and closes its connection (after TSOCK_MSG_LEAVE). */
+/* Unmaps j's record and closes its connection (after TSOCK_MSG_LEAVE,
+ * and once the producer has freed the entry, 1 s at most). */
 TSOCK_INTERNAL void tsock__join_leave(tsock_join *j);
 
 /* ---- the read-only mapping (reader.c) ----

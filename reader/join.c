@@ -5,7 +5,7 @@
  * channel, and receive its record: a sealed memfd that only this reader
  * and the producer hold. The connection then stays open while attached:
  * the producer learns from its end of file that the reader is gone, and
- * from a byte on it that the reader released batches it was waiting for.
+ * from a leave byte that it detaches.
  *
  * Nothing the producer sends is trusted: the reply is checked field by
  * field, the record's file must be of the record's size and sealed against
@@ -213,10 +213,6 @@ int tsock__join(const tsock_header *h, int seg_fd, uint32_t owner, uint32_t star
   return TSOCK_OK;
 }
 
-void tsock__join_send(int sock, char msg) {
-  if (sock >= 0) (void)send(sock, &msg, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
-}
-
 /* Waits (at most LEAVE_WAIT_MS) for the producer to close the connection,
  * which it does once it has freed our entry: after detach, the entry is
  * free for the next reader. A producer that is gone closed it already. */
@@ -235,8 +231,8 @@ void tsock__join_leave(tsock_join *j) {
   if (j->rec != NULL) munmap(j->rec, TSOCK_RECORD_FILE_BYTES);
   j->rec = NULL;
   if (j->sock >= 0) {
-    char leave = TSOCK_MSG_LEAVE;
-    if (send(j->sock, &leave, 1, MSG_NOSIGNAL) == 1) join_wait_closed(j->sock);
+    char leave = TSOCK_MSG_LEAVE; /* never blocks (the producer reads), never SIGPIPE */
+    if (send(j->sock, &leave, 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1) join_wait_closed(j->sock);
     tsock__fork_close(j->sock);
   }
   j->sock = -1;

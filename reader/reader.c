@@ -322,6 +322,9 @@ static int join_channel(struct reader_impl *r, const struct stat *st, const char
   r->skipping = start_mode == TSOCK_START_NEXT_EPOCH && !j.in_window;
   if (tsock__lock_byte_shared(r->fd, TSOCK_LOCK_READER0 + j.index) == -2)
     return tsock__fail_errno(TSOCK_ESYS, errno, "channel '%s': lock reader entry %u", name, j.index);
+  /* The producer gated on us from the join on; it counts us as attached
+   * (tsock_producer_wait_readers) from here on. */
+  __atomic_store_n(&r->rec->attached, 1, __ATOMIC_RELEASE);
   return TSOCK_OK;
 }
 
@@ -478,9 +481,11 @@ static void publish_cursor(struct reader_impl *r, uint64_t cursor) {
   r->released = cursor;
   __atomic_store_n(&r->rec->cursor, cursor, __ATOMIC_SEQ_CST);
   /* Dekker pairing with the producer: it sets producer_waiting, then
-   * rescans cursors; we store the cursor, then look at producer_waiting. */
+   * rescans cursors, then sleeps on the cursor word of the reader it waits
+   * for; we store the cursor (which changes that word), then look at
+   * producer_waiting and wake whoever sleeps on our word. */
   if (__atomic_load_n(&r->live->producer_waiting, __ATOMIC_SEQ_CST))
-    tsock__join_send(r->sock, TSOCK_MSG_WAKE);
+    tsock__futex_wake_all((uint32_t *)&r->rec->cursor);
 }
 
 /* 1 when the producer may have hb's slot back: never handed out, or

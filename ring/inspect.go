@@ -22,6 +22,7 @@ const (
 	RecordOffCUDAOrdinal = unsafe.Offsetof(ReaderRecord{}.cuda_ordinal)
 	RecordOffGPUUUID     = unsafe.Offsetof(ReaderRecord{}.gpu_uuid)
 	RecordOffSleeping    = unsafe.Offsetof(ReaderRecord{}.sleeping)
+	RecordOffAttached    = unsafe.Offsetof(ReaderRecord{}.attached)
 )
 
 // Byte offsets of roster entry fields (tsock_roster_entry).

@@ -77,7 +77,6 @@ const (
 	JoinMagic       = uint64(C.TSOCK_JOIN_MAGIC)
 	JoinKeyBytes    = int(C.TSOCK_JOIN_KEY_BYTES)
 	JoinInWindow    = uint32(C.TSOCK_JOIN_IN_WINDOW)
-	MsgWake         = byte(C.TSOCK_MSG_WAKE)
 	MsgLeave        = byte(C.TSOCK_MSG_LEAVE)
 
 	LockProducer  = int64(C.TSOCK_LOCK_PRODUCER)

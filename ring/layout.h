@@ -123,7 +123,7 @@ typedef struct tsock_header {
   /* lines 2-3: producer state */
   uint32_t state;                /* TSOCK_STATE_*, atomic */
   uint32_t producer_waiting;     /* 1 while reserve waits; a releasing reader then
-                                    sends TSOCK_MSG_WAKE on its join socket */
+                                    wakes its record's cursor word (futex) */
   uint64_t heartbeat_ns;         /* CLOCK_MONOTONIC, informational only */
   uint64_t epoch;                /* current epoch (informational) */
   uint64_t epoch_start;          /* seq of the current epoch's first batch */
@@ -201,7 +201,8 @@ typedef struct tsock_roster_entry {
  * anything else is informational). */
 typedef struct tsock_reader_record {
   /* line 0: progress, written at every acquire and release */
-  uint64_t cursor;         /* every seq below is released: the producer gates on it */
+  uint64_t cursor;         /* every seq below is released: the producer gates on it,
+                              and sleeps on its low half (futex) while it waits for it */
   uint64_t acquired;       /* every seq below was acquired */
   uint64_t heartbeat_ns;   /* CLOCK_MONOTONIC of last acquire/release */
   uint64_t wait_ns;        /* total time spent waiting for data (data stall) */
@@ -211,7 +212,9 @@ typedef struct tsock_reader_record {
   uint32_t placement;      /* TSOCK_PLACEMENT_* */
   int32_t cuda_ordinal;    /* the reader's device, in its own process's numbering; -1 none */
   uint8_t gpu_uuid[TSOCK_CUDA_UUID_BYTES]; /* that device's UUID */
-  uint8_t pad1[40];
+  uint32_t attached;       /* 1 once its attach has completed: what the producer's
+                              reader count (wait_readers) counts */
+  uint8_t pad1[36];
   /* lines 2-3, alone (the adjacent-line prefetcher pairs lines): 1 while
    * the reader may be asleep on header.published. The producer loads it
    * after each publish and wakes sleepers when any attached reader's is
@@ -230,8 +233,9 @@ typedef struct tsock_reader_record {
  * O_PATH: the file's permission bits decide who may attach). The producer
  * answers with a tsock_join_reply carrying the record's memfd. The
  * connection then stays open while the reader is attached: its end of file
- * tells the producer that the reader is gone; bytes on it wake a producer
- * that waits for releases. */
+ * tells the producer that the reader is gone. (A producer waiting for
+ * releases sleeps on the low half of the gating reader's cursor, a futex
+ * word in its record that the reader changes and wakes.) */
 #define TSOCK_JOIN_MAGIC 0x4e494f4a4b434f53ull /* "SOCKJOIN" in a little-endian word */
 #define TSOCK_JOIN_ADDR_MAX 64u
 
@@ -256,9 +260,9 @@ typedef struct tsock_join_reply {
  * window): it must not skip to the next one. */
 #define TSOCK_JOIN_IN_WINDOW 1u
 
-/* After the join, the reader sends single bytes: */
-#define TSOCK_MSG_WAKE 'w'  /* I released batches and saw producer_waiting */
-#define TSOCK_MSG_LEAVE 'l' /* I am detaching (end of file without it: I died) */
+/* After the join, the reader sends one byte, when it detaches (end of file
+ * without it: it died); the producer then frees its entry and closes. */
+#define TSOCK_MSG_LEAVE 'l'
 
 /* The abstract Unix socket address (sun_path, starting with its NUL) of
  * the join socket of a header with this key; returns its length. */

@@ -12,7 +12,7 @@ import (
 // A reader's record lives in a memfd of its own (layout.h, "Reader
 // record"): the producer creates it, sealed, hands it to that reader at
 // the join and keeps a mapping to read the reader's cursor and sleeping
-// flag. No other process gets it.
+// flag (and to sleep on the cursor). No other process gets it.
 
 // recordSeals fix the record file's size for ever, and that: the reader
 // may write its record, but it can neither shrink it (the producer's
@@ -88,10 +88,6 @@ func (r *Record) Unmap() error {
 	return err
 }
 
-// ReadOnly makes the mapping read-only: the producer writes a record only
-// before the reader has it.
-func (r *Record) ReadOnly() error { return unix.Mprotect(r.mem, unix.PROT_READ) }
-
 // SetStart stores seq as the record's cursor and acquired (atomic: the
 // producer's gating scan may read the cursor at the same time).
 func (r *Record) SetStart(seq uint64) {
@@ -102,8 +98,23 @@ func (r *Record) SetStart(seq uint64) {
 // Cursor is the reader's cursor: every seq below it is released.
 func (r *Record) Cursor() uint64 { return atomic.LoadUint64(u64(&r.r.cursor)) }
 
+// CursorWord is the low half of the cursor: the futex word a producer
+// waiting for this reader sleeps on (the reader wakes it after storing its
+// cursor, which changes the word: no wake-up can be lost in between).
+func (r *Record) CursorWord() *uint32 { return (*uint32)(unsafe.Pointer(&r.r.cursor)) }
+
+// Unblock changes the cursor word of a reader that is gone and wakes a
+// producer asleep on it (the reader can no longer do either).
+func (r *Record) Unblock() {
+	atomic.AddUint32(r.CursorWord(), 1)
+	FutexWakeAll(r.CursorWord())
+}
+
 // Sleeping reports whether the reader may be asleep on published.
 func (r *Record) Sleeping() bool { return atomic.LoadUint32(u32(&r.r.sleeping)) != 0 }
+
+// Attached reports whether the reader says its attach has completed.
+func (r *Record) Attached() bool { return atomic.LoadUint32(u32(&r.r.attached)) != 0 }
 
 // Progress reads what the reader wrote about its progress and placement.
 func (r *Record) Progress() Progress {

@@ -1,9 +1,11 @@
 // Package readers is the producer's side of its readers: the join socket
 // it listens on, the join handshake, each reader's record (a sealed memfd
 // the reader alone writes), the roster in the segment (which only the
-// producer writes), and each reader's liveness (its connection: end of
-// file means it is gone). docs/ARCHITECTURE.md, "Readers", describes the
-// protocol; layout.h defines its messages and structs.
+// producer writes), each reader's liveness (its connection: end of file
+// means it is gone), and where the producer sleeps while it waits for
+// them (the cursor word of the reader that holds it back).
+// docs/ARCHITECTURE.md, "Joining" and "Publish", describes the protocol;
+// layout.h defines its messages and structs.
 //
 // The producer uses a Table; tests that craft a segment by hand use one to
 // let readers attach to it.
@@ -15,6 +17,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -64,7 +67,7 @@ type Table struct {
 	segDev   uint64
 	segIno   uint64
 	ln       *os.File
-	wake     chan struct{}
+	sleepOn  atomic.Pointer[uint32] // the cursor word the producer sleeps on, if it does
 	lnDone   chan struct{}
 	wg       sync.WaitGroup
 	stopOnce sync.Once
@@ -92,8 +95,7 @@ func Listen(seg *ring.Segment, guard Guard) (*Table, error) {
 	if err := unix.Fstat(int(seg.File.Fd()), &st); err != nil {
 		return nil, fmt.Errorf("stat the segment: %w", err)
 	}
-	t := &Table{seg: seg, guard: guard, segDev: st.Dev, segIno: st.Ino, wake: make(chan struct{}, 1),
-		lnDone: make(chan struct{}), stop: make(chan struct{}), entries: make([]entry, seg.Readers),
+	t := &Table{seg: seg, guard: guard, segDev: st.Dev, segIno: st.Ino, lnDone: make(chan struct{}), stop: make(chan struct{}), entries: make([]entry, seg.Readers),
 		conns: map[*os.File]struct{}{}, pending: map[uint32]int{}}
 	for attempt := 0; ; attempt++ {
 		var key [16]byte
@@ -145,15 +147,21 @@ func (t *Table) Serve() {
 	go t.mirrorLoop()
 }
 
-// Wake receives a value whenever a reader may have released batches (it
-// said so, or it left): the producer's gate waits on it.
-func (t *Table) Wake() <-chan struct{} { return t.wake }
+// Wait sleeps on the cursor word of the reader that holds the producer
+// back, while it still reads val, for at most d: its release changes the
+// word and wakes it (see Gating); so does its death, and Poke.
+func (t *Table) Wait(word *uint32, val uint32, d time.Duration) {
+	t.sleepOn.Store(word)
+	ring.FutexWait(word, val, d)
+	t.sleepOn.Store(nil)
+}
 
-// Poke wakes the gate (Wake) without a reader.
+// Poke wakes a producer asleep in Wait (Close). A poke that comes between
+// the producer's last look and its sleep is lost: it then sleeps its
+// slice out, which is why Wait's callers bound it.
 func (t *Table) Poke() {
-	select {
-	case t.wake <- struct{}{}:
-	default:
+	if w := t.sleepOn.Load(); w != nil {
+		ring.FutexWakeAll(w)
 	}
 }
 
@@ -335,8 +343,7 @@ func (t *Table) join(conn *os.File, cred *unix.Ucred) (uint32, bool) {
 		t.reply(conn, ring.JoinReplyMsg{Status: int32(st)}, nil)
 		return 0, false
 	}
-	// From here on only the reader writes the record.
-	_ = rec.ReadOnly()
+	// From here on only the reader writes the record (until it is gone).
 	if err := t.reply(conn, rep, recFile); err != nil {
 		t.free(rep.Index, true)
 		return 0, false
@@ -527,9 +534,9 @@ func (t *Table) install(rec *ring.Record, id ring.Identity) (ring.JoinReplyMsg, 
 	return rep, ring.StatusOK
 }
 
-// watch reads the reader's connection until it ends: each message may
-// mean released batches (wake the gate); end of file, that the reader is
-// gone (its entry is freed).
+// watch reads the reader's connection until it ends: a leave, or the end
+// of the connection (the reader died), frees its entry. Nothing else a
+// reader sends means anything.
 func (t *Table) watch(i uint32, conn *os.File) {
 	buf := make([]byte, 256)
 	left := false
@@ -537,9 +544,6 @@ func (t *Table) watch(i uint32, conn *os.File) {
 		n, err := conn.Read(buf)
 		for _, b := range buf[:n] {
 			left = left || b == ring.MsgLeave
-		}
-		if n > 0 {
-			t.Poke()
 		}
 		if err != nil || left {
 			break // the reader waits for us to close: its entry is free by then
@@ -559,6 +563,7 @@ func (t *Table) free(i uint32, left bool) {
 	e := &t.entries[i]
 	t.deactivate(i)
 	if e.rec != nil {
+		e.rec.Unblock() // the producer may be asleep waiting for it
 		e.rec.Unmap()
 		e.rec = nil
 	}
@@ -567,7 +572,6 @@ func (t *Table) free(i uint32, left bool) {
 	if !left {
 		t.seg.AddReclaimed()
 	}
-	t.Poke()
 }
 
 // deactivate removes i from the entries that gate (under mu).
@@ -594,15 +598,21 @@ func clamp(cur, seq, slots uint64) uint64 {
 	return cur
 }
 
-// MinCursor is the least of least and the (clamped) cursors of the readers
-// that gate, at seq in a ring of slots.
-func (t *Table) MinCursor(least, seq, slots uint64) uint64 {
+// Gating is the least of least and the (clamped) cursors of the readers
+// that gate, at seq in a ring of slots; and, when a reader's cursor is
+// that least, where to sleep until it moves: its cursor word, and the
+// value read there.
+func (t *Table) Gating(least, seq, slots uint64) (min uint64, word *uint32, val uint32) {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	for _, i := range t.active {
-		least = min(least, clamp(t.entries[i].rec.Cursor(), seq, slots))
+		rec := t.entries[i].rec
+		raw := rec.Cursor()
+		if cur := clamp(raw, seq, slots); cur < least || (cur == least && word == nil) {
+			least, word, val = cur, rec.CursorWord(), uint32(raw)
+		}
 	}
-	t.mu.Unlock()
-	return least
+	return least, word, val
 }
 
 // AnySleeping reports whether an attached reader may be asleep on
@@ -641,16 +651,17 @@ func (t *Table) Evict(least, seq, slots uint64) int {
 	return n
 }
 
-// Info describes one attached reader.
+// Info describes one reader.
 type Info struct {
 	Index uint32
 	ring.Identity
 	ring.Progress // read from its record now
 	Evicted       bool
 	Sleeping      bool
+	Attached      bool // it says its attach has completed (it gates from the join on)
 }
 
-// Readers lists the attached readers (evicted ones too, until they go).
+// Readers lists the readers that joined (evicted ones too, until they go).
 func (t *Table) Readers() []Info {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -661,7 +672,7 @@ func (t *Table) Readers() []Info {
 			continue
 		}
 		out = append(out, Info{Index: uint32(i), Identity: e.id, Progress: e.rec.Progress(),
-			Evicted: e.state == ring.ReaderEvicted, Sleeping: e.rec.Sleeping()})
+			Evicted: e.state == ring.ReaderEvicted, Sleeping: e.rec.Sleeping(), Attached: e.rec.Attached()})
 	}
 	return out
 }

@@ -90,7 +90,7 @@ func rogue(name string, d time.Duration) {
 		for i := 0; i < 64; i++ {
 			for j := range spam {
 				if spam[j] = byte(rand.Uint32()); spam[j] == ring.MsgLeave {
-					spam[j] = ring.MsgWake // a leave would end its stay: it wants to stay
+					spam[j]++ // a leave would end its stay: it wants to stay
 				}
 			}
 			_ = r.Send(spam[:1+rand.IntN(len(spam))])
@@ -228,8 +228,11 @@ func TestRogueReaderHarmsNobody(t *testing.T) {
 func rogueCase(t *testing.T, exe string, uid int) {
 	const n = 600
 	name := channel(t)
+	// Generous: an honest reader descheduled on a loaded machine must not
+	// stay at the minimum that long.
+	const evictAfter = 3 * time.Second
 	p := create(t, name, producer.Options{Slots: 4, SlotBytes: batchgen.MaxPayload, Mode: 0o660, Gid: sharedGid,
-		EvictAfter: time.Second})
+		EvictAfter: evictAfter})
 	cr := startReader(t, name, readerSpec{lang: "c", expected: n, start: "now"}, "honest c reader")
 	gr := startReader(t, name, readerSpec{lang: "go", expected: n, start: "now"}, "honest go reader")
 	require.NoError(t, p.WaitReaders(2, 30*time.Second))
@@ -283,8 +286,8 @@ func rogueCase(t *testing.T, exe string, uid int) {
 	}
 	assert.Contains(t, rg.Output(), "rogue evicted", "stuck far behind, it is taken off the gate")
 	assert.GreaterOrEqual(t, p.Stats().ReadersEvicted, uint64(1))
-	// The slowest publish waited for the eviction (EvictAfter), not more.
-	assert.Less(t, slowest, 10*time.Second)
+	// The slowest publish waited for the eviction (EvictAfter), not much more.
+	assert.Less(t, slowest, 5*evictAfter)
 	t.Logf("slowest publish %v", slowest)
 
 	out := kn.Output()
