@@ -196,9 +196,10 @@ typedef struct tsock_roster_entry {
  * reader alone, sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL: its size
  * never changes, so the producer's mapping can never fault) and handed over
  * at the join. Its cursor and acquired fields hold the reader's start when
- * it gets it. The producer maps it read-only once the reader has it and
- * treats every field as untrusted input (a cursor is clamped into the ring,
- * anything else is informational). */
+ * it gets it. From then on only the reader writes it (the producer, once
+ * more, when the reader is gone: it changes and wakes the cursor word it
+ * may sleep on), and the producer treats every field as untrusted input
+ * (a cursor is clamped into the ring, anything else is informational). */
 typedef struct tsock_reader_record {
   /* line 0: progress, written at every acquire and release */
   uint64_t cursor;         /* every seq below is released: the producer gates on it,
