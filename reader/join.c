@@ -52,8 +52,10 @@ static int join_connect(const tsock_header *h, int sock, uint32_t owner, const c
   if (rc != 0) {
     int err = errno;
     if (err == ECONNREFUSED || err == ENOENT)
-      return tsock__fail(TSOCK_EPRODUCER_GONE, "channel '%s': its producer (pid %d) does not accept "
-                                               "readers (gone or closing)", name, h->producer_pid);
+      return tsock__fail(TSOCK_EPRODUCER_GONE,
+                         "channel '%s': its producer (pid %d) does not accept readers: it is "
+                         "closing or gone, or this process is in another network namespace (the "
+                         "join socket is an abstract Unix address)", name, h->producer_pid);
     if (err == EAGAIN || err == ETIMEDOUT || err == EINPROGRESS)
       return tsock__fail(TSOCK_EAGAIN, "channel '%s': the producer's join socket is busy", name);
     return tsock__fail_errno(TSOCK_ESYS, err, "channel '%s': connect to the producer", name);
