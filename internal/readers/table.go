@@ -95,8 +95,9 @@ func Listen(seg *ring.Segment, guard Guard) (*Table, error) {
 	if err := unix.Fstat(int(seg.File.Fd()), &st); err != nil {
 		return nil, fmt.Errorf("stat the segment: %w", err)
 	}
-	t := &Table{seg: seg, guard: guard, segDev: st.Dev, segIno: st.Ino, lnDone: make(chan struct{}), stop: make(chan struct{}), entries: make([]entry, seg.Readers),
-		conns: map[*os.File]struct{}{}, pending: map[uint32]int{}}
+	t := &Table{seg: seg, guard: guard, segDev: st.Dev, segIno: st.Ino, lnDone: make(chan struct{}),
+		stop: make(chan struct{}), entries: make([]entry, seg.Readers), conns: map[*os.File]struct{}{},
+		pending: map[uint32]int{}}
 	for attempt := 0; ; attempt++ {
 		var key [16]byte
 		if _, err := rand.Read(key[:]); err != nil {
