@@ -36,6 +36,7 @@ READER_SOURCES = [
     "reader/status.c",
     "reader/platform.c",
     "reader/reader.c",
+    "reader/join.c",
     "reader/dlpack.c",
     "cuda/driver.c",
     "cuda/host.c",

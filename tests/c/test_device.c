@@ -384,7 +384,10 @@ static void test_dlpack_keeps_pool_after_detach(void) {
 /* A batch released with queued GPU work is waited for at detach. */
 static void test_detach_waits(void) {
   const char *name = test_name("tdev", "detach");
-  pid_t pid = spawn_producer(name, 1, 2);
+  /* Two batches in two slots: the epoch-end marker waits for our release of
+   * batch 0, so the producer cannot close (and refuse the device path)
+   * before we have opened it. */
+  pid_t pid = spawn_producer(name, 2, 2);
   void *stream = NULL;
   tsock_reader_t *r = attach_device(name, &stream);
   if (r == NULL) return;
@@ -484,6 +487,15 @@ static void test_detach_with_unconfirmed_fence(void) {
   CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK); /* batch 1 */
   /* 2 is never published; both slots held (max_held = ring), one unconfirmed */
   CHECK_RC(tsock_reader_acquire(r, &b, 100000000ll), TSOCK_ESYS);
+  /* The fake's read runs here, while the pool is mapped: detach drops this
+   * process's mapping of it (the fence stays unconfirmable all the same).
+   * A read left queued would later hash unmapped memory (or whatever the
+   * next pool mapped there). */
+  for (int w = 0; w < 400 && sum == 0; w++) {
+    usleep(5000);
+    run_due();
+  }
+  CHECK(sum != 0);
   CHECK_RC(tsock_reader_detach(r), TSOCK_ESYS);
   CHECK(strstr(tsock_last_error(), "stay held") != NULL);
   unsetenv("FAKE_CUDA_FAIL");
@@ -808,7 +820,7 @@ static void test_killed_peers(void) {
 /* The same GPU seen under another ordinal is still found by UUID. */
 static void test_reordered_devices(void) {
   const char *name = test_name("tdev", "reorder");
-  pid_t pid = spawn_producer(name, 1, 2); /* pool on ordinal 0 = UUID 0 */
+  pid_t pid = spawn_producer(name, 2, 2); /* pool on ordinal 0 = UUID 0; open till our release */
   setenv("FAKE_CUDA_UUIDS", "1,0", 1);    /* here that GPU is ordinal 1 */
   tsock_reader_t *r = attach(name);
   int32_t ordinal = -1;

@@ -66,11 +66,14 @@ func TestForkedChildDoesNotKeepProducerAlive(t *testing.T) {
 }
 
 // TestForkAnyInstantKeepsNoLock: the host process forks at any instant,
-// also while another thread is creating or closing a producer. No child
-// may ever hold a locked open file description: the producer's lock
-// descriptor is registered with the fork guard from the moment it exists
-// (before the fix: only after Create returned, so a child forked during
-// creation kept the new producer's lock for its lifetime).
+// also while another thread is creating or closing a producer and
+// attaching and detaching a reader. No child may ever hold a locked open
+// file description, a socket (the join socket, a reader's connection at
+// either end: a dead reader's connection held open by a child would keep
+// it attached) or a record's memfd: each is registered with its fork guard
+// from the moment it exists (before the fix: the lock only after Create
+// returned, so a child forked during creation kept the new producer's lock
+// for its lifetime).
 func TestForkAnyInstantKeepsNoLock(t *testing.T) {
 	exe := needABIProducer(t)
 	name := channel(t)
@@ -82,5 +85,5 @@ func TestForkAnyInstantKeepsNoLock(t *testing.T) {
 	t.Logf("%d forks during %d creates", forks, creates)
 	require.Greater(t, forks, 50)
 	require.Greater(t, creates, 20)
-	assert.Zero(t, leaks, "children forked while a producer was created held its lock")
+	assert.Zero(t, leaks, "children forked while a producer was created held its lock, a socket or a record")
 }

@@ -92,7 +92,8 @@ func needCheckReader(t *testing.T) string {
 		out, err := exec.Command(cc, "-O2", "-std=c11", "-Wall", "-Werror",
 			"-I"+filepath.Join(repoRoot, "include"), "-I"+filepath.Join(repoRoot, "ring"), src,
 			filepath.Join(repoRoot, "reader", "status.c"), filepath.Join(repoRoot, "reader", "platform.c"),
-			filepath.Join(repoRoot, "reader", "reader.c"), "-lpthread", "-o", exe).CombinedOutput()
+			filepath.Join(repoRoot, "reader", "reader.c"), filepath.Join(repoRoot, "reader", "join.c"),
+			"-lpthread", "-o", exe).CombinedOutput()
 		checkBuildMs = time.Since(start)
 		if err != nil {
 			checkErr = fmt.Errorf("building check_reader: %v\n%s", err, out)
@@ -129,10 +130,20 @@ func (p *proc) Output() string {
 // and in the test's cleanup.
 func start(t *testing.T, label string, env []string, name string, args ...string) *proc {
 	t.Helper()
+	return startAttr(t, label, env, &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}, name, args...)
+}
+
+// startAttr is start with the child's process attributes (another user:
+// testkit.AsUser, which also kills it with the test).
+func startAttr(t *testing.T, label string, env []string, attr *syscall.SysProcAttr, name string, args ...string) *proc {
+	t.Helper()
 	p := &proc{label: label, lines: make(chan string, 1024), done: make(chan struct{})}
 	p.cmd = exec.Command(name, args...)
 	p.cmd.Env = append(os.Environ(), env...)
-	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	p.cmd.SysProcAttr = attr
+	if attr.Credential != nil {
+		p.cmd.Dir = "/" // another user may not enter ours
+	}
 	stdout, err := p.cmd.StdoutPipe()
 	require.NoError(t, err)
 	p.cmd.Stderr = writerFunc(func(b []byte) (int, error) {

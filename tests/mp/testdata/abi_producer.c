@@ -16,7 +16,9 @@
  *       a thread creates and closes producer NAME in a loop while the main
  *       thread forks children for SECONDS; each child looks for an open
  *       file description with an OFD lock among its descriptors
- *       (/proc/self/fdinfo "lock:" lines) and exits 7 if it finds one.
+ *       (/proc/self/fdinfo "lock:" lines), a socket or a reader record's
+ *       memfd, and exits 7 if it finds one. The other thread also attaches
+ *       and detaches a reader to each producer it creates.
  *       Prints "forks N leaks K creates C".
  */
 #define _GNU_SOURCE
@@ -153,13 +155,20 @@ static void *create_loop(void *arg) {
       return NULL;
     }
     atomic_fetch_add(&creates, 1);
+    /* A reader too: the producer accepts its connection and makes its
+     * record, the reader keeps its own end. */
+    tsock_reader_t *r = NULL;
+    if (tsock_reader_attach(name, NULL, &r) == TSOCK_OK) tsock_reader_detach(r);
     tsock_producer_close(p);
   }
   return NULL;
 }
 
-/* In the child: only system calls (the parent has other threads). */
-static int child_holds_lock(void) {
+/* In the child: only system calls (the parent has other threads). 1 if
+ * the child holds a descriptor that tsock must not leave it: an open file
+ * description with an OFD lock, a socket (the producer's join socket, a
+ * reader's connection, either end) or a reader record's memfd. */
+static int child_holds_tsock_fd(void) {
   char path[64], buf[4096];
   for (int fd = 0; fd < 1024; fd++) {
     if (fcntl(fd, F_GETFD) < 0) continue;
@@ -182,6 +191,12 @@ static int child_holds_lock(void) {
     if (got <= 0) continue;
     buf[got] = 0;
     if (strstr(buf, "OFDLCK") != NULL) return 1;
+    memcpy(path, "/proc/self/fd/", 14);
+    memmove(path + 14, path + sizeof pre - 1, strlen(path + sizeof pre - 1) + 1);
+    got = readlink(path, buf, sizeof buf - 1);
+    if (got <= 0) continue;
+    buf[got] = 0;
+    if (strncmp(buf, "socket:", 7) == 0 || strstr(buf, "memfd:tsock") != NULL) return 1;
   }
   return 0;
 }
@@ -195,7 +210,7 @@ static int forkstorm(const char *name, int seconds) {
   do {
     pid_t c = fork();
     if (c < 0) break;
-    if (c == 0) _exit(child_holds_lock() ? 7 : 0);
+    if (c == 0) _exit(child_holds_tsock_fd() ? 7 : 0);
     int ws = 0;
     waitpid(c, &ws, 0);
     forks++;
