@@ -263,7 +263,10 @@ func TestCreateFallbackTempName(t *testing.T) {
 // TestCreateWaitsForReclaimer: a Create that finds its name's dead segment
 // locked by a process reclaiming it (another channel's Create sweeping
 // dead channels holds the producer lock for a moment, then unlinks it)
-// waits for the name to go instead of failing with ErrExist.
+// waits for the name to go instead of failing with ErrExist. The
+// reclaimer lets go once Create has found the lock held (from the test
+// hook, not after a sleep that a loaded machine can stretch past Create's
+// 50 ms).
 func TestCreateWaitsForReclaimer(t *testing.T) {
 	name := testkit.Channel(t)
 	staleSegment(t, name, 0)
@@ -271,12 +274,40 @@ func TestCreateWaitsForReclaimer(t *testing.T) {
 	require.NoError(t, err)
 	defer f.Close()
 	require.NoError(t, ring.LockByte(f, ring.LockProducer))
-	go func() {
-		time.Sleep(10 * time.Millisecond)
-		os.Remove(ring.ChannelPath(name)) // what the reclaimer does, then it closes
-		f.Close()
-	}()
+	found := 0
+	defer producer.SetStaleLockedHookForTest(func() {
+		if found++; found == 1 {
+			os.Remove(ring.ChannelPath(name)) // what the reclaimer does, then it closes
+			f.Close()
+		}
+	})()
 	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
 	require.NoError(t, err, "a reclaimer's moment on the lock is not a live producer")
 	require.NoError(t, p.Close())
+	assert.Equal(t, 1, found, "Create found the lock held once, then free")
+}
+
+// TestCreateGivesUpOnlyAfterLooking: a lock that stays held is a live
+// producer, and Create fails with ErrExist, but only once a look taken 50
+// ms after its first one still finds it held. A Create descheduled right
+// after its first look (here the hook stalls it 80 ms, as a loaded machine
+// can) looks again before it gives up: before the fix it counted the stall
+// as 50 ms of a held lock, and a reclaimer that had let go meanwhile made
+// Create fail with ErrExist.
+func TestCreateGivesUpOnlyAfterLooking(t *testing.T) {
+	name := testkit.Channel(t)
+	staleSegment(t, name, 0)
+	f, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, ring.LockByte(f, ring.LockProducer))
+	looks := 0
+	defer producer.SetStaleLockedHookForTest(func() {
+		if looks++; looks == 1 {
+			time.Sleep(80 * time.Millisecond)
+		}
+	})()
+	_, err = producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.ErrorIs(t, err, producer.ErrExist)
+	assert.Equal(t, 2, looks, "one look after the stall, then ErrExist")
 }
