@@ -39,13 +39,11 @@ func TestCloseRacesQueries(t *testing.T) {
 
 		var stop atomic.Bool
 		var wg sync.WaitGroup
-		var calls atomic.Int64
-		started := make(chan struct{}, 3)
+		var calls [3]atomic.Int64 // per goroutine
 		for g := 0; g < 3; g++ {
 			wg.Add(1)
 			go func(g int) {
 				defer wg.Done()
-				started <- struct{}{}
 				for !stop.Load() {
 					switch g {
 					case 0:
@@ -60,20 +58,33 @@ func TestCloseRacesQueries(t *testing.T) {
 							assert.True(t, st == ring.StatusTimedOut || st == ring.StatusHandle, "WaitReaders: %v", err)
 						}
 					}
-					calls.Add(1)
+					calls[g].Add(1)
 				}
 			}(g)
 		}
-		for g := 0; g < 3; g++ {
-			<-started
+		// Every goroutine calls before the close, and again after it (a
+		// closed producer answers, it does not crash), however they are
+		// scheduled.
+		waitCalls := func(min [3]int64) (now [3]int64) {
+			deadline := time.Now().Add(30 * time.Second)
+			for g := range calls {
+				for calls[g].Load() < min[g] {
+					if time.Now().After(deadline) {
+						stop.Store(true)
+						wg.Wait()
+						t.Fatalf("goroutine %d made %d calls in 30 s, not %d", g, calls[g].Load(), min[g])
+					}
+					time.Sleep(50 * time.Microsecond)
+				}
+				now[g] = calls[g].Load()
+			}
+			return now
 		}
+		before := waitCalls([3]int64{1, 1, 1})
 		require.NoError(t, p.Close())
-		// Keep calling after Close too: a closed producer answers, it does
-		// not crash.
-		time.Sleep(time.Millisecond)
+		waitCalls([3]int64{before[0] + 2, before[1] + 2, before[2] + 2})
 		stop.Store(true)
 		wg.Wait()
-		assert.Positive(t, calls.Load())
 		assert.Nil(t, p.Readers(), "a closed producer has no readers to list")
 		assert.Equal(t, uint64(1), p.Stats().Published, "Stats after Close: the counters as Close left them")
 		assert.Equal(t, ring.StatusHandle, ring.StatusOf(p.WaitReaders(0, 0)))
