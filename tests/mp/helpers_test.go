@@ -114,6 +114,7 @@ type proc struct {
 	mu    sync.Mutex
 	out   bytes.Buffer
 	lines chan string // stdout lines as they come (buffered, may drop when full)
+	seen  []seenLine  // every stdout line and when it arrived, under mu
 	done  chan struct{}
 	err   error     // Wait's result, after done
 	ended time.Time // when Wait returned
@@ -149,6 +150,7 @@ func start(t *testing.T, label string, env []string, name string, args ...string
 			line := sc.Text()
 			p.mu.Lock()
 			p.out.WriteString(line + "\n")
+			p.seen = append(p.seen, seenLine{time.Now(), line})
 			p.mu.Unlock()
 			select {
 			case p.lines <- line:
@@ -175,6 +177,25 @@ func start(t *testing.T, label string, env []string, name string, args ...string
 		}
 	})
 	return p
+}
+
+// seenLine is a stdout line of a child and when the test read it.
+type seenLine struct {
+	at   time.Time
+	line string
+}
+
+// lineAt is when the child's first stdout line with the given prefix
+// arrived (zero if none did).
+func (p *proc) lineAt(prefix string) time.Time {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, l := range p.seen {
+		if strings.HasPrefix(l.line, prefix) {
+			return l.at
+		}
+	}
+	return time.Time{}
 }
 
 type writerFunc func([]byte) (int, error)
