@@ -399,10 +399,16 @@ static void forked_child_outlives_reader(const char *tag, uint32_t n) {
     }
     pid_t child = fork();
     if (child == 0) {
+      /* The child says it runs: fork() has returned here, so the fork
+       * guard (an atfork handler) has closed the reader's descriptors in
+       * it. Said by the parent, the test could kill the reader before the
+       * child had closed them, and find a lock held for as long as the
+       * child took to get a CPU. */
+      pid_t self = getpid();
+      if (write(pfd[1], &self, sizeof self) != (ssize_t)sizeof self) _exit(1);
       sleep(10); /* a DataLoader worker: it outlives its parent */
       _exit(0);
     }
-    if (write(pfd[1], &child, sizeof child) != (ssize_t)sizeof child) _exit(1);
     for (;;) pause();
   }
   close(pfd[1]);
@@ -414,8 +420,21 @@ static void forked_child_outlives_reader(const char *tag, uint32_t n) {
   CHECK(locked == n); /* the reader process holds all its records */
   kill(reader, SIGKILL);
   waitpid(reader, NULL, 0);
-  int64_t took = wait_reader_bytes_free(f.fd, n, 2000 * MS);
-  CHECK(took >= 0 && took < 100 * MS);
+  /* A dead process's locks are released before it can be reaped (its open
+   * file descriptions are closed in do_exit, before exit_notify), and the
+   * child has closed its copies of the descriptors: once waitpid returned,
+   * a lock still held is held through the child's mappings. So: free at
+   * the first look, not "within some milliseconds" (a bound that a loaded
+   * machine could break). If not, say when they went. */
+  locked = 0;
+  for (uint32_t i = 0; i < n; i++) locked += reader_byte_locked(f.fd, i) != 0;
+  CHECK(locked == 0);
+  if (locked != 0) {
+    int64_t took = wait_reader_bytes_free(f.fd, n, 12000 * MS);
+    if (took >= 0)
+      fprintf(stderr, "%u of %u record locks outlived the reader by %lld ms\n", locked, n,
+              (long long)(took / MS));
+  }
   CHECK(child > 0 && kill(child, 0) == 0); /* the child still lives */
   if (child > 0) kill(child, SIGKILL);
   munmap(f.map, f.h->total_bytes);
