@@ -184,6 +184,7 @@ def test_killed_producer_with_live_workers_is_still_seen_dead(channel, spawn):
         for _ in range(20):  # into the second epoch: workers were forked after creation
             next(it, None)
         os.kill(prod.pid, signal.SIGKILL)
+        prod.wait()  # from its death: tearing down a torch process can take a while on a loaded machine
         t0 = time.monotonic()
         with pytest.raises(tsock.ProducerGone):
             while True:
