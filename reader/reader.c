@@ -223,6 +223,18 @@ static int check_header(const tsock_header *h, uint64_t file_size, const char *n
 static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, const char *path,
                        const char *name);
 
+/* A second open file description of the file open at fd (path names it,
+ * or did): through /proc/self/fd, which opens that very file even when the
+ * name has gone or names another file since (a new producer replacing a
+ * dead one), else, without /proc, through the name. -1 with errno. */
+static int reopen(int fd, const char *path) {
+  char self[40];
+  snprintf(self, sizeof self, "/proc/self/fd/%d", fd);
+  int m = tsock__fork_open(self, O_RDWR | O_CLOEXEC); /* a link to our own descriptor: followed */
+  if (m >= 0 || errno != ENOENT) return m;
+  return tsock__fork_open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+}
+
 /* Opens and maps the segment. TSOCK_EAGAIN means "not there yet, retry". */
 static int open_segment(const char *name, struct reader_impl *r) {
   char path[sizeof(TSOCK_SHM_DIR) + sizeof(TSOCK_SHM_PREFIX) + TSOCK_NAME_MAX + 2];
@@ -248,7 +260,9 @@ static int open_segment(const char *name, struct reader_impl *r) {
    * cannot unmap). Mapped from r->fd, the description that carries our
    * record lock would live on in such a child after we die, and the
    * producer would wait for a dead reader as long as the child lives. */
-  int mfd = tsock__fork_open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  int mfd = reopen(r->fd, path);
+  if (mfd < 0 && errno == ENOENT)
+    return tsock__fail(TSOCK_EAGAIN, "channel '%s' was replaced while attaching", name);
   if (mfd < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "open %s", path);
   int rc = map_segment(r, mfd, &st, path, name);
   tsock__fork_close(mfd); /* the mappings keep what they need */

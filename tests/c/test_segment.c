@@ -7,7 +7,10 @@
 #include <signal.h>
 #include <stdint.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "layout.h"
 #include "test_util.h"
@@ -667,6 +670,70 @@ static void test_header_changed_after_attach(void) {
   remove_file(name);
 }
 
+/* fstat, interposed for test_attach_while_name_goes (the reader library
+ * calls fstat through its PLT): once armed, the first fstat of the
+ * channel's file removes the channel's name, between the reader's first
+ * open of the segment and what follows. Pass-through otherwise. */
+static struct {
+  volatile int armed;
+  const char *path;
+  ino_t ino;
+  int fired;
+} vanish;
+
+int fstat(int fd, struct stat *st) {
+  int rc = (int)syscall(SYS_fstat, fd, st);
+  if (rc == 0 && vanish.armed && st->st_ino == vanish.ino) {
+    vanish.armed = 0;
+    unlink(vanish.path);
+    vanish.fired++;
+  }
+  return rc;
+}
+
+/* An attach that loses the channel's name after opening it (a new
+ * producer taking a dead one's name: reclaim removes the old file, the new
+ * one is linked a moment later) must not fail with a system error. The
+ * reader maps the segment through a second open of the file; made by
+ * name, that open failed: TSOCK_ESYS "open ...: No such file or
+ * directory" (the chaos soak's C reader exited on it). Through
+ * /proc/self/fd it opens the file already open, whatever its name. */
+static void test_attach_while_name_goes(void) {
+  const char *name = test_name("tseg", "vanish");
+  fake f;
+  if (fake_open(&f, name, 4, 4) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  char path[128], keep[128];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  snprintf(keep, sizeof keep, "/dev/shm/tseg-keep-%d", (int)getpid());
+  unlink(keep);
+  CHECK(link(path, keep) == 0); /* the file outlives its name */
+  struct stat st;
+  CHECK(stat(path, &st) == 0);
+  vanish.path = path;
+  vanish.ino = st.st_ino;
+  vanish.fired = 0;
+  vanish.armed = 1;
+  tsock_reader_t *r = NULL;
+  int rc = tsock_reader_attach(name, NULL, &r);
+  vanish.armed = 0;
+  CHECK(vanish.fired == 1);             /* the name went after the first open */
+  CHECK_RC(rc, TSOCK_OK);               /* the file it opened is attached */
+  if (r != NULL) {
+    fake_publish(&f, 0, 3);
+    const tsock_batch_t *b = NULL;
+    CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+    if (b != NULL) CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+    CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  }
+  unlink(keep);
+  munmap(f.map, f.h->total_bytes);
+  close(f.fd);
+}
+
 int main(void) {
   test_foreign();
   test_truncated();
@@ -678,6 +745,7 @@ int main(void) {
   test_forked_child_outlives_reader();
   test_fork_after_300_attaches();
   test_fork_while_attaching();
+  test_attach_while_name_goes();
   test_header_flipped_while_attaching();
   test_header_changed_after_attach();
   return test_report("test_segment");
