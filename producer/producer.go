@@ -472,12 +472,16 @@ func reclaimStale(path string) error {
 // which then removes the name: so a held lock is given up to 50 ms to go
 // away or the name to change (nil error, lock not taken: the caller's
 // check that path still names f then sends it round again) before it
-// counts as a live producer. A read lock there (any reader of the file
-// may take one) is no producer, but it keeps the write lock from us: the
-// error says so, and that tsock rm removes the file.
+// counts as a live producer. The 50 ms run from the first look and end with
+// a look taken after them: a Create descheduled between two looks (a
+// loaded machine) still looks again rather than give up on a stale view.
+// A read lock there (any reader of the file may take one) is no producer,
+// but it keeps the write lock from us: the error says so, and that tsock
+// rm removes the file.
 func lockStale(f *os.File, path string) error {
-	deadline := time.Now().Add(50 * time.Millisecond)
+	var deadline time.Time
 	for {
+		looked := time.Now()
 		err := ring.LockByte(f, ring.LockProducer)
 		if err == nil {
 			return nil
@@ -488,7 +492,13 @@ func lockStale(f *os.File, path string) error {
 		if st, err := os.Lstat(path); err != nil || !sameFile(f, st) {
 			return nil
 		}
-		if time.Now().After(deadline) {
+		if staleLockedHook != nil {
+			staleLockedHook()
+		}
+		if deadline.IsZero() {
+			deadline = looked.Add(50 * time.Millisecond)
+		}
+		if looked.After(deadline) {
 			if alive, err := ring.ByteWriteLocked(f, ring.LockProducer); err == nil && !alive {
 				return ring.Errorf(ring.StatusExist, "%s: its producer is dead, but a reader process holds a read "+
 					"lock on its producer byte (a broken or hostile reader); `tsock rm` removes the file", path)
@@ -498,6 +508,10 @@ func lockStale(f *os.File, path string) error {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// staleLockedHook, set by tests only, runs each time lockStale has found
+// the lock held, before it decides to look again or give up.
+var staleLockedHook func()
 
 // sameFile reports whether f is the file st describes.
 func sameFile(f *os.File, st os.FileInfo) bool {

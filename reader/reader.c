@@ -228,6 +228,19 @@ static int check_header(const tsock_header *h, uint64_t file_size, const char *n
 static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, const char *path,
                        const char *name);
 
+/* A second open file description of the file open at fd (path names it,
+ * or did): through /proc/self/fd, which opens that very file even when the
+ * name has gone or names another file since (a new producer replacing a
+ * dead one), else, without /proc, through the name. Read-only, as every
+ * open of the segment by a reader. -1 with errno. */
+static int reopen(int fd, const char *path) {
+  char self[40];
+  snprintf(self, sizeof self, "/proc/self/fd/%d", fd);
+  int m = tsock__fork_open(self, O_RDONLY | O_CLOEXEC); /* a link to our own descriptor: followed */
+  if (m >= 0 || errno != ENOENT) return m;
+  return tsock__fork_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+}
+
 /* Opens and maps the segment (st: the file's status). TSOCK_EAGAIN means
  * "not there yet, retry". */
 static int open_segment(const char *name, struct reader_impl *r, struct stat *st_out) {
@@ -255,7 +268,9 @@ static int open_segment(const char *name, struct reader_impl *r, struct stat *st
    * cannot unmap). Mapped from r->fd, the description that carries our
    * record lock would live on in such a child after we die, and the
    * producer would wait for a dead reader as long as the child lives. */
-  r->send_fd = tsock__fork_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  r->send_fd = reopen(r->fd, path);
+  if (r->send_fd < 0 && errno == ENOENT)
+    return tsock__fail(TSOCK_EAGAIN, "channel '%s' was replaced while attaching", name);
   if (r->send_fd < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "open %s", path);
   return map_segment(r, r->send_fd, &st, path, name); /* send_fd is closed after the join */
 }

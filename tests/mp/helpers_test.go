@@ -115,6 +115,7 @@ type proc struct {
 	mu    sync.Mutex
 	out   bytes.Buffer
 	lines chan string // stdout lines as they come (buffered, may drop when full)
+	seen  []seenLine  // every stdout line and when it arrived, under mu
 	done  chan struct{}
 	err   error     // Wait's result, after done
 	ended time.Time // when Wait returned
@@ -160,6 +161,7 @@ func startAttr(t *testing.T, label string, env []string, attr *syscall.SysProcAt
 			line := sc.Text()
 			p.mu.Lock()
 			p.out.WriteString(line + "\n")
+			p.seen = append(p.seen, seenLine{time.Now(), line})
 			p.mu.Unlock()
 			select {
 			case p.lines <- line:
@@ -186,6 +188,25 @@ func startAttr(t *testing.T, label string, env []string, attr *syscall.SysProcAt
 		}
 	})
 	return p
+}
+
+// seenLine is a stdout line of a child and when the test read it.
+type seenLine struct {
+	at   time.Time
+	line string
+}
+
+// lineAt is when the child's first stdout line with the given prefix
+// arrived (zero if none did).
+func (p *proc) lineAt(prefix string) time.Time {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, l := range p.seen {
+		if strings.HasPrefix(l.line, prefix) {
+			return l.at
+		}
+	}
+	return time.Time{}
 }
 
 type writerFunc func([]byte) (int, error)
