@@ -23,3 +23,7 @@ func NoTmpfileForTest() (restore func()) {
 	useTmpfile = false
 	return func() { useTmpfile = true }
 }
+
+// SlotForTest is the producer's own (writable) view of the slot holding
+// seq, for tests that play a broken or hostile writer.
+func SlotForTest(p *Producer, seq uint64) []byte { return p.seg.SlotBytes(seq) }

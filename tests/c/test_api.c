@@ -639,6 +639,33 @@ static void test_mapping_outlives_detach(void) {
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
 
+/* tsock_producer_peek: argument checks, then a channel's newest batches
+ * read back (metadata and epoch marker) without attaching. */
+static void test_peek(void) {
+  const char *name = test_name("tapi", "peek");
+  tsock_peek_t pk;
+  memset(&pk, 0, sizeof pk);
+  CHECK_RC(tsock_producer_peek(NULL, 0, &pk), TSOCK_ENAME);
+  CHECK_RC(tsock_producer_peek(name, 0, NULL), TSOCK_EINVAL);
+  CHECK_RC(tsock_producer_peek(name, 0, &pk), TSOCK_EINVAL); /* size not set */
+  pk.size = sizeof pk;
+  CHECK_RC(tsock_producer_peek(name, 0, &pk), TSOCK_ENOENT);
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  if (p == NULL) return;
+  CHECK_RC(tsock_producer_peek(name, 0, &pk), TSOCK_EAGAIN); /* nothing published */
+  void *buf = NULL;
+  CHECK_RC(tsock_producer_reserve(p, 8, 0, &buf), TSOCK_OK);
+  CHECK_RC(tsock_producer_publish(p, NULL, 0, "where", 5), TSOCK_OK);
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_OK);
+  CHECK_RC(tsock_producer_peek(name, 0, &pk), TSOCK_OK);
+  CHECK(pk.published == 2 && pk.seq == 1 && (pk.flags & TSOCK_BATCH_EPOCH_END) && pk.producer_alive == 1);
+  CHECK_RC(tsock_producer_peek(name, 1, &pk), TSOCK_OK);
+  CHECK(pk.seq == 0 && pk.epoch == 0 && pk.index == 0 && pk.flags == 0);
+  CHECK(pk.meta_len == 5 && memcmp(pk.meta, "where", 5) == 0);
+  CHECK_RC(tsock_producer_peek(name, 2, &pk), TSOCK_EAGAIN);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
 int main(void) {
   test_options_init();
   test_status_strings();
@@ -656,5 +683,6 @@ int main(void) {
   test_late_join();
   test_wait_readers();
   test_mapping_outlives_detach();
+  test_peek();
   return test_report("test_api");
 }
