@@ -12,12 +12,14 @@ import sys
 import threading
 import time
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
 from . import _capi, _dtypes, _structure
 from ._reader import SLICE_NS
 from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
+from .pipeline import Pipeline, Position
 
 ALIGN = 64  # every tensor starts on a cache line (and suits any dtype, DLPack and XLA)
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -51,6 +53,8 @@ def epoch_sizes(loader) -> tuple[int | None, int | None]:
     """(batches, samples) per epoch of a loader, None where it cannot tell.
     Knows torch DataLoaders (batches from len(), samples from the sampler and
     drop_last) and in-memory sequences of batches."""
+    if isinstance(loader, Pipeline):
+        return len(loader), loader.samples_per_epoch
     try:
         batches = len(loader)
     except TypeError:
@@ -76,6 +80,15 @@ def epoch_sizes(loader) -> tuple[int | None, int | None]:
 def _rows(batch) -> int:
     _, leaves = _structure.flatten(batch)
     return int(leaves[0].shape[0])
+
+
+class _Prepared(NamedTuple):
+    """A batch ready to write: its structure, leaves, offsets and size."""
+
+    spec: str
+    sources: list
+    offsets: list
+    total: int
 
 
 class _Source:
@@ -151,6 +164,19 @@ def _cuda_ordinal(device) -> int:
     from ._cuda import cuda_index
 
     return cuda_index(device)
+
+
+def _check_same_pipeline(name: str, tag, pipeline: Pipeline) -> None:
+    if tag.fingerprint != pipeline.fingerprint:
+        raise ValueError(
+            f"channel '{name}' was publishing another pipeline (fingerprint {tag.fingerprint.hex()}, this one "
+            f"{pipeline.fingerprint.hex()}): its position does not apply to {pipeline!r}"
+        )
+    if tag.world_size != pipeline.world_size or tag.ranks != len(pipeline.ranks):
+        raise ValueError(
+            f"channel '{name}' was publishing {tag.ranks} rank(s) of world size {tag.world_size}, this pipeline "
+            f"makes {len(pipeline.ranks)} of {pipeline.world_size}: its batch numbers do not apply"
+        )
 
 
 class Producer:
@@ -241,8 +267,13 @@ class Producer:
         self.max_readers = max_readers
         self.wait_readers = wait_readers
         self.timeout = timeout
-        # Loaded now, so that a loader's worker processes are forked from a
-        # process that already carries the Go runtime (they never call it).
+        if isinstance(loader, Pipeline):
+            # Its workers live across epochs: fork them before the Go
+            # runtime's threads exist in this process.
+            loader.start()
+        # Loaded now, so that a (DataLoader) loader's worker processes, forked
+        # at every epoch, come from a process that already carries the Go
+        # runtime (they never call it).
         self._lib = library()
         self._handle = ctypes.c_void_p()
         self._pid = os.getpid()
@@ -314,6 +345,20 @@ class Producer:
         """Publishes one batch (copied once into shared memory). Waits while
         the ring is full (the slowest consumer is `slots` batches behind)."""
         self._usable()
+        prepared = self._prepare(batch)
+        self._ensure_channel(prepared)
+        self._write(prepared, self._plain_meta(prepared.spec))
+
+    def _plain_meta(self, spec: str) -> bytes:
+        meta = self._meta.get(spec)
+        if meta is None:
+            if self._sizes is None:
+                self._sizes = epoch_sizes(self.loader) if self.loader is not None else (None, None)
+            meta = self._meta[spec] = _structure.encode(spec, *self._sizes)
+        return meta
+
+    def _prepare(self, batch) -> _Prepared:
+        """A batch's structure, its leaves ready to copy and their offsets."""
         spec, leaves = _structure.flatten(batch)
         if len(leaves) > _capi.MAX_TENSORS:
             raise BatchTooLarge(
@@ -333,11 +378,12 @@ class Producer:
             total = -(-total // ALIGN) * ALIGN
             offsets.append(total)
             total += src.nbytes
-        meta = self._meta.get(spec)
-        if meta is None:
-            if self._sizes is None:
-                self._sizes = epoch_sizes(self.loader) if self.loader is not None else (None, None)
-            meta = self._meta[spec] = _structure.encode(spec, *self._sizes)
+        return _Prepared(spec, sources, offsets, total)
+
+    def _ensure_channel(self, prepared: _Prepared) -> None:
+        """Creates the channel at the first batch, sized from it; checks that
+        the batch fits."""
+        total = prepared.total
         if self._handle.value is None:
             self._create(total)
         if total > self.slot_bytes:
@@ -347,7 +393,11 @@ class Producer:
                 "or a larger headroom to Producer",
                 _capi.ETOOBIG,
             )
+
+    def _write(self, prepared: _Prepared, meta: bytes) -> None:
+        """Reserves a slot, copies the batch into it and publishes it with `meta`."""
         lib, handle = self._lib, self._handle
+        sources, offsets, total = prepared.sources, prepared.offsets, prepared.total
         payload = ctypes.c_void_p()
         # Reserve inside the try: a KeyboardInterrupt right after a
         # successful reserve must not leave the slot reserved (abort without
@@ -427,17 +477,126 @@ class Producer:
         lib, handle = self._lib, self._handle
         self._wait(lambda ns: lib.tsock_producer_end_epoch(handle, ns), f"end epoch on '{self.name}'")
 
-    def run(self, epochs: int | None = 1) -> None:
+    def run(self, epochs: int | None = 1, start=None) -> None:
         """For each epoch, publishes every batch of iter(loader), then an
-        epoch-end marker. epochs=None runs until interrupted."""
+        epoch-end marker. epochs=None runs until interrupted.
+
+        With a tsock Pipeline as the loader, epochs are the pipeline's own
+        numbers: run(epochs=E) publishes epochs 0..E-1, and with
+        start=(epoch, batch) it starts at that batch of that epoch (batch =
+        len(pipeline): with that epoch's end marker) and still stops before
+        epoch E, so a restarted run with the same `epochs` ends where an
+        uninterrupted one would. start="recorded" starts where the previous
+        producer of this channel stopped (Producer.recorded_position), or at
+        the beginning if there is nothing to resume. Every batch carries its
+        epoch, index and the pipeline's fingerprint in its metadata."""
         if self.loader is None:
             raise ValueError("Producer.run needs a loader; with loader=None use publish() and end_epoch()")
+        if isinstance(self.loader, Pipeline):
+            self._run_pipeline(epochs, start)
+            return
+        if start is not None:
+            raise ValueError("start= needs a tsock.Pipeline as the loader: other loaders cannot seek")
         e = 0
         while epochs is None or e < epochs:
             for batch in self.loader:
                 self.publish(batch)
             self.end_epoch()
             e += 1
+
+    def _run_pipeline(self, epochs, start) -> None:
+        pipe = self.loader
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0):
+            raise ValueError(f"epochs must be None or an int >= 0, got {epochs!r}")
+        n = len(pipe)
+        if n == 0:
+            raise ValueError(f"{pipe!r} has no batch per epoch: nothing to publish")
+        if start is None:
+            start = Position(0, 0)
+        elif isinstance(start, str) and start == "recorded":
+            self._usable()
+            start = self.recorded_position(self.name, pipe) or Position(0, 0)
+        else:
+            try:
+                start = Position(*start)
+            except TypeError:
+                raise TypeError(f"start must be (epoch, batch) or 'recorded', got {start!r}") from None
+            pipe._check_position(start.epoch, start.batch)
+        marker_first = start.batch == n  # the epoch's batches were all published, its marker not
+        if marker_first:
+            if epochs is not None and start.epoch >= epochs:
+                return
+            start = Position(start.epoch + 1, 0)
+        stream = pipe.stream(start, epochs)
+        for info, batch in stream:
+            prepared = self._prepare(batch)
+            self._usable()
+            self._ensure_channel(prepared)
+            if marker_first:
+                self.end_epoch()
+                marker_first = False
+            tag = _structure.Tag(
+                pipe.fingerprint,
+                info.epoch,
+                info.index,
+                info.start,
+                len(info),
+                info.rank,
+                pipe.world_size,
+                len(pipe.ranks),
+            )
+            self._write(prepared, _structure.encode_tagged(prepared.spec, n, pipe.samples_per_epoch, tag))
+            if info.index == n - 1:
+                self.end_epoch()
+        if marker_first:  # nothing after it: the marker alone
+            self.end_epoch()
+
+    @staticmethod
+    def recorded_position(name: str, pipeline: Pipeline | None = None) -> Position | None:
+        """Where the producer of channel `name` stopped publishing a Pipeline
+        (alive or dead): the epoch and the index of the next batch it would
+        have published (index len(pipeline): that epoch's end marker). None
+        when there is no such channel or nothing was published on it.
+
+        The position is read from the metadata of the newest batches still
+        in the channel's ring (tsock_producer_peek): it was published with
+        each batch, atomically, so it is exactly what the readers could
+        get. With `pipeline`, a channel of another pipeline (its fingerprint,
+        world size or number of ranks differ) raises ValueError."""
+        check_name(name)
+        lib = library()
+        out = _capi.Peek()
+        out.size = ctypes.sizeof(out)
+        markers = 0
+        back = 0
+        while True:
+            rc = lib.tsock_producer_peek(name.encode(), back, ctypes.byref(out))
+            if rc == _capi.ENOENT:
+                return None
+            if rc == _capi.EAGAIN and back == 0:
+                return None
+            if rc == _capi.EAGAIN:
+                raise TsockError(
+                    f"channel '{name}': only epoch-end markers among its newest {back} batches, no pipeline batch to "
+                    "read a position from",
+                    _capi.EAGAIN,
+                )
+            check(lib, rc, f"read the newest batches of '{name}'")
+            if out.flags & _capi.BATCH_EPOCH_END:
+                markers += 1
+                back += 1
+                continue
+            tag = _structure.decode_tag(bytes(out.meta[: out.meta_len]))
+            if tag is None:
+                raise TsockError(
+                    f"channel '{name}' was not published from a tsock Pipeline: its batches carry no position",
+                    _capi.ECORRUPT,
+                )
+            if pipeline is not None:
+                _check_same_pipeline(name, tag, pipeline)
+            if markers:
+                return Position(tag.epoch + markers, 0)
+            return Position(tag.epoch, tag.index + 1)
 
     # ---- state ----
 
