@@ -366,7 +366,10 @@ static int claim_record(struct reader_impl *r, const char *name, int start_mode)
     r->rec = rec;
     r->claim = active;
     r->next = r->released = p2;
-    r->skipping = start_mode == TSOCK_START_NEXT_EPOCH;
+    /* Nothing published yet: the stream starts here, so nothing is skipped,
+     * not even a leading epoch-end marker (a successor producer's first
+     * publication can end an epoch its predecessor published whole). */
+    r->skipping = start_mode == TSOCK_START_NEXT_EPOCH && p2 > 0;
     if (r->skipping) join_in_window(r, p2);
     return TSOCK_OK;
   }

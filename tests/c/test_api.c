@@ -581,6 +581,33 @@ static void test_late_join(void) {
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
 
+/* A reader attached before anything was published gets the first
+ * publication whatever it is: a successor producer's stream can begin with
+ * the end marker of an epoch whose batches its predecessor published. */
+static void test_leading_marker(void) {
+  const char *name = test_name("tapi", "lead");
+  tsock_producer_t *p = make_producer(name, 16, 4096);
+  if (p == NULL) return;
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NEXT_EPOCH);
+  if (r == NULL) return;
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_OK);
+  publish_value(p, 7);
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    CHECK(b->seq == 0 && (b->flags & TSOCK_BATCH_EPOCH_END));
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+  b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    CHECK(b->seq == 1 && b->epoch == 1 && b->index == 0 && batch_value(b) == 7);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
 static void test_wait_readers(void) {
   const char *name = test_name("tapi", "wait");
   tsock_producer_t *p = make_producer(name, 4, 4096);
@@ -681,6 +708,7 @@ int main(void) {
   test_backpressure();
   test_max_held_clamped();
   test_late_join();
+  test_leading_marker();
   test_wait_readers();
   test_mapping_outlives_detach();
   test_peek();
