@@ -29,6 +29,10 @@ MASK128 = (1 << 128) - 1
 # future decoded-sample cache skips them).
 LOAD, AUGMENT = 0, 1
 
+#: Modules whose global generator is seeded per sample when they are imported
+#: (random and numpy always are).
+SEEDED_MODULES = ("torch",)
+
 
 class StageError(Exception):
     """A stage raised: which stage, for which sample (the original exception

@@ -35,7 +35,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
 
-from ._stages import StageError
+from ._stages import SEEDED_MODULES, StageError
 from .errors import PipelineError, WorkerDied
 
 ALIGN = 64
@@ -142,9 +142,13 @@ class _Staging:
         return self.gens[slot], cur[1], layout, fd
 
 
-def worker_main(conn, stages, worker: int, parent: int, slots: int) -> None:
+def worker_main(conn, stages, worker: int, parent: int, slots: int, preload: tuple) -> None:
     """A worker's loop: compute the batch of each task, stage it, report."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    for module in preload:
+        # Spawned, it starts without the parent's modules: import those whose
+        # global generator is seeded per sample, as a forked worker has them.
+        __import__(module)
     staging = _Staging(worker, slots)
     while True:
         try:
@@ -222,12 +226,13 @@ class WorkerPool:
             return
         ctx = mp.get_context(self.start_method)
         parent = os.getpid()
+        preload = tuple(m for m in SEEDED_MODULES if m in sys.modules)
         try:
             for w in range(self.workers):
                 mine, theirs = ctx.Pipe(duplex=True)
                 p = ctx.Process(
                     target=worker_main,
-                    args=(theirs, self.stages, w, parent, self.slots),
+                    args=(theirs, self.stages, w, parent, self.slots, preload),
                     name=f"tsock-pipeline-{w}",
                     daemon=True,
                 )

@@ -3,10 +3,13 @@ channel."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
 import math
 import os
 import re
+import stat
 import struct
 import sys
 import threading
@@ -166,17 +169,99 @@ def _cuda_ordinal(device) -> int:
     return cuda_index(device)
 
 
-def _check_same_pipeline(name: str, tag, pipeline: Pipeline) -> None:
-    if tag.fingerprint != pipeline.fingerprint:
+def _check_same_pipeline(name: str, fingerprint: bytes, world_size: int, ranks: int, pipeline: Pipeline) -> None:
+    if fingerprint != pipeline.fingerprint:
         raise ValueError(
-            f"channel '{name}' was publishing another pipeline (fingerprint {tag.fingerprint.hex()}, this one "
+            f"channel '{name}' was publishing another pipeline (fingerprint {fingerprint.hex()}, this one "
             f"{pipeline.fingerprint.hex()}): its position does not apply to {pipeline!r}"
         )
-    if tag.world_size != pipeline.world_size or tag.ranks != len(pipeline.ranks):
+    if world_size != pipeline.world_size or ranks != len(pipeline.ranks):
         raise ValueError(
-            f"channel '{name}' was publishing {tag.ranks} rank(s) of world size {tag.world_size}, this pipeline "
+            f"channel '{name}' was publishing {ranks} rank(s) of world size {world_size}, this pipeline "
             f"makes {len(pipeline.ranks)} of {pipeline.world_size}: its batch numbers do not apply"
         )
+
+
+# ---- the resume note ----
+# A producer that resumes at a position other than the start writes it here
+# before it creates its channel, and removes it once its first pipeline
+# batch is published: until then its channel's ring holds no batch to read
+# the position from (it replaced its predecessor's segment at creation), and
+# a successor of it would otherwise start over.
+
+RESUME_DIR = "/dev/shm"
+_NOTE_MAX = 4096
+
+
+def resume_note_path(name: str) -> str:
+    """Hidden, beside the channel's segment, with no name a channel can have."""
+    return os.path.join(RESUME_DIR, f".tsock-resume.{name}")
+
+
+def _write_resume_note(name: str, pipe: Pipeline, pos: Position) -> None:
+    path = resume_note_path(name)
+    tmp = f"{path}.{os.getpid()}"
+    text = json.dumps(
+        {
+            "fingerprint": pipe.fingerprint.hex(),
+            "world_size": pipe.world_size,
+            "ranks": len(pipe.ranks),
+            "epoch": pos.epoch,
+            "batch": pos.batch,
+        }
+    ).encode()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, text)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # a reader sees the old note or the new one, never half of one
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise TsockError(f"cannot record the resume position of '{name}' in {path}: {e}", _capi.ESYS) from None
+
+
+def _remove_resume_note(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(resume_note_path(name))
+
+
+def _read_resume_note(name: str) -> dict | None:
+    """The note of channel `name`, if this user wrote one; TsockError for a
+    note that cannot be one."""
+    path = resume_note_path(name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise TsockError(f"cannot read the resume position of '{name}' in {path}: {e}", _capi.ESYS) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            return None  # not ours: never trusted
+        raw = os.read(fd, _NOTE_MAX + 1)
+    finally:
+        os.close(fd)
+    try:
+        note = json.loads(raw) if len(raw) <= _NOTE_MAX else None
+        fields = ("epoch", "batch", "world_size", "ranks")
+        if not isinstance(note, dict) or not all(isinstance(note.get(k), int) and note[k] >= 0 for k in fields):
+            raise ValueError("fields missing")
+        note["fingerprint"] = bytes.fromhex(note["fingerprint"])
+    except (ValueError, TypeError, KeyError):
+        raise TsockError(
+            f"the resume position of '{name}' in {path} is unreadable; remove it and pass start=(epoch, batch)",
+            _capi.ECORRUPT,
+        ) from None
+    return note
+
+
+def _advance(base: Position, markers: int) -> Position:
+    """The position after `markers` epoch-end markers published after base."""
+    return base if markers == 0 else Position(base.epoch + markers, 0)
 
 
 class Producer:
@@ -522,15 +607,23 @@ class Producer:
             except TypeError:
                 raise TypeError(f"start must be (epoch, batch) or 'recorded', got {start!r}") from None
             pipe._check_position(start.epoch, start.batch)
+        resumed = start if start != (0, 0) else None
         marker_first = start.batch == n  # the epoch's batches were all published, its marker not
         if marker_first:
             if epochs is not None and start.epoch >= epochs:
                 return
             start = Position(start.epoch + 1, 0)
+        noted = False
         stream = pipe.stream(start, epochs)
         for info, batch in stream:
             prepared = self._prepare(batch)
             self._usable()
+            if self._handle.value is None:
+                if resumed:
+                    _write_resume_note(self.name, pipe, resumed)
+                    noted = True
+                else:
+                    _remove_resume_note(self.name)  # a note of an earlier run no longer applies
             self._ensure_channel(prepared)
             if marker_first:
                 self.end_epoch()
@@ -546,9 +639,14 @@ class Producer:
                 len(pipe.ranks),
             )
             self._write(prepared, _structure.encode_tagged(prepared.spec, n, pipe.samples_per_epoch, tag))
+            if noted:
+                _remove_resume_note(self.name)  # the ring has the position now
+                noted = False
             if info.index == n - 1:
                 self.end_epoch()
         if marker_first:  # nothing after it: the marker alone
+            if self._handle.value is None:
+                _write_resume_note(self.name, pipe, resumed)
             self.end_epoch()
 
     @staticmethod
@@ -571,16 +669,8 @@ class Producer:
         back = 0
         while True:
             rc = lib.tsock_producer_peek(name.encode(), back, ctypes.byref(out))
-            if rc == _capi.ENOENT:
-                return None
-            if rc == _capi.EAGAIN and back == 0:
-                return None
-            if rc == _capi.EAGAIN:
-                raise TsockError(
-                    f"channel '{name}': only epoch-end markers among its newest {back} batches, no pipeline batch to "
-                    "read a position from",
-                    _capi.EAGAIN,
-                )
+            if rc in (_capi.ENOENT, _capi.EAGAIN):  # no channel, or no more batches in its ring
+                break
             check(lib, rc, f"read the newest batches of '{name}'")
             if out.flags & _capi.BATCH_EPOCH_END:
                 markers += 1
@@ -593,10 +683,22 @@ class Producer:
                     _capi.ECORRUPT,
                 )
             if pipeline is not None:
-                _check_same_pipeline(name, tag, pipeline)
+                _check_same_pipeline(name, tag.fingerprint, tag.world_size, tag.ranks, pipeline)
+            return _advance(Position(tag.epoch, tag.index + 1), markers)
+        # No pipeline batch in the ring: a successor that died before its
+        # first one left its starting position in its note.
+        note = _read_resume_note(name)
+        if note is None:
             if markers:
-                return Position(tag.epoch + markers, 0)
-            return Position(tag.epoch, tag.index + 1)
+                raise TsockError(
+                    f"channel '{name}': only epoch-end markers among its newest batches, no position to resume from; "
+                    "pass start=(epoch, batch)",
+                    _capi.EAGAIN,
+                )
+            return None
+        if pipeline is not None:
+            _check_same_pipeline(name, note["fingerprint"], note["world_size"], note["ranks"], pipeline)
+        return _advance(Position(note["epoch"], note["batch"]), markers)
 
     # ---- state ----
 
