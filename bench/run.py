@@ -5,7 +5,8 @@
 
 Sections (--only to pick some): transport (latency, throughput, bandwidth,
 producer scaling and shared memory: bench/latency, a Go driver with C reader
-processes), python (bench/python_consumer.py), e2e (bench/e2e.py). Every
+processes), python (bench/python_consumer.py), e2e (bench/e2e.py), pipeline
+(bench/pipeline.py: tsock.Pipeline against a DataLoader). Every
 figure is a ratio against a baseline measured in the same run. Needs `make
 build` and the environment of `make bench-env`.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-SECTIONS = ("transport", "python", "e2e", "gpu")
+SECTIONS = ("transport", "python", "e2e", "pipeline", "gpu")
 
 
 def _cmd(*args: str) -> str:
@@ -122,6 +123,12 @@ def e2e_section(quick: bool, tmp: Path) -> dict:
     return e2e.measure(e2e.parse(["--quick"] if quick else []), tmp)
 
 
+def pipeline_section(quick: bool) -> dict:
+    import pipeline
+
+    return pipeline.measure(pipeline.parse(["--quick"] if quick else []))
+
+
 def gpu_section(quick: bool) -> dict:
     """bench/gpu.py where there is a GPU; else why not, for the document."""
     import gpu
@@ -143,6 +150,7 @@ def measure(a, only: list[str]) -> dict:
             ("transport", lambda: transport(a.quick, Path(tmp))),
             ("python", lambda: python_section(a.quick)),
             ("e2e", lambda: e2e_section(a.quick, Path(tmp))),
+            ("pipeline", lambda: pipeline_section(a.quick)),
             ("gpu", lambda: gpu_section(a.quick)),
         ):
             if section in only:
@@ -210,6 +218,10 @@ def main(argv=None) -> int:
     res["fixes"] = FIXES
     if "e2e" in res:
         res["e2e"]["notes"] = e2e.NOTES
+    if "pipeline" in res:
+        import pipeline
+
+        res["pipeline"]["notes"] = pipeline.NOTES
     images = report.plots(res, out / "bench")
     command = "make bench" + (" BENCH_ARGS=--quick" if res["quick"] else "")
     (out / "BENCHMARKS.md").write_text(report.markdown(res, images, command))

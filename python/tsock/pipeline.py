@@ -163,7 +163,8 @@ class Pipeline:
       start_method: "fork", "spawn" or "forkserver" (default: fork where the
         platform has it). With spawn and forkserver the source and the
         stages are pickled: they must be importable (module level).
-      prefetch: batches each worker may compute ahead.
+      prefetch: batches each worker may compute ahead of the one being used
+        (DataLoader's prefetch_factor).
       timeout: seconds to wait for a batch from the workers (None: no limit;
         a worker that dies is reported at once either way).
       world_size: partition mode: the samples of each epoch are split among
@@ -420,8 +421,10 @@ class Pipeline:
 
         if not self._pool_box:
             self._pool_box.append(
+                # A staging buffer per batch each worker may compute ahead,
+                # and one for the batch being handed out.
                 WorkerPool(
-                    self._stages, self.workers, self.start_method, self.prefetch, self.timeout, BatchInfo.describe
+                    self._stages, self.workers, self.start_method, self.prefetch + 1, self.timeout, BatchInfo.describe
                 )
             )
         return self._pool_box[0]

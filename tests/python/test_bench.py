@@ -32,7 +32,14 @@ def test_quick_benchmark_writes_the_document(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = (tmp_path / "BENCHMARKS.md").read_text()
-    for heading in ("## Targets", "## Transport", "## Python consumer", "## End to end", "## Scaling"):
+    for heading in (
+        "## Targets",
+        "## Transport",
+        "## Python consumer",
+        "## End to end",
+        "## Pipeline against a DataLoader",
+        "## Scaling",
+    ):
         assert heading in doc
     assert "FAILED" not in doc, doc
     for png in ("latency.png", "throughput.png", "e2e.png", "scaling.png"):
@@ -47,6 +54,10 @@ def test_quick_benchmark_writes_the_document(tmp_path):
     assert {(r["system"], r["k"]) for r in res["e2e"]["runs"]} == {
         (s, k) for s in ("own", "tsock", "tensorsocket") for k in (1, 2)
     }
+    pl = res["pipeline"]
+    assert {r["system"] for r in pl["systems"]} == {"dataloader", "dataloader-fresh", "tsock"}
+    assert all(r["batches_per_s"] > 0 and r["cpu_ms_per_sample"] > 0 for r in pl["systems"])
+    assert "tsock.Pipeline, batches/s" in doc
     # every figure comes with its baseline from the same run
     assert all(r["list_s"] > 0 for r in res["python"]["rows"])
     assert all(m["memcpy_gb_per_s"] > 0 for m in t["memcpy"])
