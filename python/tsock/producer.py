@@ -283,8 +283,14 @@ class Producer:
     pass wait_readers=<number of trainers> so that every trainer gets the
     first epoch whole.
 
+    A tsock.Pipeline as the loader adds exact positions: every batch is
+    tagged with its place in the pipeline's order, run() can start at any
+    (epoch, batch), and recorded_position() tells a successor where a dead
+    producer stopped (docs/PIPELINE.md).
+
     Args:
-      loader: the iterable run() publishes (None: publish() by hand).
+      loader: the iterable run() publishes, or a tsock.Pipeline (None:
+        publish() by hand).
       name: channel name, 1..64 of [A-Za-z0-9._-].
       slots: ring depth, a power of two (2..65536): how far the producer may
         run ahead of the slowest consumer.
