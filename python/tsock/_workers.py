@@ -213,6 +213,8 @@ class WorkerPool:
         self.free: list = []  # per worker: its free slots
         self.maps: dict = {}  # (worker, slot) -> (generation, mmap)
         self.inflight: dict = {}  # task id -> (worker, slot, stream, key)
+        self.ready: dict = {}  # task id -> _Result, received, not handed out yet
+        self.held = None  # the _Result handed out last, until the next is asked for
         self.next_tid = 0
         self.stream = 0
         self.pid = None
@@ -253,6 +255,7 @@ class WorkerPool:
         """Stops every worker (asks, waits up to 2 s, then kills) and joins it."""
         procs, conns = self.procs, self.conns
         self.procs, self.conns, self.free, self.inflight = [], [], [], {}
+        self.ready, self.held = {}, None
         self.maps.clear()
         if self.pid is not None and os.getpid() != self.pid:
             return  # a forked child: the workers are not its own
@@ -276,17 +279,22 @@ class WorkerPool:
     def run(self, tasks):
         """Yields (key, batch) for each (key, epoch, indices) of `tasks`, in
         order. A batch's arrays are views of a staging buffer, valid until
-        the next item is asked for."""
+        the next item is asked for. A new run() supersedes an unfinished one
+        (which then raises if resumed) and takes its buffers back."""
         self.start()
+        self._reclaim()
         self.stream += 1
         stream = self.stream
         tasks = iter(tasks)
         order: deque = deque()
-        ready: dict = {}
-        held = None
         more = True
         try:
             while True:
+                if self.stream != stream:
+                    raise PipelineError(
+                        "another iteration of this pipeline started while this one was not finished: "
+                        "a pipeline with workers runs one iteration at a time"
+                    )
                 while more and self._has_free():
                     try:
                         key, epoch, indices = next(tasks)
@@ -295,23 +303,32 @@ class WorkerPool:
                         break
                     order.append(self._submit(key, epoch, indices, stream))
                 if not order:
-                    return
-                res = ready.pop(order[0], None)
+                    if not more:
+                        return
+                    self._receive(stream)  # every buffer is out with a superseded iteration's task
+                    continue
+                res = self.ready.pop(order[0], None)
                 if res is None:
-                    self._receive(ready, stream)
+                    self._receive(stream)
                     continue
                 order.popleft()
-                held = res
+                self.held = res
                 yield res.key, res.batch
-                held = None
+                self.held = None
                 self._release(res)
         finally:
-            if held is not None:
-                self._release(held)
-            for res in ready.values():
-                self._release(res)
             if self.stream == stream:
+                self._reclaim()
                 self.stream += 1  # results still on their way are dropped when they arrive
+
+    def _reclaim(self) -> None:
+        """Takes back the buffers of results no iteration will hand out."""
+        for res in self.ready.values():
+            self._release(res)
+        self.ready.clear()
+        if self.held is not None:
+            self._release(self.held)
+            self.held = None
 
     def _has_free(self) -> bool:
         return any(self.free)
@@ -332,7 +349,7 @@ class WorkerPool:
         if self.procs:
             self.free[res.worker].append(res.slot)
 
-    def _receive(self, ready: dict, stream: int) -> None:
+    def _receive(self, stream: int) -> None:
         """Waits for messages from the workers (or a death) and files them."""
         waitables = {}
         for w, (p, c) in enumerate(zip(self.procs, self.conns)):
@@ -357,14 +374,14 @@ class WorkerPool:
                 continue
             try:
                 while obj.poll():
-                    self._handle(w, obj, obj.recv(), ready, stream)
+                    self._handle(w, obj, obj.recv(), stream)
             except (EOFError, OSError):
                 self._died(w)
         for obj in got:
             if isinstance(obj, int) and not self.procs[waitables[obj]].is_alive():
                 self._died(waitables[obj])
 
-    def _handle(self, w: int, conn, msg, ready: dict, stream: int) -> None:
+    def _handle(self, w: int, conn, msg, stream: int) -> None:
         kind, tid = msg[0], msg[1]
         worker, slot, task_stream, key = self.inflight.pop(tid)
         if kind == "ok":
@@ -380,7 +397,7 @@ class WorkerPool:
                 return
             mm = self.maps[(w, slot)][1]
             leaves = [np.ndarray(shape, dtype, buffer=mm, offset=off) for off, dtype, shape in layout]
-            ready[tid] = _Result(w, slot, key, join(skeleton, leaves))
+            self.ready[tid] = _Result(w, slot, key, join(skeleton, leaves))
             return
         self.free[w].append(slot)
         if task_stream != stream:

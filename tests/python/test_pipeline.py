@@ -340,6 +340,16 @@ def test_timeout_stops_a_stuck_worker():
         assert h.wait_gone(pids) == []
 
 
+def test_one_iteration_at_a_time():
+    with h.make_pipeline(workers=2) as p:
+        first = p.batches(0)
+        next(first)
+        assert len(list(p.batches(1))) == len(p)  # the second one works...
+        with pytest.raises(tsock.PipelineError, match="one iteration at a time"):
+            next(first)  # ...and the first says why it cannot go on, instead of waiting for ever
+        assert len(list(p.batches(0))) == len(p)
+
+
 def test_close_stops_the_workers():
     p = h.make_pipeline(workers=2)
     list(p.batches(0))
