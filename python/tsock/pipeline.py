@@ -265,6 +265,8 @@ class Pipeline:
         self._stages = Stages(source, read, decode, augment, collate, self.seed)
         self.fingerprint = self._fingerprint()
         self._orders: OrderedDict = OrderedDict()
+        #: the epoch the next `for batch in pipeline` iterates
+        self.epoch = 0
         self._pool_box: list = []  # the WorkerPool once started (a list, for the finalizer)
         self._finalizer = weakref.finalize(self, _close_pool, self._pool_box)
 
@@ -374,8 +376,15 @@ class Pipeline:
         return gen()
 
     def __iter__(self):
-        """Epoch 0's batches (use batches(epoch) for the others)."""
-        return self.batches(0)
+        """The batches of epoch `self.epoch`, which then moves on: like a
+        DataLoader, each for-loop is the next epoch (set_epoch() to choose)."""
+        epoch = self.epoch
+        self.epoch += 1
+        return self.batches(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next for-loop over the pipeline iterates."""
+        self.epoch = _int("epoch", epoch, 0)
 
     def _check_position(self, epoch, start) -> None:
         _int("epoch", epoch, 0)

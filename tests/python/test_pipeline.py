@@ -146,6 +146,14 @@ def test_batch_info_names_the_samples():
         p.info(0, 4)
 
 
+def test_for_loops_go_through_the_epochs():
+    p = h.make_pipeline()
+    want = [_hashes(p, e) for e in range(3)]
+    assert [[h.batch_hash(b) for b in p] for _ in range(2)] == want[:2]
+    p.set_epoch(2)
+    assert [h.batch_hash(b) for b in p] == want[2] and p.epoch == 3
+
+
 def test_shuffle_false_keeps_the_source_order():
     p = tsock.Pipeline(h.Numbers(10), batch_size=4, shuffle=False)
     assert [y.tolist() for _, y in p.batches(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
