@@ -198,7 +198,33 @@ def resume_note_path(name: str) -> str:
     return os.path.join(RESUME_DIR, f".tsock-resume.{name}")
 
 
+def _remove_dead_temporaries(name: str) -> None:
+    """Removes this user's temporary notes of `name` whose writer is gone
+    (killed between creating and renaming one)."""
+    prefix = os.path.basename(resume_note_path(name)) + "."
+    try:
+        entries = os.listdir(RESUME_DIR)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(prefix) :] if entry.startswith(prefix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its writer is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process
+        path = os.path.join(RESUME_DIR, entry)
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == os.geteuid():
+                os.unlink(path)
+
+
 def _write_resume_note(name: str, pipe: Pipeline, pos: Position) -> None:
+    _remove_dead_temporaries(name)
     path = resume_note_path(name)
     tmp = f"{path}.{os.getpid()}"
     text = json.dumps(
@@ -226,6 +252,7 @@ def _write_resume_note(name: str, pipe: Pipeline, pos: Position) -> None:
 def _remove_resume_note(name: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(resume_note_path(name))
+    _remove_dead_temporaries(name)
 
 
 def _read_resume_note(name: str) -> dict | None:

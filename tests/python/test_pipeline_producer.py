@@ -5,6 +5,7 @@ the remaining batches, byte for byte."""
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import threading
@@ -232,7 +233,7 @@ def test_producer_killed_and_restarted_publishes_exactly_the_rest(channel, spawn
     assert len(procs) >= 6
     assert events == ref
     assert h.wait_gone(workers) == [], "pipeline workers outlived their producer"
-    assert not os.path.exists(resume_note_path(channel))
+    assert glob.glob(resume_note_path(channel) + "*") == [], "a note or a temporary one was left in /dev/shm"
 
 
 def test_successor_killed_before_its_first_batch_resumes_from_its_note(channel, spawn):
@@ -275,10 +276,28 @@ def _replaced(channel, pipe, deadline) -> bool:
     return lib.tsock_producer_peek(channel.encode(), 0, _capi.ctypes.byref(out)) == _capi.EAGAIN
 
 
+def test_temporary_notes_of_dead_writers_are_removed(channel, spawn):
+    # A producer killed between writing its temporary note and renaming it
+    # leaves NOTE.PID; the next note written for the channel removes it (not
+    # the temporary note of a live process).
+    dead = spawn("pass")
+    dead.wait()
+    stale, live = f"{resume_note_path(channel)}.{dead.pid}", f"{resume_note_path(channel)}.{os.getppid()}"
+    for path in (stale, live):
+        with open(path, "w"):
+            pass
+    try:
+        pipe = h.make_pipeline()
+        with tsock.Producer(pipe, channel) as p:
+            p.run(epochs=1, start=(0, 3))
+        assert not os.path.exists(stale) and os.path.exists(live)
+        assert not os.path.exists(resume_note_path(channel))
+    finally:
+        os.unlink(live)
+
+
 @pytest.fixture(autouse=True)
 def _no_note_left(channel):
     yield
-    try:
-        os.unlink(resume_note_path(channel))
-    except FileNotFoundError:
-        pass
+    for path in glob.glob(resume_note_path(channel) + "*"):
+        os.unlink(path)
