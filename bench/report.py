@@ -430,6 +430,15 @@ def markdown(res: dict, images: list[str], command: str) -> str:
         "Figures on a shared VM move from run to run; compare ratios.",
         "",
     ]
+    earlier: dict = {}
+    for section, run in sorted(res.get("earlier", {}).items()):
+        earlier.setdefault((run["date"], run["machine"], run["load"]), []).append(section)
+    for (date, machine, load), sections in earlier.items():
+        L += [
+            f"Sections {', '.join(sections)}: kept from an earlier run (`--merge`), on {date}, {machine}, load "
+            f"{load}; every ratio still compares figures of one run.",
+            "",
+        ]
     hl = headline(res)
     if hl:
         L += ["## Headline", ""]

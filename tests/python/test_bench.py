@@ -92,3 +92,26 @@ def test_gpu_section_renders_runs():
     assert "| tsock-device | 2 | 1.250 | 3.500 | 1.56 | device |" in md, md
     assert "| tsock-copy | 2 | 2.000 | 3.500 | 3.12 | pinned |" in md, md
     assert "tensorsocket/4 failed: x" in md
+
+
+def test_merge_keeps_the_sections_not_measured():
+    # bench/run.py --only pipeline --merge: the other sections come from the
+    # earlier results, and the document says from which run.
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report
+    import run
+
+    old = {
+        "quick": False,
+        "machine": {"date": "2026-01-02 03:04", "summary": "old box", "load_start": "1", "load_end": "2"},
+        "python": {"rows": []},
+        "pipeline": {"old": True},
+    }
+    res = {"quick": False, "pipeline": {"new": True}}
+    run.merge(res, old, ["pipeline"])
+    assert res["pipeline"] == {"new": True} and res["python"] == {"rows": []}
+    assert res["earlier"] == {"python": {"date": "2026-01-02 03:04", "machine": "old box", "load": "1 to 2"}}
+    res["machine"] = {"date": "now", "summary": "new box", "versions": {}, "load_start": "0", "load_end": "0"}
+    res["seconds"] = 1.0
+    md = report.markdown(res | {"python": None, "pipeline": None}, [], "make bench")  # the header only
+    assert "Sections python: kept from an earlier run (`--merge`), on 2026-01-02 03:04, old box" in md
