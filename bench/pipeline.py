@@ -147,7 +147,7 @@ def costs(a: Namespace) -> dict:
     from tsock import _stages
 
     ds = _dataset(a)
-    n = 200 if a.quick else 600
+    n = 100 if a.quick else 600
     t = time.process_time()
     for i in range(n):
         ds[i % len(ds)]
@@ -234,8 +234,8 @@ def parse(argv=None) -> Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--epochs", type=int, default=None, help="default 4; --quick 3")
-    ap.add_argument("--train", type=int, default=None, help="images (default 3000; --quick 640)")
+    ap.add_argument("--epochs", type=int, default=None, help="default 4; --quick 2")
+    ap.add_argument("--train", type=int, default=None, help="images (default 3000; --quick 320)")
     ap.add_argument("--repeats", type=int, default=None, help="runs of each system (default 3; --quick 1)")
     ap.add_argument("--data-dir", default=str(ROOT / "build" / "sweep-data"))
     ap.add_argument("--seed", type=int, default=0)
@@ -243,8 +243,8 @@ def parse(argv=None) -> Namespace:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--role", choices=SYSTEMS, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    a.epochs = a.epochs or (3 if a.quick else 4)
-    a.train = a.train or (640 if a.quick else 3000)
+    a.epochs = a.epochs or (2 if a.quick else 4)
+    a.train = a.train or (320 if a.quick else 3000)
     a.repeats = a.repeats or (1 if a.quick else 3)
     return a
 
