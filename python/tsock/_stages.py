@@ -42,6 +42,13 @@ class StageError(Exception):
         super().__init__(stage, index, epoch)
         self.stage, self.index, self.epoch = stage, index, epoch
 
+    @staticmethod
+    def what(stage: str, index, epoch: int) -> str:
+        """'augment failed on sample 13 of epoch 0' (collate: on a batch)."""
+        if stage == "collate":
+            return f"collate failed on epoch {epoch}"
+        return f"{stage} failed on sample {index} of epoch {epoch}"
+
 
 def _seed_words(seed: int, epoch: int, index: int, point: int) -> tuple:
     digest = hashlib.blake2b(_SEED_KEY.pack(seed, epoch, index, point), digest_size=56, person=b"tsock-rng").digest()

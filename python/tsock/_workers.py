@@ -407,8 +407,7 @@ class WorkerPool:
         if where is None:
             what = f"{self.describe(key)} failed"
         else:
-            stage, index, epoch = where
-            what = f"{stage} failed on sample {index} of epoch {epoch} ({self.describe(key)})"
+            what = f"{StageError.what(*where)} ({self.describe(key)})"
         raise PipelineError(f"{what} in pipeline worker {w} (pid {pid}): {summary}\n\nworker traceback:\n{text}")
 
     def _died(self, w: int) -> None:

@@ -418,10 +418,8 @@ class Pipeline:
         try:
             return self._stages.batch(info.epoch, info.indices)
         except StageError as e:
-            where = f"sample {e.index} of epoch {e.epoch}" if e.stage != "collate" else f"epoch {e.epoch}"
-            raise PipelineError(f"{e.stage} failed on {where} ({info.describe()}): {_summary(e.__cause__)}") from (
-                e.__cause__
-            )
+            what = StageError.what(e.stage, e.index, e.epoch)
+            raise PipelineError(f"{what} ({info.describe()}): {_summary(e.__cause__)}") from e.__cause__
         finally:
             saved.restore()
 

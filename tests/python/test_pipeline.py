@@ -310,9 +310,12 @@ def test_stage_error_in_a_worker_has_its_traceback_and_the_pool_goes_on():
         assert [w.pid for w in p._pool_box[0].procs] == pids
 
 
-def test_collate_error_names_the_difference():
-    with pytest.raises(tsock.PipelineError, match=r"collate failed .*sample\[0\]: sample 0 has shape \(3, 4\)"):
-        list(tsock.Pipeline(h.Ragged(8), batch_size=8, shuffle=False).batches(0))
+@pytest.mark.parametrize("workers", [0, 1])
+def test_collate_error_names_the_difference(workers):
+    want = r"collate failed on epoch 0 \(batch 0 of epoch 0\).*sample\[0\]: sample 0 has shape \(3, 4\)"
+    with tsock.Pipeline(h.Ragged(8), batch_size=8, shuffle=False, workers=workers) as p:
+        with pytest.raises(tsock.PipelineError, match=want):
+            list(p.batches(0))
 
 
 def test_killed_worker_is_reported_and_nothing_is_left():
