@@ -239,7 +239,31 @@ def headline(res: dict) -> list[list[str]]:
                         _x(ts["peak_pss"], b["peak_pss"]),
                     ]
                 )
+    pl = res.get("pipeline")
+    ts, dl = (_pipe(pl, s) for s in ("tsock", "dataloader")) if pl else (None, None)
+    if ts and dl:
+        w = f"{pl['workers']} workers"
+        rows.append(
+            [
+                f"tsock.Pipeline, batches/s, {w} (higher is better)",
+                _f(ts["batches_per_s"]),
+                f"DataLoader, persistent workers: {_f(dl['batches_per_s'])}",
+                _x(ts["batches_per_s"], dl["batches_per_s"]),
+            ]
+        )
+        rows.append(
+            [
+                f"tsock.Pipeline, CPU ms per sample, {w} (lower is better)",
+                _f(ts["cpu_ms_per_sample"], 3),
+                f"DataLoader, persistent workers: {_f(dl['cpu_ms_per_sample'], 3)}",
+                _x(ts["cpu_ms_per_sample"], dl["cpu_ms_per_sample"]),
+            ]
+        )
     return rows
+
+
+def _pipe(p: dict, system: str) -> dict | None:
+    return next((r for r in p.get("systems", []) if r["system"] == system), None)
 
 
 def target_notes(res: dict) -> str:
@@ -406,6 +430,15 @@ def markdown(res: dict, images: list[str], command: str) -> str:
         "Figures on a shared VM move from run to run; compare ratios.",
         "",
     ]
+    earlier: dict = {}
+    for section, run in sorted(res.get("earlier", {}).items()):
+        earlier.setdefault((run["date"], run["machine"], run["load"]), []).append(section)
+    for (date, machine, load), sections in earlier.items():
+        L += [
+            f"Sections {', '.join(sections)}: kept from an earlier run (`--merge`), on {date}, {machine}, load "
+            f"{load}; every ratio still compares figures of one run.",
+            "",
+        ]
     hl = headline(res)
     if hl:
         L += ["## Headline", ""]
@@ -429,6 +462,8 @@ def markdown(res: dict, images: list[str], command: str) -> str:
     e = res.get("e2e")
     if e:
         L += e2e_md(e, "e2e.png" in images)
+    if res.get("pipeline"):
+        L += pipeline_md(res["pipeline"])
     if t and (t.get("scaling") or t.get("shm") or t.get("flat")):
         L += scaling_md(t, "scaling.png" in images)
     if res.get("gpu"):
@@ -747,6 +782,60 @@ def e2e_md(e: dict, png: bool) -> list[str]:
     if png:
         L += ["![e2e](bench/e2e.png)", ""]
     L += [e.get("notes", ""), ""]
+    return L
+
+
+def pipeline_md(p: dict) -> list[str]:
+    c = p["costs"]
+    L = ["## Pipeline against a DataLoader", ""]
+    L += [
+        f"`bench/pipeline.py`: `tsock.Pipeline` and a torch `DataLoader` over the same dataset and transforms (the "
+        f"sweep's: JPEG decode, random resized crop, flip, normalise), {p['train']} images, batches of {p['batch']}, "
+        f"shuffled, {p['workers']} worker processes each, {p['epochs']} epochs per run, each run in a fresh process; "
+        f"{p['repeats']} run(s) of each system, alternating. The batches are read (summed) and nothing else: this "
+        "is the loaders' own throughput. Figures: the median over the epochs after the first (the first includes "
+        "starting the workers, shown apart) and over the runs. CPU: the process and its workers (live ones from "
+        "/proc, exited ones from `RUSAGE_CHILDREN`).",
+        "",
+        f"Measured in-process, same run: the dataset costs {c['sample_ms']:.3f} ms of CPU per sample; making it "
+        f"deterministic costs the Pipeline {c['seed_us']:.1f} µs per sample (seeding Python's, numpy's and torch's "
+        f"global generators from (seed, epoch, index) before the sample is loaded), plus {c['rng_us']:.1f} µs and "
+        "another seeding for a pipeline with an `augment` stage (its numpy Generator), which this dataset has not "
+        "(its transforms are inside `__getitem__`).",
+        "",
+    ]
+    base = _pipe(p, "dataloader")
+    rows = []
+    for r in p["systems"]:
+        rows.append(
+            [
+                r["system"],
+                _f(r["batches_per_s"]),
+                _f(r["samples_per_s"]),
+                _f(r["cpu_ms_per_sample"], 3),
+                _x(r["batches_per_s"], base["batches_per_s"]) if base else "",
+                _x(r["cpu_ms_per_sample"], base["cpu_ms_per_sample"]) if base else "",
+                _f(r["first_epoch_s"]),
+            ]
+        )
+    L.append(
+        _table(
+            [
+                "system",
+                "batches/s",
+                "samples/s",
+                "CPU ms per sample",
+                "batches/s / dataloader",
+                "CPU per sample / dataloader",
+                "first epoch s",
+            ],
+            rows,
+        )
+    )
+    L += [""]
+    for key, why in p.get("failures", {}).items():
+        L += [f"- {key}: FAILED: {why}"]
+    L += [p.get("notes", ""), ""]
     return L
 
 

@@ -5,7 +5,8 @@
 
 Sections (--only to pick some): transport (latency, throughput, bandwidth,
 producer scaling and shared memory: bench/latency, a Go driver with C reader
-processes), python (bench/python_consumer.py), e2e (bench/e2e.py). Every
+processes), python (bench/python_consumer.py), e2e (bench/e2e.py), pipeline
+(bench/pipeline.py: tsock.Pipeline against a DataLoader). Every
 figure is a ratio against a baseline measured in the same run. Needs `make
 build` and the environment of `make bench-env`.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-SECTIONS = ("transport", "python", "e2e", "gpu")
+SECTIONS = ("transport", "python", "e2e", "pipeline", "gpu")
 
 
 def _cmd(*args: str) -> str:
@@ -145,6 +146,12 @@ def e2e_section(quick: bool, tmp: Path) -> dict:
     return e2e.measure(e2e.parse(["--quick"] if quick else []), tmp)
 
 
+def pipeline_section(quick: bool) -> dict:
+    import pipeline
+
+    return pipeline.measure(pipeline.parse(["--quick"] if quick else []))
+
+
 def gpu_section(quick: bool) -> dict:
     """bench/gpu.py where there is a GPU; else why not, for the document."""
     import gpu
@@ -166,6 +173,7 @@ def measure(a, only: list[str]) -> dict:
             ("transport", lambda: transport(a.quick, Path(tmp))),
             ("python", lambda: python_section(a.quick)),
             ("e2e", lambda: e2e_section(a.quick, Path(tmp))),
+            ("pipeline", lambda: pipeline_section(a.quick)),
             ("gpu", lambda: gpu_section(a.quick)),
         ):
             if section in only:
@@ -208,12 +216,43 @@ Looked at, measured, and left alone:
   descriptors parsed with `struct`; what is left is the ctypes call and the array or DLPack construction."""
 
 
+def _earlier(path: Path, a) -> dict:
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--merge: cannot read {path}: {e}") from None
+    if old.get("quick") != a.quick:
+        raise SystemExit(f"--merge: {path} is from a {'quick' if old.get('quick') else 'full'} run, this one is not")
+    return old
+
+
+def merge(res: dict, old: dict, only: list[str]) -> None:
+    """Puts the sections of an earlier run that this one did not measure into
+    res, and notes for each where it comes from."""
+    kept = old.get("earlier", {})
+    for section in SECTIONS:
+        if section in only or section not in old:
+            continue
+        res[section] = old[section]
+        res.setdefault("earlier", {})[section] = kept.get(section) or {
+            "date": old["machine"]["date"],
+            "machine": old["machine"]["summary"],
+            "load": f"{old['machine']['load_start']} to {old['machine'].get('load_end', '?')}",
+        }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer configurations and samples")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run (default all: {','.join(SECTIONS)})")
     ap.add_argument("--out", type=Path, help="document folder (default: docs; --quick: build/bench-quick)")
     ap.add_argument("--report", type=Path, help="measure nothing: rewrite the document from a results.json")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the sections not in --only from the folder's results.json (the document says which run each "
+        "comes from)",
+    )
     a = ap.parse_args(argv)
     only = [s for s in a.only.split(",") if s]
     bad = set(only) - set(SECTIONS)
@@ -224,7 +263,12 @@ def main(argv=None) -> int:
     if a.report:
         res = json.loads(a.report.read_text())
     else:
+        earlier = _earlier(out / "bench" / "results.json", a) if a.merge else None
         res = measure(a, only)
+        if earlier:
+            merge(res, earlier, only)
+        flags = (["--quick"] if a.quick else []) + (["--only", a.only, "--merge"] if a.merge else [])
+        res["command"] = "make bench" + (f' BENCH_ARGS="{" ".join(flags)}"' if flags else "")
         # The measurements first: a failing report can be rebuilt with --report.
         (out / "bench" / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     import e2e
@@ -233,8 +277,12 @@ def main(argv=None) -> int:
     res["fixes"] = FIXES
     if "e2e" in res:
         res["e2e"]["notes"] = e2e.NOTES
+    if "pipeline" in res:
+        import pipeline
+
+        res["pipeline"]["notes"] = pipeline.NOTES
     images = report.plots(res, out / "bench")
-    command = "make bench" + (" BENCH_ARGS=--quick" if res["quick"] else "")
+    command = res.get("command") or "make bench" + (" BENCH_ARGS=--quick" if res["quick"] else "")
     (out / "BENCHMARKS.md").write_text(report.markdown(res, images, command))
     print(f"wrote {out / 'BENCHMARKS.md'} and {len(images)} plots ({res['seconds']:.0f} s of measurements)", flush=True)
     for target, measured, met, _ in report.targets(res):

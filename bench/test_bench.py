@@ -42,7 +42,14 @@ def test_quick_benchmark_writes_the_document(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = (tmp_path / "BENCHMARKS.md").read_text()
-    for heading in ("## Targets", "## Transport", "## Python consumer", "## End to end", "## Scaling"):
+    for heading in (
+        "## Targets",
+        "## Transport",
+        "## Python consumer",
+        "## End to end",
+        "## Pipeline against a DataLoader",
+        "## Scaling",
+    ):
         assert heading in doc
     assert "FAILED" not in doc, doc
     for png in ("latency.png", "throughput.png", "e2e.png", "scaling.png"):
@@ -59,6 +66,10 @@ def test_quick_benchmark_writes_the_document(tmp_path):
     assert {(r["system"], r["k"]) for r in res["e2e"]["runs"]} == {
         (s, k) for s in ("own", "tsock", "tensorsocket") for k in (1, 2)
     }
+    pl = res["pipeline"]
+    assert {r["system"] for r in pl["systems"]} == {"dataloader", "dataloader-fresh", "tsock"}
+    assert all(r["batches_per_s"] > 0 and r["cpu_ms_per_sample"] > 0 for r in pl["systems"])
+    assert "tsock.Pipeline, batches/s" in doc
     # every figure comes with its baseline from the same run
     assert all(r["list_s"] > 0 for r in res["python"]["rows"])
     assert all(m["memcpy_gb_per_s"] > 0 for m in t["memcpy"])
@@ -93,3 +104,26 @@ def test_gpu_section_renders_runs():
     assert "| tsock-device | 2 | 1.250 | 3.500 | 1.56 | device |" in md, md
     assert "| tsock-copy | 2 | 2.000 | 3.500 | 3.12 | pinned |" in md, md
     assert "tensorsocket/4 failed: x" in md
+
+
+def test_merge_keeps_the_sections_not_measured():
+    # bench/run.py --only pipeline --merge: the other sections come from the
+    # earlier results, and the document says from which run.
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report
+    import run
+
+    old = {
+        "quick": False,
+        "machine": {"date": "2026-01-02 03:04", "summary": "old box", "load_start": "1", "load_end": "2"},
+        "python": {"rows": []},
+        "pipeline": {"old": True},
+    }
+    res = {"quick": False, "pipeline": {"new": True}}
+    run.merge(res, old, ["pipeline"])
+    assert res["pipeline"] == {"new": True} and res["python"] == {"rows": []}
+    assert res["earlier"] == {"python": {"date": "2026-01-02 03:04", "machine": "old box", "load": "1 to 2"}}
+    res["machine"] = {"date": "now", "summary": "new box", "versions": {}, "load_start": "0", "load_end": "0"}
+    res["seconds"] = 1.0
+    md = report.markdown(res | {"python": None, "pipeline": None}, [], "make bench")  # the header only
+    assert "Sections python: kept from an earlier run (`--merge`), on 2026-01-02 03:04, old box" in md

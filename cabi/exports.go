@@ -261,3 +261,21 @@ func tsockgo_producer_close(h C.uintptr_t) C.int {
 	}
 	return fail(e.p.Close())
 }
+
+//export tsockgo_producer_peek
+func tsockgo_producer_peek(name *C.char, back C.uint64_t, out *C.tsock_peek_t) C.int {
+	p, err := producer.Peek(C.GoString(name), uint64(back))
+	if err != nil {
+		return fail(err)
+	}
+	out.flags = C.uint32_t(p.Flags)
+	out.published = C.uint64_t(p.Published)
+	out.seq, out.epoch, out.index = C.uint64_t(p.Seq), C.uint64_t(p.Epoch), C.uint64_t(p.Index)
+	out.producer_alive = 0
+	if p.ProducerAlive {
+		out.producer_alive = 1
+	}
+	out.meta_len = C.uint32_t(len(p.Meta))
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(&out.meta[0])), len(out.meta)), p.Meta)
+	return 0
+}

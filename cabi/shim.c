@@ -174,3 +174,14 @@ int tsock_producer_close(tsock_producer_t *p) {
   ENTER(p);
   return tsockgo_producer_close((GoUintptr)p);
 }
+
+int tsock_producer_peek(const char *name, uint64_t back, tsock_peek_t *out) {
+  tsock__clear_error();
+  if (forked()) return TSOCK_EFORKED;
+  if (name == NULL) return tsock__fail(TSOCK_ENAME, "tsock_producer_peek: name is NULL");
+  if (out == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_producer_peek: out is NULL");
+  if (out->size != sizeof *out)
+    return tsock__fail(TSOCK_EINVAL, "tsock_producer_peek: size is %u, expected %zu", out->size,
+                       sizeof *out);
+  return tsockgo_producer_peek((char *)name, back, out);
+}

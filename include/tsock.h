@@ -218,6 +218,31 @@ int tsock_producer_stats(tsock_producer_t *p, tsock_producer_stats_t *stats);
  * a second close returns TSOCK_EHANDLE. */
 int tsock_producer_close(tsock_producer_t *p);
 
+/* One published batch of a channel, read without attaching
+ * (tsock_producer_peek). */
+typedef struct tsock_peek {
+  uint32_t size;           /* sizeof(tsock_peek_t) */
+  uint32_t flags;          /* TSOCK_BATCH_* of the batch */
+  uint64_t published;      /* batches published on the channel, epoch markers included */
+  uint64_t seq;            /* the batch's position in the stream */
+  uint64_t epoch;          /* its epoch, as the producer counted them */
+  uint64_t index;          /* its index in that epoch (a marker: batches in the epoch) */
+  uint32_t producer_alive; /* 1 while a live producer holds the channel */
+  uint32_t meta_len;       /* bytes of meta in use */
+  uint8_t meta[TSOCK_META_MAX]; /* copy of the batch's metadata */
+} tsock_peek_t;
+
+/* Reads published batch `back` of channel `name`, counted back from the
+ * newest (0), whether its producer is alive or dead, without attaching (no
+ * reader record, no lock): how a successor producer finds where a dead one
+ * stopped, from the metadata it published with its last batches. The copy
+ * is seqlock-checked like a reader's. TSOCK_ENOENT without such a channel;
+ * TSOCK_EAGAIN when the ring no longer holds that batch (back >= batches
+ * published or >= the slot count, or overwritten meanwhile by a live
+ * producer); TSOCK_ECORRUPT for a slot that cannot be one. Set out->size
+ * first; *out is written only on success. Thread-safe. */
+int tsock_producer_peek(const char *name, uint64_t back, tsock_peek_t *out);
+
 /* ---- Reader (libtsock.so and libtsock_reader.so) ------------------------ */
 
 typedef struct tsock_reader tsock_reader_t;

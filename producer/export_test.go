@@ -32,3 +32,7 @@ func SetStaleLockedHookForTest(hook func()) (restore func()) {
 	staleLockedHook = hook
 	return func() { staleLockedHook = nil }
 }
+
+// SlotForTest is the producer's own (writable) view of the slot holding
+// seq, for tests that play a broken or hostile writer.
+func SlotForTest(p *Producer, seq uint64) []byte { return p.seg.SlotBytes(seq) }

@@ -334,7 +334,10 @@ static int join_channel(struct reader_impl *r, const struct stat *st, const char
   r->claim = j.claim;
   r->entry = (const tsock_roster_entry *)(r->map + r->h.roster_offset) + j.index;
   r->next = r->released = j.start;
-  r->skipping = start_mode == TSOCK_START_NEXT_EPOCH && !j.in_window;
+  /* Nothing published yet: the stream starts here, so nothing is skipped,
+   * not even a leading epoch-end marker (a successor producer's first
+   * publication can end an epoch its predecessor published whole). */
+  r->skipping = start_mode == TSOCK_START_NEXT_EPOCH && !j.in_window && j.start > 0;
   if (tsock__lock_byte_shared(r->fd, TSOCK_LOCK_READER0 + j.index) == -2)
     return tsock__fail_errno(TSOCK_ESYS, errno, "channel '%s': lock reader entry %u", name, j.index);
   /* The producer gated on us from the join on; it counts us as attached

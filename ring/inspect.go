@@ -1,6 +1,7 @@
 package ring
 
 import (
+	"encoding/binary"
 	"sync/atomic"
 	"unsafe"
 )
@@ -148,4 +149,41 @@ func StateName(st uint32) string {
 		return "evicted"
 	}
 	return "invalid"
+}
+
+// SlotPeek is a copy of a published batch's slot head and metadata.
+type SlotPeek struct {
+	Seq, Epoch, Index uint64
+	Flags             uint32
+	Meta              []byte
+}
+
+// PeekSlot copies the head (epoch, index, flags) and the metadata of the
+// batch at seq, if its slot still holds it: the stamp must read seq+1 before
+// and after the copy (the seqlock reader's rule), or ok is false. Every
+// field is read with an atomic load, so the copy is ordered before the
+// second stamp load on every architecture. A metadata length over MetaMax
+// (a broken or hostile writer) gives StatusCorrupt.
+func (s *Segment) PeekSlot(seq uint64) (p SlotPeek, ok bool, err error) {
+	sl := s.SlotAt(seq)
+	stamp := u64(&sl.stamp)
+	if atomic.LoadUint64(stamp) != seq+1 {
+		return SlotPeek{}, false, nil
+	}
+	p = SlotPeek{Seq: seq, Epoch: atomic.LoadUint64(u64(&sl.epoch)), Index: atomic.LoadUint64(u64(&sl.index)),
+		Flags: atomic.LoadUint32(u32(&sl.flags))}
+	n := atomic.LoadUint32(u32(&sl.meta_len))
+	meta := make([]byte, MetaMax)
+	words := unsafe.Slice((*uint64)(unsafe.Pointer(&sl.meta[0])), MetaMax/8)
+	for i := range words {
+		binary.LittleEndian.PutUint64(meta[8*i:], atomic.LoadUint64(&words[i]))
+	}
+	if atomic.LoadUint64(stamp) != seq+1 {
+		return SlotPeek{}, false, nil
+	}
+	if int(n) > MetaMax {
+		return SlotPeek{}, false, Errorf(StatusCorrupt, "batch %d has %d bytes of metadata, at most %d", seq, n, MetaMax)
+	}
+	p.Meta = meta[:n]
+	return p, true, nil
 }

@@ -271,42 +271,56 @@ func pingPong(cfg config, shm *sharedPage) (stats, error) {
 		return stats{}, err
 	}
 	ping, pong := shm.u64(offPing), shm.u64(offPong)
-	n := cfg.samples * 4 // cheap: take more samples
-	samples := make([]uint64, 0, n)
-	// The time cap is on the samples, counted from the end of the warmup:
-	// each round trip needs the child, and on a loaded machine (two busy
-	// processes per CPU) the warmup alone took longer than the cap, which
-	// left no sample (a NaN median that the JSON encoder refused, failing
-	// the whole benchmark).
-	warmup := uint64(cfg.warmup)
-	deadline := ^uint64(0)
-	if warmup == 0 {
-		deadline = now() + uint64(cfg.maxTime)
-	}
-	for i := uint64(1); i <= uint64(n)+warmup; i++ {
+	var died error
+	samples := takeSamples(cfg.samples*4, cfg.warmup, now()+uint64(cfg.maxTime), func(i uint64) (uint64, uint64, bool) {
 		t0 := now()
 		atomic.StoreUint64(ping, i)
 		for spins := 0; atomic.LoadUint64(pong) != i; spins++ {
 			if spins&0xfffff == 0xfffff && c.exited() {
-				return stats{}, fmt.Errorf("ping-pong child died: %v", c.err)
+				died = fmt.Errorf("ping-pong child died: %v", c.err)
+				return 0, 0, false
 			}
 		}
-		t1 := now()
-		if i == warmup {
-			deadline = t1 + uint64(cfg.maxTime)
-		}
-		if i > warmup {
-			samples = append(samples, (t1-t0)/2)
-			if t1 > deadline {
-				break
-			}
-		}
+		return t0, now(), true
+	})
+	if died != nil {
+		return stats{}, died
 	}
 	atomic.StoreUint64(ping, ^uint64(0))
 	if _, err := c.finish(5 * time.Second); err != nil {
 		return stats{}, err
 	}
 	return summarize(samples), nil
+}
+
+// minSamples is the fewest round trips takeSamples keeps when the deadline
+// passes first: on a loaded machine the warm-up alone can outlast it, and a
+// baseline of no samples (NaN) would fail the whole report.
+const minSamples = 16
+
+// takeSamples runs round trip i = 1, 2, ... (roundTrip returns its start
+// and end times, or false to stop) and keeps half of each one's duration,
+// after `warmup` of them, until it has n or the deadline has passed. Past
+// the deadline it stops warming up and stops once it has minSamples.
+func takeSamples(n, warmup int, deadline uint64, roundTrip func(i uint64) (t0, t1 uint64, ok bool)) []uint64 {
+	samples := make([]uint64, 0, n)
+	warm := uint64(warmup)
+	for i := uint64(1); i <= warm+uint64(n); i++ {
+		t0, t1, ok := roundTrip(i)
+		if !ok {
+			break
+		}
+		if i > warm {
+			samples = append(samples, (t1-t0)/2)
+		}
+		if t1 > deadline {
+			if len(samples) >= min(minSamples, n) {
+				break
+			}
+			warm = min(warm, i) // out of time while warming up: measure what can be measured
+		}
+	}
+	return samples
 }
 
 // pingPongChild echoes ping into pong until ping is all ones.
@@ -416,7 +430,7 @@ func futexBaseline(cfg config, shm *sharedPage) (stats, error) {
 		atomic.StoreUint64(shm.u64(offStamps+8*int(i%stampSlots)), now())
 		atomic.StoreUint32(word, i)
 		futexWake(word, 1)
-		if now() > deadline && i > uint32(cfg.warmup) { // as pingPong: once one wake-up is timed
+		if now() > deadline {
 			break
 		}
 	}

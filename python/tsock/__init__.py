@@ -17,6 +17,7 @@ through TSOCK_LIBRARY_DIR, the package's _lib folder, or the repository's
 build folder (see tsock._capi).
 """
 
+from ._collate import default_collate
 from ._dlpack import DLPackTensor
 from .consumer import Consumer
 from .errors import (
@@ -28,16 +29,23 @@ from .errors import (
     Evicted,
     LayoutMismatch,
     NoDevicePath,
+    PipelineError,
     ProducerGone,
     ReadOnlyBatchError,
     TsockError,
     UnsupportedDtype,
+    WorkerDied,
 )
+from .pipeline import BatchInfo, Pipeline, Position
 from .producer import Producer
 
 __all__ = [
     "Producer",
     "Consumer",
+    "Pipeline",
+    "BatchInfo",
+    "Position",
+    "default_collate",
     "TsockError",
     "ProducerGone",
     "ChannelNotFound",
@@ -50,6 +58,8 @@ __all__ = [
     "ReadOnlyBatchError",
     "CUDAUnavailable",
     "NoDevicePath",
+    "PipelineError",
+    "WorkerDied",
     "ReadOnlyTensor",
     "DLPackTensor",
 ]

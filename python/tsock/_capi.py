@@ -129,6 +129,20 @@ class ProducerStats(ctypes.Structure):
     ]
 
 
+class Peek(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("published", ctypes.c_uint64),
+        ("seq", ctypes.c_uint64),
+        ("epoch", ctypes.c_uint64),
+        ("index", ctypes.c_uint64),
+        ("producer_alive", ctypes.c_uint32),
+        ("meta_len", ctypes.c_uint32),
+        ("meta", ctypes.c_uint8 * META_MAX),
+    ]
+
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -163,6 +177,7 @@ _PRODUCER = {
     "tsock_producer_wait_readers": (_I, [_P, ctypes.c_uint32, ctypes.c_int64]),
     "tsock_producer_stats": (_I, [_P, ctypes.POINTER(ProducerStats)]),
     "tsock_producer_close": (_I, [_P]),
+    "tsock_producer_peek": (_I, [ctypes.c_char_p, ctypes.c_uint64, ctypes.POINTER(Peek)]),
 }
 
 

@@ -12,20 +12,57 @@ The metadata is at most 256 bytes (TSOCK_META_MAX), little-endian:
 
 Example: a (images, labels) batch is "(..)", a dict {"x": ..., "y": ...} is
 '{"x"."y".}'.
+
+A batch of a tsock Pipeline carries its place in the pipeline's order
+between the counts and the structure (magic b"TSB2", 52 bytes more, so its
+structure has at most 184 bytes):
+
+    16 bytes  the pipeline's fingerprint
+    u64       epoch
+    u64       index of the batch in the epoch's batches
+    u64       position of its first sample in the epoch's order (partition
+              mode: in its rank's order)
+    u32       samples in the batch
+    u16       rank (0 when not partitioned)
+    u16       world size (0: not partitioned)
+    u16       ranks whose batches the producer publishes (1 when not
+              partitioned); each step of an epoch has one batch of each
+    u16       reserved, 0
+
+Readers take the structure from both; the tag is what a consumer needs to
+check and resume its position (decode_tag), and what a successor producer
+reads back from the newest batches of a dead producer's channel.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from typing import NamedTuple
 
 from . import _capi
 from .errors import BatchTooLarge, CorruptSegment
 
 MAGIC = b"TSB1"
+MAGIC_TAGGED = b"TSB2"
 _HEAD = struct.Struct("<4sQQ")
+_TAG = struct.Struct("<16sQQQIHHHH")
 UNKNOWN = (1 << 64) - 1
 SPEC_MAX = _capi.META_MAX - _HEAD.size
+TAGGED_SPEC_MAX = SPEC_MAX - _TAG.size
+
+
+class Tag(NamedTuple):
+    """A pipeline batch's place: see the module's docstring."""
+
+    fingerprint: bytes
+    epoch: int
+    index: int
+    start: int
+    samples: int
+    rank: int
+    world_size: int
+    ranks: int
 
 
 def flatten(batch) -> tuple[str, list]:
@@ -85,14 +122,44 @@ def _leaf_path(obj, index: int, path: str, counter: list) -> str | None:
 
 def encode(spec: str, batches: int | None, samples: int | None) -> bytes:
     """The metadata of a batch; BatchTooLarge if the structure does not fit."""
+    raw = _spec_bytes(spec, SPEC_MAX)
+    return _HEAD.pack(MAGIC, UNKNOWN if batches is None else batches, UNKNOWN if samples is None else samples) + raw
+
+
+def encode_tagged(spec: str, batches: int, samples: int, tag: Tag) -> bytes:
+    """The metadata of a pipeline's batch: its counts, its tag, its structure."""
+    raw = _spec_bytes(spec, TAGGED_SPEC_MAX)
+    return _HEAD.pack(MAGIC_TAGGED, batches, samples) + _TAG.pack(*tag, 0) + raw
+
+
+def _spec_bytes(spec: str, limit: int) -> bytes:
     raw = spec.encode()
-    if len(raw) > SPEC_MAX:
+    if len(raw) > limit:
         raise BatchTooLarge(
-            f"the batch's structure needs {len(raw)} bytes of per-batch metadata, at most {SPEC_MAX} fit: "
+            f"the batch's structure needs {len(raw)} bytes of per-batch metadata, at most {limit} fit: "
             f"use fewer or shorter dict keys, or flatter nesting (structure: {spec[:80]}...)",
             _capi.ETOOBIG,
         )
-    return _HEAD.pack(MAGIC, UNKNOWN if batches is None else batches, UNKNOWN if samples is None else samples) + raw
+    return raw
+
+
+def decode_tag(meta: bytes) -> Tag | None:
+    """The pipeline tag of a batch's metadata; None for a batch not from a
+    Pipeline. CorruptSegment for a tag that cannot be one (written by a
+    broken or foreign producer)."""
+    if meta[:4] != MAGIC_TAGGED:
+        return None
+    if len(meta) < _HEAD.size + _TAG.size:
+        raise CorruptSegment(f"pipeline batch metadata of {len(meta)} bytes, its tag needs more", _capi.ECORRUPT)
+    *fields, reserved = _TAG.unpack_from(meta, _HEAD.size)
+    tag = Tag(*fields)
+    if tag.world_size:
+        consistent = tag.rank < tag.world_size and 1 <= tag.ranks <= tag.world_size
+    else:
+        consistent = tag.rank == 0 and tag.ranks == 1
+    if reserved or not consistent:
+        raise CorruptSegment(f"pipeline batch tag is inconsistent: {tag}", _capi.ECORRUPT)
+    return tag
 
 
 class Layout:
@@ -132,14 +199,20 @@ def flat(n_leaves: int) -> Layout:
 def decode(meta: bytes, n_tensors: int) -> Layout:
     """Parses metadata written by encode(); cached, as it rarely changes.
     Metadata from another writer gives the flat layout of n_tensors leaves."""
-    layout = _cache.get(meta)
+    spec_at = _HEAD.size
+    key = meta
+    if meta[:4] == MAGIC_TAGGED:
+        # The tag differs in every batch: cache on the rest.
+        spec_at += _TAG.size
+        key = meta[: _HEAD.size] + meta[spec_at:]
+    layout = _cache.get(key)
     if layout is not None and layout.n_leaves == n_tensors:
         return layout
-    if len(meta) < _HEAD.size or meta[:4] != MAGIC:
+    if len(meta) < spec_at or meta[:4] not in (MAGIC, MAGIC_TAGGED):
         return flat(n_tensors)
     _, batches, samples = _HEAD.unpack_from(meta)
     try:
-        spec = meta[_HEAD.size :].decode()
+        spec = meta[spec_at:].decode()
         counter = [0]
         template, end = _parse(spec, 0, counter)
         if end != len(spec) or counter[0] != n_tensors:
@@ -150,7 +223,7 @@ def decode(meta: bytes, n_tensors: int) -> Layout:
         template, counter[0], None if batches == UNKNOWN else batches, None if samples == UNKNOWN else samples, spec
     )
     if len(_cache) < 1024:
-        _cache[meta] = layout
+        _cache[key] = layout
     return layout
 
 

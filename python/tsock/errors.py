@@ -72,6 +72,18 @@ class ReadOnlyBatchError(TsockError, RuntimeError):
         super().__init__(message, _capi.EPERM)
 
 
+class PipelineError(TsockError, RuntimeError):
+    """A Pipeline could not make a batch: a stage raised (the message names
+    the stage, the sample, the epoch and the batch, and carries the
+    traceback from the worker), or its workers gave no batch within the
+    pipeline's timeout. No C status (`.status` is None)."""
+
+
+class WorkerDied(PipelineError):
+    """A Pipeline's worker process died (killed, crashed, exited); the
+    other workers were stopped, the next iteration starts new ones."""
+
+
 _BY_STATUS = {
     _capi.EPRODUCER_GONE: ProducerGone,
     _capi.ENOENT: ChannelNotFound,

@@ -3,21 +3,26 @@ channel."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
 import math
 import os
 import re
+import stat
 import struct
 import sys
 import threading
 import time
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
 from . import _capi, _dtypes, _structure
 from ._reader import SLICE_NS
 from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
+from .pipeline import Pipeline, Position
 
 ALIGN = 64  # every tensor starts on a cache line (and suits any dtype, DLPack and XLA)
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -51,6 +56,8 @@ def epoch_sizes(loader) -> tuple[int | None, int | None]:
     """(batches, samples) per epoch of a loader, None where it cannot tell.
     Knows torch DataLoaders (batches from len(), samples from the sampler and
     drop_last) and in-memory sequences of batches."""
+    if isinstance(loader, Pipeline):
+        return len(loader), loader.samples_per_epoch
     try:
         batches = len(loader)
     except TypeError:
@@ -76,6 +83,15 @@ def epoch_sizes(loader) -> tuple[int | None, int | None]:
 def _rows(batch) -> int:
     _, leaves = _structure.flatten(batch)
     return int(leaves[0].shape[0])
+
+
+class _Prepared(NamedTuple):
+    """A batch ready to write: its structure, leaves, offsets and size."""
+
+    spec: str
+    sources: list
+    offsets: list
+    total: int
 
 
 class _Source:
@@ -153,6 +169,128 @@ def _cuda_ordinal(device) -> int:
     return cuda_index(device)
 
 
+def _check_same_pipeline(name: str, fingerprint: bytes, world_size: int, ranks: int, pipeline: Pipeline) -> None:
+    if fingerprint != pipeline.fingerprint:
+        raise ValueError(
+            f"channel '{name}' was publishing another pipeline (fingerprint {fingerprint.hex()}, this one "
+            f"{pipeline.fingerprint.hex()}): its position does not apply to {pipeline!r}"
+        )
+    if world_size != pipeline.world_size or ranks != len(pipeline.ranks):
+        raise ValueError(
+            f"channel '{name}' was publishing {ranks} rank(s) of world size {world_size}, this pipeline "
+            f"makes {len(pipeline.ranks)} of {pipeline.world_size}: its batch numbers do not apply"
+        )
+
+
+# ---- the resume note ----
+# A producer that resumes at a position other than the start writes it here
+# before it creates its channel, and removes it once its first pipeline
+# batch is published: until then its channel's ring holds no batch to read
+# the position from (it replaced its predecessor's segment at creation), and
+# a successor of it would otherwise start over.
+
+RESUME_DIR = "/dev/shm"
+_NOTE_MAX = 4096
+
+
+def resume_note_path(name: str) -> str:
+    """Hidden, beside the channel's segment, with no name a channel can have."""
+    return os.path.join(RESUME_DIR, f".tsock-resume.{name}")
+
+
+def _remove_dead_temporaries(name: str) -> None:
+    """Removes this user's temporary notes of `name` whose writer is gone
+    (killed between creating and renaming one)."""
+    prefix = os.path.basename(resume_note_path(name)) + "."
+    try:
+        entries = os.listdir(RESUME_DIR)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(prefix) :] if entry.startswith(prefix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its writer is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process
+        path = os.path.join(RESUME_DIR, entry)
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == os.geteuid():
+                os.unlink(path)
+
+
+def _write_resume_note(name: str, pipe: Pipeline, pos: Position) -> None:
+    _remove_dead_temporaries(name)
+    path = resume_note_path(name)
+    tmp = f"{path}.{os.getpid()}"
+    text = json.dumps(
+        {
+            "fingerprint": pipe.fingerprint.hex(),
+            "world_size": pipe.world_size,
+            "ranks": len(pipe.ranks),
+            "epoch": pos.epoch,
+            "batch": pos.batch,
+        }
+    ).encode()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, text)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # a reader sees the old note or the new one, never half of one
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise TsockError(f"cannot record the resume position of '{name}' in {path}: {e}", _capi.ESYS) from None
+
+
+def _remove_resume_note(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(resume_note_path(name))
+    _remove_dead_temporaries(name)
+
+
+def _read_resume_note(name: str) -> dict | None:
+    """The note of channel `name`, if this user wrote one; TsockError for a
+    note that cannot be one."""
+    path = resume_note_path(name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise TsockError(f"cannot read the resume position of '{name}' in {path}: {e}", _capi.ESYS) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            return None  # not ours: never trusted
+        raw = os.read(fd, _NOTE_MAX + 1)
+    finally:
+        os.close(fd)
+    try:
+        note = json.loads(raw) if len(raw) <= _NOTE_MAX else None
+        fields = ("epoch", "batch", "world_size", "ranks")
+        if not isinstance(note, dict) or not all(isinstance(note.get(k), int) and note[k] >= 0 for k in fields):
+            raise ValueError("fields missing")
+        note["fingerprint"] = bytes.fromhex(note["fingerprint"])
+    except (ValueError, TypeError, KeyError):
+        raise TsockError(
+            f"the resume position of '{name}' in {path} is unreadable; remove it and pass start=(epoch, batch)",
+            _capi.ECORRUPT,
+        ) from None
+    return note
+
+
+def _advance(base: Position, markers: int) -> Position:
+    """The position after `markers` epoch-end markers published after base."""
+    return base if markers == 0 else Position(base.epoch + markers, 0)
+
+
 class Producer:
     """Publishes every batch of `loader` to the consumers of channel `name`.
 
@@ -172,8 +310,14 @@ class Producer:
     pass wait_readers=<number of trainers> so that every trainer gets the
     first epoch whole.
 
+    A tsock.Pipeline as the loader adds exact positions: every batch is
+    tagged with its place in the pipeline's order, run() can start at any
+    (epoch, batch), and recorded_position() tells a successor where a dead
+    producer stopped (docs/PIPELINE.md).
+
     Args:
-      loader: the iterable run() publishes (None: publish() by hand).
+      loader: the iterable run() publishes, or a tsock.Pipeline (None:
+        publish() by hand).
       name: channel name, 1..64 of [A-Za-z0-9._-].
       slots: ring depth, a power of two (2..65536): how far the producer may
         run ahead of the slowest consumer.
@@ -241,8 +385,13 @@ class Producer:
         self.max_readers = max_readers
         self.wait_readers = wait_readers
         self.timeout = timeout
-        # Loaded now, so that a loader's worker processes are forked from a
-        # process that already carries the Go runtime (they never call it).
+        if isinstance(loader, Pipeline):
+            # Its workers live across epochs: fork them before the Go
+            # runtime's threads exist in this process.
+            loader.start()
+        # Loaded now, so that a (DataLoader) loader's worker processes, forked
+        # at every epoch, come from a process that already carries the Go
+        # runtime (they never call it).
         self._lib = library()
         self._handle = ctypes.c_void_p()
         self._pid = os.getpid()
@@ -314,6 +463,20 @@ class Producer:
         """Publishes one batch (copied once into shared memory). Waits while
         the ring is full (the slowest consumer is `slots` batches behind)."""
         self._usable()
+        prepared = self._prepare(batch)
+        self._ensure_channel(prepared)
+        self._write(prepared, self._plain_meta(prepared.spec))
+
+    def _plain_meta(self, spec: str) -> bytes:
+        meta = self._meta.get(spec)
+        if meta is None:
+            if self._sizes is None:
+                self._sizes = epoch_sizes(self.loader) if self.loader is not None else (None, None)
+            meta = self._meta[spec] = _structure.encode(spec, *self._sizes)
+        return meta
+
+    def _prepare(self, batch) -> _Prepared:
+        """A batch's structure, its leaves ready to copy and their offsets."""
         spec, leaves = _structure.flatten(batch)
         if len(leaves) > _capi.MAX_TENSORS:
             raise BatchTooLarge(
@@ -333,11 +496,12 @@ class Producer:
             total = -(-total // ALIGN) * ALIGN
             offsets.append(total)
             total += src.nbytes
-        meta = self._meta.get(spec)
-        if meta is None:
-            if self._sizes is None:
-                self._sizes = epoch_sizes(self.loader) if self.loader is not None else (None, None)
-            meta = self._meta[spec] = _structure.encode(spec, *self._sizes)
+        return _Prepared(spec, sources, offsets, total)
+
+    def _ensure_channel(self, prepared: _Prepared) -> None:
+        """Creates the channel at the first batch, sized from it; checks that
+        the batch fits."""
+        total = prepared.total
         if self._handle.value is None:
             self._create(total)
         if total > self.slot_bytes:
@@ -347,7 +511,11 @@ class Producer:
                 "or a larger headroom to Producer",
                 _capi.ETOOBIG,
             )
+
+    def _write(self, prepared: _Prepared, meta: bytes) -> None:
+        """Reserves a slot, copies the batch into it and publishes it with `meta`."""
         lib, handle = self._lib, self._handle
+        sources, offsets, total = prepared.sources, prepared.offsets, prepared.total
         payload = ctypes.c_void_p()
         # Reserve inside the try: a KeyboardInterrupt right after a
         # successful reserve must not leave the slot reserved (abort without
@@ -427,17 +595,143 @@ class Producer:
         lib, handle = self._lib, self._handle
         self._wait(lambda ns: lib.tsock_producer_end_epoch(handle, ns), f"end epoch on '{self.name}'")
 
-    def run(self, epochs: int | None = 1) -> None:
+    def run(self, epochs: int | None = 1, start=None) -> None:
         """For each epoch, publishes every batch of iter(loader), then an
-        epoch-end marker. epochs=None runs until interrupted."""
+        epoch-end marker. epochs=None runs until interrupted.
+
+        With a tsock Pipeline as the loader, epochs are the pipeline's own
+        numbers: run(epochs=E) publishes epochs 0..E-1, and with
+        start=(epoch, batch) it starts at that batch of that epoch (batch =
+        len(pipeline): with that epoch's end marker) and still stops before
+        epoch E, so a restarted run with the same `epochs` ends where an
+        uninterrupted one would. start="recorded" starts where the previous
+        producer of this channel stopped (Producer.recorded_position), or at
+        the beginning if there is nothing to resume. Every batch carries its
+        epoch, index and the pipeline's fingerprint in its metadata."""
         if self.loader is None:
             raise ValueError("Producer.run needs a loader; with loader=None use publish() and end_epoch()")
+        if isinstance(self.loader, Pipeline):
+            self._run_pipeline(epochs, start)
+            return
+        if start is not None:
+            raise ValueError("start= needs a tsock.Pipeline as the loader: other loaders cannot seek")
         e = 0
         while epochs is None or e < epochs:
             for batch in self.loader:
                 self.publish(batch)
             self.end_epoch()
             e += 1
+
+    def _run_pipeline(self, epochs, start) -> None:
+        pipe = self.loader
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0):
+            raise ValueError(f"epochs must be None or an int >= 0, got {epochs!r}")
+        n = len(pipe)
+        if n == 0:
+            raise ValueError(f"{pipe!r} has no batch per epoch: nothing to publish")
+        if start is None:
+            start = Position(0, 0)
+        elif isinstance(start, str) and start == "recorded":
+            self._usable()
+            start = self.recorded_position(self.name, pipe) or Position(0, 0)
+        else:
+            try:
+                start = Position(*start)
+            except TypeError:
+                raise TypeError(f"start must be (epoch, batch) or 'recorded', got {start!r}") from None
+            pipe._check_position(start.epoch, start.batch)
+        resumed = start if start != (0, 0) else None
+        marker_first = start.batch == n  # the epoch's batches were all published, its marker not
+        if marker_first:
+            if epochs is not None and start.epoch >= epochs:
+                return
+            start = Position(start.epoch + 1, 0)
+        noted = False
+        stream = pipe.stream(start, epochs)
+        for info, batch in stream:
+            prepared = self._prepare(batch)
+            self._usable()
+            if self._handle.value is None:
+                if resumed:
+                    _write_resume_note(self.name, pipe, resumed)
+                    noted = True
+                else:
+                    _remove_resume_note(self.name)  # a note of an earlier run no longer applies
+            self._ensure_channel(prepared)
+            if marker_first:
+                self.end_epoch()
+                marker_first = False
+            tag = _structure.Tag(
+                pipe.fingerprint,
+                info.epoch,
+                info.index,
+                info.start,
+                len(info),
+                info.rank,
+                pipe.world_size,
+                len(pipe.ranks),
+            )
+            self._write(prepared, _structure.encode_tagged(prepared.spec, n, pipe.samples_per_epoch, tag))
+            if noted:
+                _remove_resume_note(self.name)  # the ring has the position now
+                noted = False
+            if info.index == n - 1:
+                self.end_epoch()
+        if marker_first:  # nothing after it: the marker alone
+            if self._handle.value is None:
+                _write_resume_note(self.name, pipe, resumed)
+            self.end_epoch()
+
+    @staticmethod
+    def recorded_position(name: str, pipeline: Pipeline | None = None) -> Position | None:
+        """Where the producer of channel `name` stopped publishing a Pipeline
+        (alive or dead): the epoch and the index of the next batch it would
+        have published (index len(pipeline): that epoch's end marker). None
+        when there is no such channel or nothing was published on it.
+
+        The position is read from the metadata of the newest batches still
+        in the channel's ring (tsock_producer_peek): it was published with
+        each batch, atomically, so it is exactly what the readers could
+        get. With `pipeline`, a channel of another pipeline (its fingerprint,
+        world size or number of ranks differ) raises ValueError."""
+        check_name(name)
+        lib = library()
+        out = _capi.Peek()
+        out.size = ctypes.sizeof(out)
+        markers = 0
+        back = 0
+        while True:
+            rc = lib.tsock_producer_peek(name.encode(), back, ctypes.byref(out))
+            if rc in (_capi.ENOENT, _capi.EAGAIN):  # no channel, or no more batches in its ring
+                break
+            check(lib, rc, f"read the newest batches of '{name}'")
+            if out.flags & _capi.BATCH_EPOCH_END:
+                markers += 1
+                back += 1
+                continue
+            tag = _structure.decode_tag(bytes(out.meta[: out.meta_len]))
+            if tag is None:
+                raise TsockError(
+                    f"channel '{name}' was not published from a tsock Pipeline: its batches carry no position",
+                    _capi.ECORRUPT,
+                )
+            if pipeline is not None:
+                _check_same_pipeline(name, tag.fingerprint, tag.world_size, tag.ranks, pipeline)
+            return _advance(Position(tag.epoch, tag.index + 1), markers)
+        # No pipeline batch in the ring: a successor that died before its
+        # first one left its starting position in its note.
+        note = _read_resume_note(name)
+        if note is None:
+            if markers:
+                raise TsockError(
+                    f"channel '{name}': only epoch-end markers among its newest batches, no position to resume from; "
+                    "pass start=(epoch, batch)",
+                    _capi.EAGAIN,
+                )
+            return None
+        if pipeline is not None:
+            _check_same_pipeline(name, note["fingerprint"], note["world_size"], note["ranks"], pipeline)
+        return _advance(Position(note["epoch"], note["batch"]), markers)
 
     # ---- state ----
 

@@ -581,6 +581,33 @@ static void test_late_join(void) {
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
 
+/* A reader attached before anything was published gets the first
+ * publication whatever it is: a successor producer's stream can begin with
+ * the end marker of an epoch whose batches its predecessor published. */
+static void test_leading_marker(void) {
+  const char *name = test_name("tapi", "lead");
+  tsock_producer_t *p = make_producer(name, 16, 4096);
+  if (p == NULL) return;
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NEXT_EPOCH);
+  if (r == NULL) return;
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_OK);
+  publish_value(p, 7);
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    CHECK(b->seq == 0 && (b->flags & TSOCK_BATCH_EPOCH_END));
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+  b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    CHECK(b->seq == 1 && b->epoch == 1 && b->index == 0 && batch_value(b) == 7);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
 static void test_wait_readers(void) {
   const char *name = test_name("tapi", "wait");
   tsock_producer_t *p = make_producer(name, 4, 4096);
@@ -639,6 +666,33 @@ static void test_mapping_outlives_detach(void) {
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
 
+/* tsock_producer_peek: argument checks, then a channel's newest batches
+ * read back (metadata and epoch marker) without attaching. */
+static void test_peek(void) {
+  const char *name = test_name("tapi", "peek");
+  tsock_peek_t pk;
+  memset(&pk, 0, sizeof pk);
+  CHECK_RC(tsock_producer_peek(NULL, 0, &pk), TSOCK_ENAME);
+  CHECK_RC(tsock_producer_peek(name, 0, NULL), TSOCK_EINVAL);
+  CHECK_RC(tsock_producer_peek(name, 0, &pk), TSOCK_EINVAL); /* size not set */
+  pk.size = sizeof pk;
+  CHECK_RC(tsock_producer_peek(name, 0, &pk), TSOCK_ENOENT);
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  if (p == NULL) return;
+  CHECK_RC(tsock_producer_peek(name, 0, &pk), TSOCK_EAGAIN); /* nothing published */
+  void *buf = NULL;
+  CHECK_RC(tsock_producer_reserve(p, 8, 0, &buf), TSOCK_OK);
+  CHECK_RC(tsock_producer_publish(p, NULL, 0, "where", 5), TSOCK_OK);
+  CHECK_RC(tsock_producer_end_epoch(p, 0), TSOCK_OK);
+  CHECK_RC(tsock_producer_peek(name, 0, &pk), TSOCK_OK);
+  CHECK(pk.published == 2 && pk.seq == 1 && (pk.flags & TSOCK_BATCH_EPOCH_END) && pk.producer_alive == 1);
+  CHECK_RC(tsock_producer_peek(name, 1, &pk), TSOCK_OK);
+  CHECK(pk.seq == 0 && pk.epoch == 0 && pk.index == 0 && pk.flags == 0);
+  CHECK(pk.meta_len == 5 && memcmp(pk.meta, "where", 5) == 0);
+  CHECK_RC(tsock_producer_peek(name, 2, &pk), TSOCK_EAGAIN);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
 int main(void) {
   test_options_init();
   test_status_strings();
@@ -654,7 +708,9 @@ int main(void) {
   test_backpressure();
   test_max_held_clamped();
   test_late_join();
+  test_leading_marker();
   test_wait_readers();
   test_mapping_outlives_detach();
+  test_peek();
   return test_report("test_api");
 }

@@ -1,0 +1,144 @@
+"""What a Pipeline computes for one batch, in whichever process runs it: the
+stages applied to each sample, with its random number generators seeded
+from (seed, epoch, sample index), then the collate function.
+
+A Stages object is all a worker process needs (with the spawn start method
+it is pickled to the worker: its functions and source must then be
+importable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+import sys
+
+import numpy as np
+
+from ._collate import default_collate
+
+_SEED_KEY = struct.Struct("<QQQB")
+_WORDS = struct.Struct("<7Q")
+_PCG_STATE = {"bit_generator": "PCG64", "state": {"state": 0, "inc": 1}, "has_uint32": 0, "uinteger": 0}
+MASK128 = (1 << 128) - 1
+
+# Seeding points: each sample's generators are seeded from (seed, epoch,
+# index) before it is loaded and again before augment, from different keys,
+# so augment sees the same state whether or not the loading stages ran (a
+# future decoded-sample cache skips them).
+LOAD, AUGMENT = 0, 1
+
+#: Modules whose global generator is seeded per sample when they are imported
+#: (random and numpy always are).
+SEEDED_MODULES = ("torch",)
+
+
+class StageError(Exception):
+    """A stage raised: which stage, for which sample (the original exception
+    is the __cause__)."""
+
+    def __init__(self, stage: str, index, epoch: int):
+        super().__init__(stage, index, epoch)
+        self.stage, self.index, self.epoch = stage, index, epoch
+
+    @staticmethod
+    def what(stage: str, index, epoch: int) -> str:
+        """'augment failed on sample 13 of epoch 0' (collate: on a batch)."""
+        if stage == "collate":
+            return f"collate failed on epoch {epoch}"
+        return f"{stage} failed on sample {index} of epoch {epoch}"
+
+
+def _seed_words(seed: int, epoch: int, index: int, point: int) -> tuple:
+    digest = hashlib.blake2b(_SEED_KEY.pack(seed, epoch, index, point), digest_size=56, person=b"tsock-rng").digest()
+    return _WORDS.unpack(digest)
+
+
+def seed_globals(words: tuple) -> None:
+    """Seeds Python's random, numpy's global RandomState and, if torch is
+    imported, torch's default CPU generator."""
+    random.seed(words[0])
+    np.random.seed(words[1] & 0xFFFFFFFF)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.manual_seed(words[2])
+
+
+class GlobalRNGState:
+    """The caller's global generator states, saved before stages run in its
+    own process (workers=0) and put back after, so that seeding them per
+    sample leaves its training loop's random streams (dropout, its own
+    shuffling) as they were."""
+
+    def __init__(self):
+        self.py = random.getstate()
+        self.np = np.random.get_state()
+        torch = sys.modules.get("torch")
+        self.torch = None if torch is None else torch.get_rng_state()
+
+    def restore(self) -> None:
+        random.setstate(self.py)
+        np.random.set_state(self.np)
+        torch = sys.modules.get("torch")
+        if torch is not None and self.torch is not None:
+            torch.set_rng_state(self.torch)
+
+
+class Stages:
+    """source[i] -> read -> decode -> augment(sample, rng) for each index of a
+    batch, then collate."""
+
+    def __init__(self, source, read, decode, augment, collate, seed: int):
+        self.source = source
+        self.read = read
+        self.decode = decode
+        self.augment = augment
+        self.collate = collate or default_collate
+        self.seed = seed
+        self._bits = None  # one PCG64 per process, its state set per sample
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_bits"] = None
+        return state
+
+    def rng(self, words: tuple) -> np.random.Generator:
+        """augment's generator: PCG64 whose 128-bit state and increment come
+        from the sample's seed words. Valid during the augment call."""
+        if self._bits is None:
+            self._bits = np.random.PCG64(0)
+        state = dict(_PCG_STATE)
+        state["state"] = {
+            "state": (words[3] << 64 | words[4]) & MASK128,
+            "inc": (words[5] << 65 | words[6] << 1 | 1) & MASK128,
+        }
+        self._bits.state = state
+        return np.random.Generator(self._bits)
+
+    def sample(self, epoch: int, index: int):
+        """One sample of epoch `epoch`: the stages on source[index]."""
+        index = int(index)
+        seed_globals(_seed_words(self.seed, epoch, index, LOAD))
+        x = self._stage("source", index, epoch, self.source.__getitem__, index)
+        if self.read is not None:
+            x = self._stage("read", index, epoch, self.read, x)
+        if self.decode is not None:
+            x = self._stage("decode", index, epoch, self.decode, x)
+        if self.augment is not None:
+            words = _seed_words(self.seed, epoch, index, AUGMENT)
+            seed_globals(words)
+            x = self._stage("augment", index, epoch, self.augment, x, self.rng(words))
+        return x
+
+    def batch(self, epoch: int, indices):
+        """The batch of these indices of epoch `epoch`."""
+        samples = [self.sample(epoch, i) for i in indices]
+        return self._stage("collate", list(map(int, indices)), epoch, self.collate, samples)
+
+    @staticmethod
+    def _stage(name: str, index, epoch: int, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise StageError(name, index, epoch) from e
