@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # About 40 s on a quiet 2-CPU machine (plus importing PyTorch); generous
-# bounds for a loaded one.
-@pytest.mark.timeout(900)
+# bounds for a loaded one: it ran past 900 s at load average 13-18 (a fresh
+# clone's `make test` beside three other builds). The subprocess's own
+# limit fires first, so a hang reports the driver's output.
+@pytest.mark.timeout(2000)
 def test_quick_benchmark_writes_the_document(tmp_path):
     for tool in ("go", "cc"):
         assert shutil.which(tool), f"the benchmarks need {tool} on PATH"
