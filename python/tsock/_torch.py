@@ -142,18 +142,20 @@ class ReadOnlyTensor(torch.Tensor):
                 f"{name}: this tensor is a tsock batch in read-only shared memory; "
                 "write to a copy (x.clone()) or create the Consumer with copy=True"
             )
+        # Everything below runs with the hook off: the checks call tensor
+        # methods (data_ptr) that would come back here otherwise.
         with torch._C.DisableTorchFunctionSubclass():
             ret = func(*args, **kwargs)
-        if _compiling() or getattr(func, "__self__", None) is _BASE:
-            # Inside a compiled region the write check above is all there is
-            # (data pointers are not there to look at); `x._base` is what
-            # autograd and dynamo walk, and wrapping it would make a new view
-            # whose base is again new, for ever.
-            return ret
-        if name in _TO_NUMPY and args and _protected(args[0]):
-            ret.setflags(write=False)
-            return ret
-        return _wrap(ret, args, cls)
+            if _compiling() or getattr(func, "__self__", None) is _BASE:
+                # Inside a compiled region the write check above is all there
+                # is (data pointers are not there to look at); `x._base` is
+                # what autograd and dynamo walk, and wrapping it would make a
+                # new view whose base is again new, for ever.
+                return ret
+            if name in _TO_NUMPY and args and _protected(args[0]):
+                ret.setflags(write=False)
+                return ret
+            return _wrap(ret, args, cls)
 
 
 def _wrap(ret, args, cls):
