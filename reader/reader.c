@@ -532,8 +532,10 @@ static int stream_ended(struct reader_impl *r, uint64_t now) {
   if (__atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED) {
     /* The producer publishes before it closes: re-read published. */
     if (r->next >= __atomic_load_n(&r->live->published, __ATOMIC_ACQUIRE))
-      return tsock__fail(TSOCK_ECLOSED, "channel closed by the producer after %llu batches",
-                         (unsigned long long)r->next);
+      /* In words: r->next counts epoch-end markers too, and from the
+       * channel's start, not from this reader's join. */
+      return tsock__fail(TSOCK_ECLOSED, "channel closed by the producer; this reader has read every batch "
+                                        "published since it attached");
     return TSOCK_OK;
   }
   /* A dead producer stays dead: once seen, no need to ask the kernel again. */

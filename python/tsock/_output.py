@@ -139,53 +139,31 @@ class TorchOutput:
 
 
 class JaxOutput:
-    """JAX arrays through DLPack (zero-copy when the data are aligned as XLA
-    wants; XLA copies otherwise). JAX without jax_enable_x64 turns 64-bit
-    dtypes into 32-bit ones (a copy), as jnp.asarray does."""
+    """JAX arrays through the public DLPack import (jax.dlpack.from_dlpack of
+    a DLPackTensor), zero-copy where XLA takes the memory as it is: JAX
+    newer than 0.4.30 copies data that do not start on a 64-byte boundary
+    (re-batched slices at such offsets). JAX without jax_enable_x64 turns
+    64-bit dtypes into 32-bit ones (a copy), as jnp.asarray does."""
 
     name = "jax"
-    _WIDE = frozenset([_capi.DTYPE_INT64, _capi.DTYPE_UINT64, _capi.DTYPE_FLOAT64])
 
     def __init__(self, copy: bool):
-        import jax
         import jax.dlpack
         import jax.numpy as jnp
 
         self.copy = copy
-        self._jax = jax
         self._jnp = jnp
         self._from_dlpack = jax.dlpack.from_dlpack
-        # jax.dlpack.from_dlpack spends ~20 us a call probing for GPU
-        # backends and re-wrapping the result; the XLA call underneath takes
-        # ~2 us and already returns a jax.Array. Use it when it is there and
-        # answers as expected, else the public function.
-        self._direct = None
-        try:
-            from jax._src.lib import xla_client
-
-            self._direct = xla_client._xla.dlpack_managed_tensor_to_buffer
-            self._device = jax.devices("cpu")[0]
-        except Exception:  # noqa: BLE001 - any change in JAX's internals: use the public API
-            self._direct = None
 
     def storage_dtype(self, code: int) -> np.dtype:
         return _dtypes.numpy_dtype(code)  # JAX depends on ml_dtypes: bfloat16 is there
 
     def view(self, reader, raw, i: int, start=None, stop=None):
-        leaf = raw.leaves[i]
         if self.copy:
+            leaf = raw.leaves[i]
             return self._jnp.array(numpy_view(reader, leaf, _dtypes.numpy_dtype(leaf[CODE]), start, stop))
-        rows = None if start is None else (start, stop)
-        direct = self._direct
-        # 64-bit data without jax_enable_x64 must go through JAX's own
-        # conversion to 32 bits.
-        if direct is not None and (leaf[CODE] not in self._WIDE or self._jax.config.jax_enable_x64):
-            try:
-                return direct(capsule(reader.lib, raw.lease, i, False, False, rows), self._device, None)
-            except TypeError:
-                self._direct = None  # another signature: fall back for good
         # The array API's protocol: JAX >= 0.7.2 takes no bare capsules.
-        return self._from_dlpack(DLPackTensor(reader.lib, raw.lease, i, rows))
+        return self._from_dlpack(DLPackTensor(reader.lib, raw.lease, i, None if start is None else (start, stop)))
 
     def owned(self, arr: np.ndarray, code: int):
         return self._jnp.asarray(arr)

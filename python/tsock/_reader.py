@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _capi, _structure
 from ._dlpack import Lease
+from ._waiting import AttachProgress
 from .errors import TsockError, check, error_for
 
 # Waits are cut into slices this long: a signal (KeyboardInterrupt) is acted
@@ -113,6 +114,7 @@ class Reader:
         handle = ctypes.c_void_p()
         deadline = None if timeout is None else time.monotonic() + timeout
         encoded = name.encode()
+        progress = AttachProgress(name, timeout)
         while True:
             # Each attempt waits one slice at most; the loop gives Python a
             # chance to deliver KeyboardInterrupt between them.
@@ -123,6 +125,7 @@ class Reader:
                 opts.attach_timeout_ns = max(0, min(SLICE_NS, int(left * 1e9)))
             rc = lib.tsock_reader_attach(encoded, ctypes.byref(opts), ctypes.byref(handle))
             if rc == _capi.OK:
+                progress.attached()
                 break
             retry = rc in (_capi.ENOENT, _capi.EPRODUCER_GONE, _capi.ETIMEDOUT)
             if not retry or (deadline is not None and time.monotonic() >= deadline):
@@ -134,6 +137,7 @@ class Reader:
                         "(a Producer creates its channel when it publishes its first batch)"
                     )
                 raise error_for(rc, f"attach to channel '{name}': {detail}")
+            progress.tick()
         self.handle = handle
         base = ctypes.c_void_p()
         length = ctypes.c_uint64()

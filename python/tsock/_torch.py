@@ -120,6 +120,10 @@ else:
         return t.storage().data_ptr()
 
 
+_BASE = torch.Tensor._base  # the getter's descriptor: __torch_function__ gets its __get__
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
+
+
 class ReadOnlyTensor(torch.Tensor):
     """A tensor whose memory must not be written: a batch in read-only shared
     memory (or, for consistency, a batch the consumer assembled). In-place
@@ -138,8 +142,16 @@ class ReadOnlyTensor(torch.Tensor):
                 f"{name}: this tensor is a tsock batch in read-only shared memory; "
                 "write to a copy (x.clone()) or create the Consumer with copy=True"
             )
-        with torch._C.DisableTorchFunction():
+        # Everything below runs with the hook off: the checks call tensor
+        # methods (data_ptr) that would come back here otherwise.
+        with torch._C.DisableTorchFunctionSubclass():
             ret = func(*args, **kwargs)
+            if _compiling() or getattr(func, "__self__", None) is _BASE:
+                # Inside a compiled region the write check above is all there
+                # is (data pointers are not there to look at); `x._base` is
+                # what autograd and dynamo walk, and wrapping it would make a
+                # new view whose base is again new, for ever.
+                return ret
             if name in _TO_NUMPY and args and _protected(args[0]):
                 ret.setflags(write=False)
                 return ret

@@ -26,6 +26,17 @@ def _close_reader(reader: Reader, unprotect, undo: list) -> None:
             fn()
 
 
+def _closed_message(name: str, epochs: int) -> str:
+    """ChannelClosed in words: what happened, from this consumer's side."""
+    if epochs == 0:
+        return f"channel '{name}': the producer closed it before this consumer read any batch; nothing more will come"
+    done = "1 epoch" if epochs == 1 else f"{epochs} epochs"
+    return (
+        f"channel '{name}': the producer closed it after its last epoch, and this consumer has read every batch "
+        f"it published ({done} here); there is no further epoch to read"
+    )
+
+
 class Consumer:
     """Reads the batches a Producer publishes on channel `name`, zero-copy.
 
@@ -69,8 +80,11 @@ class Consumer:
       start: "epoch" (default): start with the producer's current epoch if
         this consumer attaches within the producer's join_window, else with
         the next epoch; "now": with the next batch published.
-      timeout: seconds to wait for the channel to appear (None: forever; 0:
-        fail at once with ChannelNotFound). Waiting for batches has no limit:
+      timeout: seconds to wait for the channel to appear; None (default):
+        wait for the producer however long it takes to start (its dataset
+        set-up may take minutes), printing a line on stderr after 5 s and
+        every 30 s while waiting; 0: fail at once with ChannelNotFound.
+        Waiting for batches has no limit:
         a dead producer ends it (ProducerGone) within about 50 ms, and
         Ctrl-C interrupts it.
       device: None (default), or a CUDA device ("cuda", "cuda:1", a
@@ -104,7 +118,7 @@ class Consumer:
         output: str = "numpy",
         copy: bool = False,
         start: str = "epoch",
-        timeout: float | None = 30.0,
+        timeout: float | None = None,
         device=None,
         device_path: str = "auto",
     ):
@@ -296,11 +310,11 @@ class Consumer:
         else:
             try:
                 raw = self._reader.acquire()
-            except ChannelClosed:
+            except ChannelClosed as closed:
                 # Closed without an epoch-end marker: what was read is an
                 # epoch. Asking for another raises.
                 if self._closed_seen or (self._rows_in_epoch == 0 and rows_so_far == 0):
-                    raise
+                    raise ChannelClosed(_closed_message(self.name, self.epoch), closed.status) from None
                 self._closed_seen = True
                 return None
         self.producer_epoch = raw.epoch

@@ -79,40 +79,64 @@ def test_torch_output_every_dtype(channel, run_producer):
             next(it)
 
 
-def _jax_lacks_experimental_enable_x64() -> bool:
-    from jax import experimental
+X64_CHILD = """
+import sys
+import jax
+jax.config.update("jax_enable_x64", True)  # the public switch, before any array exists
+import numpy as np, tsock
+with tsock.Consumer(sys.argv[1], output="jax", timeout=30) as c:
+    for (x,) in c:
+        print(x.dtype, np.asarray(x).tobytes().hex())
+"""
 
-    return not hasattr(experimental, "enable_x64")
 
-
-@pytest.mark.xfail(
-    _jax_lacks_experimental_enable_x64(),
-    reason="issue 12 item 3 (consumer tests, not the stack): jax.experimental.enable_x64 is gone from current JAX",
-    strict=True,
-)
-def test_jax_output_every_dtype_with_x64(channel, run_producer):
-    from jax.experimental import enable_x64
-
+def test_jax_output_every_dtype_with_x64(channel, run_producer, spawn):
+    # jax_enable_x64 is process-wide: a child turns it on with the public
+    # config (jax.experimental.enable_x64 is gone from current JAX).
     _publish_each(channel, run_producer, [(sample(n),) for n in DTYPES])
-    with enable_x64(), tsock.Consumer(channel, output="jax", timeout=10) as c:
-        for name, (x,) in zip(DTYPES, c):
-            assert x.dtype == _np_dtype(name), name
-            np.testing.assert_array_equal(np.asarray(x), sample(name))
+    p = spawn(X64_CHILD, channel)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    lines = out.split()
+    assert len(lines) == 2 * len(DTYPES), out
+    for name, dtype, data in zip(DTYPES, lines[0::2], lines[1::2]):
+        assert dtype == str(_np_dtype(name)), name
+        assert bytes.fromhex(data) == sample(name).tobytes(), name
 
 
 def test_jax_output_through_the_array_api(channel, run_producer):
-    # Without the XLA shortcut (newer JAX) leaves go through
-    # jax.dlpack.from_dlpack(DLPackTensor): JAX >= 0.7.2 takes no bare capsule.
+    # Leaves go through jax.dlpack.from_dlpack(DLPackTensor), the public
+    # protocol: JAX >= 0.7.2 takes no bare capsule.
     names = ["float32", "int64", "uint8", "bool", "float64"]
     _publish_each(channel, run_producer, [(sample(n)[:2],) for n in names])
     with tsock.Consumer(channel, output="jax", timeout=10) as c:
-        c._out._direct = None
         for name, (x,) in zip(names, c):
             want = sample(name)[:2]
             if name in ("int64", "float64"):  # no jax_enable_x64: 32 bits, as jnp.asarray
                 want = want.astype(np.int32 if name == "int64" else np.float32)
             assert x.dtype == want.dtype, name
             np.testing.assert_array_equal(np.asarray(x), want)
+
+
+def test_jax_output_uses_only_the_public_dlpack_import(channel, run_producer, monkeypatch):
+    # Every leaf goes through jax.dlpack.from_dlpack, never through a
+    # function under jax._src, which JAX may change in any release.
+    import jax.dlpack
+
+    imported = []
+    public = jax.dlpack.from_dlpack
+
+    def counting(x, *args, **kwargs):
+        imported.append(type(x).__name__)
+        return public(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax.dlpack, "from_dlpack", counting)
+    _publish_each(channel, run_producer, [(sample("float32"), sample("int32")), (sample("uint8"), sample("bool"))])
+    with tsock.Consumer(channel, output="jax", timeout=10) as c:
+        got = [np.asarray(leaf) for batch in c for leaf in batch]
+    assert imported == ["DLPackTensor"] * 4
+    for have, want in zip(got, ["float32", "int32", "uint8", "bool"]):
+        np.testing.assert_array_equal(have, sample(want))
 
 
 def test_jax_output_without_x64_narrows_like_jax(channel, run_producer):

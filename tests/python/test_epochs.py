@@ -22,9 +22,14 @@ def test_one_for_loop_is_one_epoch(channel, run_producer):
             assert ids == [0, 4, 8, 12, 16]
             assert c.epoch == epoch + 1
             assert c.producer_epoch == epoch
-        # The producer closed after three epochs: asking for a fourth says so.
-        with pytest.raises(tsock.ChannelClosed):
+        # The producer closed after three epochs: asking for a fourth says so,
+        # in words (not a count of batches that includes epoch-end markers).
+        with pytest.raises(tsock.ChannelClosed) as closed:
             next(iter(c))
+        message = str(closed.value)
+        assert f"channel '{channel}': the producer closed it after its last epoch" in message
+        assert "read every batch it published (3 epochs here)" in message
+        assert "18" not in message  # 15 batches and 3 epoch-end markers
     t.join()
 
 
