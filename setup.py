@@ -32,6 +32,7 @@ READER_SOURCES = [
     "reader/status.c",
     "reader/platform.c",
     "reader/reader.c",
+    "reader/lease.c",
     "reader/dlpack.c",
     "cuda/driver.c",
     "cuda/host.c",

@@ -35,7 +35,8 @@ func buildHelper(repo, dir string) (string, bool, error) {
 		"-I" + filepath.Join(repo, "include"), "-I" + filepath.Join(repo, "ring"),
 		filepath.Join(repo, "bench", "latency", "helper", "tbench.c"),
 		filepath.Join(repo, "reader", "status.c"), filepath.Join(repo, "reader", "platform.c"),
-		filepath.Join(repo, "reader", "reader.c"), "-lpthread", "-o", exe}
+		filepath.Join(repo, "reader", "reader.c"), filepath.Join(repo, "reader", "lease.c"), "-lpthread",
+		"-o", exe}
 	withZmq := false
 	if flags, err := exec.Command("pkg-config", "--cflags", "--libs", "libzmq").Output(); err == nil {
 		args = append(append(args, "-DTBENCH_ZMQ"), strings.Fields(string(flags))...)

@@ -92,7 +92,8 @@ func needCheckReader(t *testing.T) string {
 		out, err := exec.Command(cc, "-O2", "-std=c11", "-Wall", "-Werror",
 			"-I"+filepath.Join(repoRoot, "include"), "-I"+filepath.Join(repoRoot, "ring"), src,
 			filepath.Join(repoRoot, "reader", "status.c"), filepath.Join(repoRoot, "reader", "platform.c"),
-			filepath.Join(repoRoot, "reader", "reader.c"), "-lpthread", "-o", exe).CombinedOutput()
+			filepath.Join(repoRoot, "reader", "reader.c"), filepath.Join(repoRoot, "reader", "lease.c"),
+			"-lpthread", "-o", exe).CombinedOutput()
 		checkBuildMs = time.Since(start)
 		if err != nil {
 			checkErr = fmt.Errorf("building check_reader: %v\n%s", err, out)
