@@ -145,7 +145,9 @@ class Referenced:
         held = self.reader.held
         left = len(held)
         if left == 2 and self.limit:
-            # The plain loop: the batch before, then the loop variables'.
+            # The plain loop: the batch before, then the loop variables'
+            # (looked at next time; held while there is room, which there
+            # is: a limit is at least 2).
             old = held[0]
             if old.done and held[1].done and not self._referenced(old):
                 self.reader.release(old)
@@ -154,14 +156,9 @@ class Referenced:
             return
         limit = self.limit or self._set_limit(held[0])
         referenced = self._referenced
-        newest = held[-1]
         last = None
         for raw in held:
             if not raw.done:
-                break
-            # The newest batch is the loop variables' in the plain loop:
-            # held without a look while there is room (checked next time).
-            if raw is newest and left < limit:
                 break
             if referenced(raw):
                 if left < limit:
