@@ -34,6 +34,31 @@ def _close_reader(reader: Reader, life, unprotect, undo: list) -> None:
                 fn()
 
 
+class _Epoch:
+    """iter(consumer): one epoch of it, like a DataLoader's iterator. Spent at
+    the epoch's end, or once a newer iter() of the consumer started."""
+
+    __slots__ = ("_consumer", "_iteration", "_spent")
+
+    def __init__(self, consumer: Consumer, iteration: int):
+        self._consumer = consumer
+        self._iteration = iteration
+        self._spent = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        c = self._consumer
+        if self._spent or c._iterations != self._iteration:
+            raise StopIteration
+        try:
+            return c.__next__()
+        except StopIteration:
+            self._spent = True
+            raise
+
+
 class Consumer:
     """Reads the batches a Producer publishes on channel `name`, zero-copy.
 
@@ -60,9 +85,13 @@ class Consumer:
     ReadOnlyBatchError on in-place writes; x.clone() (torch) or x.copy()
     (numpy) gives a writable copy; JAX arrays are immutable.
 
-    Each for-loop runs to the end of the current epoch; a loop that breaks
-    off early leaves the rest of that epoch to the next loop. One thread at
-    a time may use a Consumer.
+    Each for-loop (each iter()) is one epoch, as with a DataLoader: a loop
+    that breaks off early (a step limit, a debug break) drops the rest of
+    its epoch, and the next loop starts the next epoch. The dropped batches
+    are read and let go as the producer publishes them, since the producer
+    is shared with other trainers: the next loop's first batch comes when
+    the producer reaches the next epoch. next(consumer) goes on with the
+    epoch in progress. One thread at a time may use a Consumer.
 
     Args:
       name: the channel name.
@@ -76,6 +105,10 @@ class Consumer:
       output: "numpy", "torch" or "jax"; or "dlpack" for objects with
         __dlpack__ that any framework's from_dlpack() takes.
       copy: deliver private, writable copies instead of shared-memory views.
+      resume: False (default): iter() starts an epoch, dropping the rest of
+        one a loop broke off. True: the old behaviour, iter() returns the
+        consumer itself, and a loop that breaks off leaves the rest of its
+        epoch to the next loop.
       lifetime: "referenced" (default): a batch stays valid while anything
         refers to it (see above; on the device path, torch and JAX batches
         are private copies on the GPU for that reason). "step": valid until
@@ -126,6 +159,7 @@ class Consumer:
         device=None,
         device_path: str = "auto",
         lifetime: str = "referenced",
+        resume: bool = False,
     ):
         if not isinstance(name, str):
             raise TypeError(f"channel name must be str, got {type(name).__name__}")
@@ -157,6 +191,11 @@ class Consumer:
         self.copy = bool(copy)
         #: "referenced" or "step" (see the class's documentation)
         self.lifetime = lifetime
+        #: iter() goes on where the last loop stopped (True) or starts an epoch
+        self.resume = bool(resume)
+        self._open = False  # a batch of the epoch in progress was delivered
+        self._skip = False  # drop the rest of it first (iter() after a break)
+        self._iterations = 0  # iter() calls: an older _Epoch iterator is spent
         self._out = OUTPUTS[output](self.copy)
         #: epochs completed by this consumer; during an epoch, its number (from 0)
         self.epoch = 0
@@ -281,13 +320,24 @@ class Consumer:
     # ---- iteration ----
 
     def __iter__(self):
-        return self
+        """An iterator over one epoch, as a DataLoader's: if a loop broke off
+        in the middle of the epoch before, the rest of that epoch is dropped
+        and this one starts with the next epoch (with resume=True: the
+        consumer itself, which goes on where the last loop stopped)."""
+        if self.resume:
+            return self
+        if self._open:
+            self._skip = True
+        self._iterations += 1
+        return _Epoch(self, self._iterations)
 
     def __next__(self):
-        """The next batch of the current epoch; StopIteration at its end
+        """The next batch of the epoch in progress; StopIteration at its end
         (the following call starts the next epoch)."""
         if self._closed:
             raise TsockError("consumer is closed", _capi.EHANDLE)
+        if self._skip:
+            self._skip_rest()
         if self._gpu is None:
             batch = self._next_whole() if self.batch_size is None else self._next_rebatched()
         else:
@@ -295,8 +345,32 @@ class Consumer:
         if batch is None:
             self.epoch += 1
             self._rows_in_epoch = 0
+            self._open = False
             raise StopIteration
+        self._open = True
         return batch
+
+    def _skip_rest(self) -> None:
+        """Drops the rest of the epoch in progress (a new iter() after a loop
+        broke off). The producer is shared, so it does not skip them: its
+        batches up to the epoch's end are read and let go as they come."""
+        self._skip = False
+        end_seen = self._end_pending  # re-batching: read with the last, partial batch
+        self._end_pending = False
+        if self._gpu is not None:
+            # The batch staged (copied ahead) belongs to the dropped epoch.
+            staged, self._gpu.staged = self._gpu.staged, None
+            end_seen = end_seen or (staged is not None and staged.batch is None and staged.error is None)
+        self._release(self._cur)
+        self._cur, self._off = None, 0
+        while not end_seen:
+            raw = self._take(1)  # 1: a close without an epoch-end marker ends the epoch
+            if raw is None:
+                break
+            self._release(raw)
+        self.epoch += 1
+        self._rows_in_epoch = 0
+        self._open = False
 
     def _next_host(self):
         """The next batch of the epoch in the output's form, or None at its end."""

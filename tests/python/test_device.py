@@ -501,7 +501,8 @@ def test_kept_dlpack_device_batches_are_refused_beyond_the_ring(tmp_path):
         tmp_path,
         """
         _cuda.check_device, _cuda.backend = orig_check, orig_backend
-        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30) as c:
+        # resume: the second loop goes on with the epoch the first broke off
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30, resume=True) as c:
             kept = []
             try:
                 for b in c:

@@ -180,14 +180,13 @@ def test_killed_producer_with_live_workers_is_still_seen_dead(channel, spawn):
     # (and with it, its liveness) after the producer is killed.
     prod = spawn(FORK_PRODUCER, channel, "forever")
     with tsock.Consumer(channel, timeout=30) as c:
-        it = iter(c)
         for _ in range(20):  # into the second epoch: workers were forked after creation
-            next(it, None)
+            next(c, None)  # next(consumer) goes on across epochs
         os.kill(prod.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(tsock.ProducerGone):
             while True:
-                next(it, None)
+                next(c, None)
                 assert time.monotonic() - t0 < 3
         assert time.monotonic() - t0 < 2.0  # timing is tested above; here: seen dead at all
 
