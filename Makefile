@@ -1,12 +1,20 @@
 # tsock: `make sweep` runs the main job, `make test` runs every test.
 BUILD ?= build
+# The Python environments (scripts/py-env.sh): VENV, the current leg (the
+# newest PyTorch, NumPy, JAX on Python 3.12+: the main job, the tests, the
+# benchmarks), and VENV_OLDEST, the oldest leg (the oldest supported
+# releases on Python 3.11: the tests). PYTHON / PYTHON_OLDEST name their
+# interpreters; by default the newest fitting one is found.
 VENV ?= .venv
+VENV_OLDEST ?= .venv-oldest
 PY = $(VENV)/bin/python
+PY_OLDEST = $(VENV_OLDEST)/bin/python
+export PYTHON PYTHON_OLDEST
 # Keys Go's build cache on the C sources cgo #includes (see scripts/cgo.sh).
 export CGO_CFLAGS := $(shell sh scripts/cgo.sh)
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
-.PHONY: all build lint go-test c-test py-env py-test test sweep demo bench bench-quick bench-latency bench-gpu soak fuzz clean
+.PHONY: all build lint go-test c-test py-env py-env-test py-env-bench py-test bench-test wheel wheel-test constraints test sweep demo bench bench-quick bench-latency bench-gpu soak fuzz clean
 
 all: build
 
@@ -26,18 +34,53 @@ go-test:
 c-test: build
 	ctest --test-dir $(BUILD) --output-on-failure --timeout 300
 
-# Python: Debian's CPU PyTorch and NumPy plus JAX from PyPI, in $(VENV).
-py-env: $(VENV)/.ready
-$(VENV)/.ready: scripts/py-env.sh
-	bash scripts/py-env.sh $(VENV)
+# Python environments, PyPI only, no root (scripts/py-env.sh; pins in
+# requirements/current.txt and oldest.txt). Each target installs only its
+# group: py-env the main job's (PyTorch, Pillow, tqdm), py-env-test the
+# suite's on both legs, py-env-bench the benchmarks' extras.
+PY_ENV_DEPS = scripts/py-env.sh requirements/uv-version requirements/sweep.in
+py-env: $(VENV)/.tsock-sweep
+py-env-test: $(VENV)/.tsock-test $(VENV_OLDEST)/.tsock-test
+py-env-bench: $(VENV)/.tsock-bench
+$(VENV)/.tsock-%: requirements/%.in requirements/current.txt $(PY_ENV_DEPS)
+	bash scripts/py-env.sh current $(VENV) $*
+	touch $@
+$(VENV_OLDEST)/.tsock-%: requirements/%.in requirements/oldest.txt $(PY_ENV_DEPS)
+	bash scripts/py-env.sh oldest $(VENV_OLDEST) $*
+	touch $@
 
-# Python tests (real numpy, torch and JAX on the CPU) against the built libraries.
-py-test: build py-env
-	$(PY) -m ruff check python tests/python examples bench
-	$(PY) -m ruff format --check python tests/python examples bench
-	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) -m pytest -q tests/python
+# Moves the pins of both legs to what PyPI serves now (the oldest leg's
+# direct pins stay: they are the supported minimum).
+constraints:
+	bash scripts/py-env.sh current $(VENV) sweep
+	$(BUILD)/py-tools/bin/uv pip compile -q --universal --python-version 3.12 requirements/current.in -o requirements/current.txt
+	$(BUILD)/py-tools/bin/uv pip compile -q --python-version 3.11 --python-platform x86_64-manylinux_2_28 requirements/oldest.in -o requirements/oldest.txt
 
-test: lint py-env go-test c-test py-test
+# Python tests against the built libraries, on both legs: ruff once, then
+# pytest with the current leg's Python and with the oldest leg's.
+PY_TEST_ENV = TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python)
+py-test: build py-env-test
+	$(PY) -m ruff check python tests/python tests/wheel examples bench
+	$(PY) -m ruff format --check python tests/python tests/wheel examples bench
+	$(PY_TEST_ENV) TSOCK_LEG=current $(PY) -m pytest -q tests/python
+	$(PY_TEST_ENV) TSOCK_LEG=oldest $(PY_OLDEST) -m pytest -q tests/python
+
+# The manylinux wheel (scripts/build-wheel.sh): both libraries and the tsock
+# command, for `pip install` with no Go and no C compiler; into dist/.
+wheel: py-env
+	bash scripts/build-wheel.sh dist
+
+# The wheel in a fresh venv on a PATH with no go and no cc.
+wheel-test: wheel py-env-test
+	TSOCK_WHEEL_DIR=$(abspath dist) TSOCK_WHEEL_PYTHONS="$(abspath $(PY)) $(abspath $(PY_OLDEST))" \
+		$(PY) -m pytest -q tests/wheel
+
+# The benchmarks' smoke run (bench/run.py --quick, in bench/test_bench.py)
+# with the benchmarks' extras.
+bench-test: build py-env-test py-env-bench
+	$(PY_TEST_ENV) $(PY) -m pytest -q bench/test_bench.py
+
+test: lint go-test c-test py-test bench-test wheel-test
 
 # The main job: a hyper-parameter sweep, one producer (a PyTorch DataLoader
 # decoding and augmenting JPEGs) feeding 4 PyTorch trainers through tsock.
@@ -53,7 +96,7 @@ demo:
 # CPUs): writes docs/BENCHMARKS.md and docs/bench/*.png. BENCH_ARGS=--quick
 # for the smoke run (about a minute; into build/bench-quick).
 BENCH_ARGS ?=
-bench: build py-env
+bench: build py-env py-env-bench
 	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) bench/run.py $(BENCH_ARGS)
 
 bench-quick:
@@ -64,7 +107,7 @@ bench-latency:
 
 # The GPU path against a copy per trainer and TensorSocket's CUDA mode
 # (needs a GPU and a CUDA PyTorch; says so and stops otherwise).
-bench-gpu: build py-env
+bench-gpu: build py-env py-env-bench
 	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) bench/gpu.py $(GPU_ARGS)
 
 # Chaos soak (docs/OPERATIONS.md): SOAK_DURATION=10m by default.
@@ -80,4 +123,4 @@ fuzz:
 	done
 
 clean:
-	rm -rf $(BUILD) $(VENV)
+	rm -rf $(BUILD) $(VENV) $(VENV_OLDEST) dist

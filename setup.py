@@ -1,11 +1,15 @@
-"""Build step of `pip install .`: compiles the two libraries into tsock/_lib.
+"""Build step of `pip install .`: compiles the two libraries into tsock/_lib
+and the operators' command into tsock/_bin.
 
     libtsock.so         go build -buildmode=c-shared ./cabi   (producer + reader)
     libtsock_reader.so  cc reader/*.c cuda/{driver,host,device}.c (reader only, no Go runtime)
+    tsock               go build ./cmd/tsock (ls, stat, rm, gpus; run by the
+                        `tsock` console script, python/tsock/_cli.py)
 
 The metadata is in pyproject.toml. The wheel holds native code but no Python
-extension module, so it is tagged py3-none-<platform>. Tools are found on PATH
-or named by GO and CC. The Go build cache (go env GOCACHE) is shared with
+extension module, so it is tagged py3-none-<platform>; scripts/build-wheel.sh
+turns it into a manylinux wheel with auditwheel. Tools are found on PATH or
+named by GO and CC. The Go build cache (go env GOCACHE) is shared with
 `make build`, so a rebuild after `make build` mostly hits the cache.
 """
 
@@ -19,7 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 try:  # setuptools >= 70.1 carries bdist_wheel itself
@@ -32,6 +36,7 @@ READER_SOURCES = [
     "reader/status.c",
     "reader/platform.c",
     "reader/reader.c",
+    "reader/join.c",
     "reader/lease.c",
     "reader/dlpack.c",
     "cuda/driver.c",
@@ -39,6 +44,11 @@ READER_SOURCES = [
     "cuda/device.c",
 ]
 LIBS = ["libtsock.so", "libtsock_reader.so"]
+COMMAND = "tsock"  # in tsock/_bin
+# The soname of libtsock.so: versioned by the major version, as CMake names
+# libtsock_reader.so's (CMakeLists.txt, SOVERSION); the wheel's file keeps
+# the plain name, which is what the package loads.
+SONAME = "libtsock.so.0"
 
 
 class BuildError(Exception):
@@ -78,7 +88,7 @@ def build_libraries(out_dir: Path) -> list[Path]:
     """Compiles libtsock.so and libtsock_reader.so into out_dir."""
     go, cc = _tools()
     out_dir.mkdir(parents=True, exist_ok=True)
-    for src in ["go.mod", "cabi", *READER_SOURCES]:
+    for src in ["go.mod", "cabi", "cmd/tsock", *READER_SOURCES]:
         if not (ROOT / src).exists():
             raise BuildError(f"tsock source {src} is missing from {ROOT} (build from a full checkout or sdist)")
 
@@ -93,7 +103,7 @@ def build_libraries(out_dir: Path) -> list[Path]:
             "build",
             "-buildmode=c-shared",
             "-buildvcs=false",
-            "-ldflags=-extldflags=-Wl,-soname,libtsock.so",
+            f"-ldflags=-extldflags=-Wl,-soname,{SONAME}",
             "-o",
             str(lib),
             "./cabi",
@@ -112,7 +122,7 @@ def build_libraries(out_dir: Path) -> list[Path]:
             "-shared",
             "-Iinclude",
             "-Iring",
-            "-Wl,-soname,libtsock_reader.so",
+            "-Wl,-soname,libtsock_reader.so.0",
             "-o",
             str(reader),
             *READER_SOURCES,
@@ -121,6 +131,17 @@ def build_libraries(out_dir: Path) -> list[Path]:
         ]
     )
     return [lib, reader]
+
+
+def build_command(out_dir: Path) -> Path:
+    """Compiles the tsock command (cmd/tsock) into out_dir."""
+    go, cc = _tools()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cflags = subprocess.run(["sh", str(ROOT / "scripts" / "cgo.sh")], capture_output=True, text=True, check=True)
+    env = dict(os.environ, CGO_ENABLED="1", CC=" ".join(cc), CGO_CFLAGS=cflags.stdout.strip())
+    exe = out_dir / COMMAND
+    _run([go, "build", "-buildvcs=false", "-trimpath", "-ldflags=-s -w", "-o", str(exe), "./cmd/tsock"], env=env)
+    return exe
 
 
 class BuildPyWithLibs(build_py):
@@ -132,20 +153,26 @@ class BuildPyWithLibs(build_py):
         base = ROOT / "python" if getattr(self, "editable_mode", False) else Path(self.build_lib)
         try:
             self._libs = build_libraries(base / "tsock" / "_lib")
+            self._libs.append(build_command(base / "tsock" / "_bin"))
         except BuildError as e:
             raise SystemExit(f"\nerror: {e}\n") from None
 
     def get_outputs(self, include_bytecode=True):
         outs = super().get_outputs(include_bytecode)
-        return outs + [str(Path(self.build_lib) / "tsock" / "_lib" / n) for n in LIBS]
+        pkg = Path(self.build_lib) / "tsock"
+        return outs + [str(pkg / "_lib" / n) for n in LIBS] + [str(pkg / "_bin" / COMMAND)]
+
+
+class NativeDistribution(Distribution):
+    """Holds native code: installed into platlib (the wheel's root, where
+    auditwheel looks for binaries), never purelib."""
+
+    def has_ext_modules(self):
+        return True
 
 
 class PlatformWheel(bdist_wheel):
     """Native libraries, no CPython extension: any Python 3, this platform only."""
-
-    def finalize_options(self):
-        super().finalize_options()
-        self.root_is_pure = False
 
     def get_tag(self):
         _, _, plat = super().get_tag()
@@ -158,6 +185,7 @@ _scratch = tempfile.mkdtemp(prefix="tsock-setup-")
 atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
 
 setup(
+    distclass=NativeDistribution,
     cmdclass={"build_py": BuildPyWithLibs, "bdist_wheel": PlatformWheel},
     options={"build": {"build_base": _scratch}},
 )

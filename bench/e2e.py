@@ -47,10 +47,6 @@ def _setup(a: Namespace):
     import torch
 
     torch.set_num_threads(1)
-    if not hasattr(torch.Tensor, "_typed_storage"):
-        # tensorsocket 0.0.5 calls Tensor._typed_storage() (torch >= 2.0); in
-        # torch 1.13 the same TypedStorage comes from Tensor.storage().
-        torch.Tensor._typed_storage = torch.Tensor.storage
     return torch
 
 
@@ -329,17 +325,15 @@ def tensorsocket_version() -> str | None:
         return None
 
 
-NOTES = """TensorSocket as run here: `tensorsocket==0.0.5` from PyPI, installed with `--no-deps`: it requires
-torch >= 2.0 and this machine has Debian's CPU-only torch 1.13. The one piece it misses there,
-`Tensor._typed_storage()`, is the TypedStorage that `Tensor.storage()` returns in 1.13; `bench/e2e.py` aliases
-it, and nothing else is changed. It runs on CPU tensors: its producer moves each collated batch into shared
+NOTES = """TensorSocket as run here: `tensorsocket==0.0.5` from PyPI with its dependencies (pyzmq, tornado, torch;
+requirements/bench.in), unchanged. It runs on CPU tensors: its producer moves each collated batch into shared
 memory (`share_memory_()`) but sends it with `send_pyobj`, which pickles the storage whole, so each trainer's
-slice carries a copy of the whole collated batch, and PUB/SUB hands every trainer every trainer's slices, which
-it all unpickles (traffic grows with K squared). `producer_batch_size=2` (two loader batches per broadcast): its
-default, 8, ran about 3.5x slower in a trial here, and 1 fails with an `IndexError` in 0.0.5. It drops the
-loader batches of an epoch that do not fill a last group of two: samples/s counts what trainers received. The
-producer starts once all K trainers have answered its heartbeat; its sockets are TCP on 4 free ports (it binds
-all interfaces)."""
+slice carries a copy of the whole collated batch, and PUB/SUB hands every trainer every trainer's slices,
+which it all unpickles (traffic grows with K squared). `producer_batch_size=2` (two loader batches per
+broadcast): its default, 8, ran about 3.5x slower in a trial here, and 1 fails with an `IndexError` in 0.0.5.
+It drops the loader batches of an epoch that do not fill a last group of two: samples/s counts what trainers
+received. The producer starts once all K trainers have answered its heartbeat; its sockets are TCP on 4 free
+ports (it binds all interfaces)."""
 
 
 def run_all(a: Namespace, run, describe, log) -> tuple[list, dict]:

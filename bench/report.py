@@ -868,7 +868,7 @@ def scaling_md(t: dict, png: bool) -> list[str]:
                 ],
             ),
             "",
-            "Size = 4 KiB header + reader area (64 × 128 B, page-rounded) + slots × 2,752 B of descriptors "
+            "Size = 4 KiB header + roster (64 × 128 B, page-rounded) + slots × 2,752 B of descriptors "
             "(page-rounded) + slots × slot bytes: the overhead is fixed per slot and per reader, independent of the "
             "batch size.",
             "",

@@ -63,7 +63,13 @@ def machine() -> dict:
             versions["pyzmq" if mod == "zmq" else mod] = m.__version__
         except ImportError:
             pass
-    versions["libzmq"] = _cmd("pkg-config", "--modversion", "libzmq") or "not found"
+    bundled = pyzmq_libzmq()
+    if bundled is not None:
+        import zmq
+
+        versions["libzmq"] = f"{zmq.zmq_version()} (pyzmq's, {bundled.name})"
+    else:
+        versions["libzmq"] = _cmd("pkg-config", "--modversion", "libzmq") or "not found"
     import e2e
 
     versions["tensorsocket"] = e2e.tensorsocket_version() or "not installed"
@@ -83,6 +89,19 @@ def machine() -> dict:
     }
 
 
+def pyzmq_libzmq() -> Path | None:
+    """The libzmq inside pyzmq's wheel (a bench extra from PyPI), which the
+    C ZMQ baseline links (TBENCH_LIBZMQ, bench/latency): the same library
+    TensorSocket runs on, and no libzmq headers or system package needed.
+    None when pyzmq is missing or was built against a system libzmq."""
+    try:
+        import zmq
+    except ImportError:
+        return None
+    found = sorted(Path(zmq.__file__).resolve().parents[1].glob("pyzmq.libs/libzmq*.so*"))
+    return found[0] if found else None
+
+
 def transport(quick: bool, tmp: Path) -> dict:
     exe = ROOT / "build" / "bench" / "latency"
     exe.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +114,11 @@ def transport(quick: bool, tmp: Path) -> dict:
     else:
         args += ["--readers", "1,4,16,64", "--samples", "10000", "--max-time", "3s", "--tput-readers", "1,4"]
         args += ["--repeats", "3", "--scaling", "0,1,2,4,8,16,32,64", "--pairs", "5"]
-    proc = subprocess.run(args, cwd=ROOT, text=True, capture_output=True)
+    env = dict(os.environ)
+    libzmq = pyzmq_libzmq()
+    if libzmq is not None:
+        env["TBENCH_LIBZMQ"] = str(libzmq)
+    proc = subprocess.run(args, cwd=ROOT, text=True, capture_output=True, env=env)
     print(proc.stdout, end="", flush=True)
     if not out.exists():  # a failed measurement still writes its JSON: only a crash gets here
         raise RuntimeError(f"bench/latency failed ({proc.returncode}):\n{proc.stderr}")

@@ -51,7 +51,7 @@ func (forkGuard) Open(open func() (*os.File, error)) (*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	if C.tsockgo_fork_track_held(C.int(f.Fd())) != 0 {
+	if C.tsockgo_fork_track_held(C.int(rawFd(f))) != 0 {
 		f.Close()
 		return nil, ring.Errorf(ring.StatusNoMem, "out of memory registering a descriptor with the fork guard")
 	}
@@ -64,10 +64,25 @@ func (forkGuard) Close(f *os.File) error {
 	defer runtime.UnlockOSThread()
 	C.tsockgo_fork_hold()
 	defer C.tsockgo_fork_unhold()
-	if fd := f.Fd(); fd != ^uintptr(0) {
+	if fd := rawFd(f); fd >= 0 {
 		C.tsockgo_fork_untrack_held(C.int(fd))
 	}
 	return f.Close()
+}
+
+// rawFd is f's descriptor number, -1 once closed. Not f.Fd(), which would
+// put a socket the runtime polls (the readers' connections) into blocking
+// mode, where deadlines no longer work.
+func rawFd(f *os.File) int {
+	sc, err := f.SyscallConn()
+	if err != nil {
+		return -1
+	}
+	fd := -1
+	if sc.Control(func(d uintptr) { fd = int(d) }) != nil {
+		return -1
+	}
+	return fd
 }
 
 func init() { producer.SetForkGuard(forkGuard{}) }

@@ -424,7 +424,7 @@ int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flag
   /* The pool and its events belong to the producer's process: once it is
    * gone, CUDA leaves their use undefined. Its batches' host copies stay
    * valid, so say so and let the caller read those. */
-  if (tsock__byte_locked(g->fd, TSOCK_LOCK_PRODUCER) == 0)
+  if (tsock__byte_write_locked(g->fd, TSOCK_LOCK_PRODUCER) == 0)
     return tsock__fail(TSOCK_EPRODUCER_GONE,
                        "tsock_batch_cuda_use: the producer died, and its device pool with it; "
                        "batch %llu is still readable in host memory (tensors[i].data)",

@@ -141,7 +141,9 @@ typedef struct tsock_producer_options {
   uint64_t slot_bytes;     /* payload bytes per batch; default 1 MiB */
   uint32_t max_readers;    /* reader records, 1..1024; default 64 */
   uint32_t mode;           /* file permission bits; default 0600 (user only).
-                              0660 shares with the group of `gid`. */
+                              0640 (or 0660) lets the group of `gid` attach:
+                              readers only read the segment, and group and
+                              others never get a write bit. */
   int64_t gid;             /* group for the segment, -1 keeps the default */
   int64_t evict_after_ns;  /* evict a reader that holds the producer back this
                               long; 0 (default) never evicts: slow readers
@@ -250,7 +252,12 @@ typedef struct tsock_reader_options {
 /* Thread-safe. */
 void tsock_reader_options_init(tsock_reader_options_t *opts);
 
-/* Attaches to channel `name`. opts may be NULL for defaults. Thread-safe. */
+/* Attaches to channel `name`. opts may be NULL for defaults. Thread-safe.
+ * The segment is opened read-only (read permission on it is what lets a
+ * process attach); the producer hands the reader its record over a Unix
+ * socket at an abstract address, so the reader must share the producer's
+ * network namespace. TSOCK_EFULL: every reader record is taken;
+ * TSOCK_ECLOSED: the producer is closing the channel. */
 int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
                         tsock_reader_t **out);
 
@@ -477,7 +484,9 @@ int tsock_batch_free(const tsock_batch_t *kept);
 int tsock_batch_pin(tsock_reader_t *r, const tsock_batch_t *batch, void **token);
 
 /* Releases everything, frees the reader record and the handle. Thread-safe
- * against other readers; a second detach returns TSOCK_EHANDLE. Waits for
+ * against other readers; a second detach returns TSOCK_EHANDLE. The
+ * producer has freed the record when it returns (it waits up to 1 s for a
+ * producer that does not answer, e.g. a stopped one). Waits for
  * the GPU work of released batches (tsock_batch_cuda_use); where CUDA cannot
  * confirm it finished, returns TSOCK_ESYS: the handle is gone, but the
  * record stays claimed, its slots held from the producer, until the

@@ -66,13 +66,17 @@ class BatchView {
   bool epoch_end() const noexcept { return (b_->flags & TSOCK_BATCH_EPOCH_END) != 0; }
 
   std::size_t size() const noexcept { return b_->n_tensors; }
-  const tsock_tensor_t &operator[](std::size_t i) const noexcept { return b_->tensors[i]; }
+  /* Tensor i; throws Error (TSOCK_EINVAL) when the batch has no tensor i
+   * (a batch of another shape than the reader expects, an epoch-end
+   * marker), never reads past the batch's tensors. */
+  const tsock_tensor_t &operator[](std::size_t i) const { return b_->tensors[checked(i)]; }
   const tsock_tensor_t *begin() const noexcept { return b_->tensors; }
   const tsock_tensor_t *end() const noexcept { return b_->tensors + b_->n_tensors; }
-  /* Tensor i's first element as T (read-only shared memory). */
+  /* Tensor i's first element as T (read-only shared memory); the index is
+   * checked as by operator[]. */
   template <class T>
-  const T *data(std::size_t i) const noexcept {
-    return static_cast<const T *>(b_->tensors[i].data);
+  const T *data(std::size_t i) const {
+    return static_cast<const T *>(b_->tensors[checked(i)].data);
   }
 
   const void *meta() const noexcept { return b_->meta; }
@@ -94,6 +98,13 @@ class BatchView {
   }
 
  private:
+  std::size_t checked(std::size_t i) const {
+    if (i >= b_->n_tensors)
+      throw Error(TSOCK_EINVAL, "tsock::BatchView: tensor " + std::to_string(i) + " of a batch of " +
+                                    std::to_string(b_->n_tensors) + " tensor(s)");
+    return i;
+  }
+
   const tsock_batch_t *b_;
 };
 

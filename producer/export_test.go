@@ -23,3 +23,12 @@ func NoTmpfileForTest() (restore func()) {
 	useTmpfile = false
 	return func() { useTmpfile = true }
 }
+
+// SetStaleLockedHookForTest runs hook each time Create has found a dead
+// segment's producer lock held (a reclaimer's moment on the lock, or a
+// live producer), before it decides to look again or give up, and returns
+// the function that removes it.
+func SetStaleLockedHookForTest(hook func()) (restore func()) {
+	staleLockedHook = hook
+	return func() { staleLockedHook = nil }
+}

@@ -1,12 +1,15 @@
 package producer_test
 
-// FuzzBuggyReaderRecord: a "buggy reader" writes fuzzed values into its
-// own reader record (claim, cursor, acquired, pid, ...) and into the reader
-// area's shared words, through the segment mapping, while the producer
-// publishes with short timeouts and good readers consume. The reader area
-// is the only memory a reader can write, so this is everything a buggy or
-// hostile reader can do to the producer. Checked:
-//   - the producer never panics;
+// FuzzBuggyReaderRecord: a "buggy reader" joins the channel as any
+// reader process can (the join protocol spoken by hand, testkit.Rogue) and
+// then writes fuzzed values into its own record (cursor, acquired,
+// sleeping flag, placement, ...), sends fuzzed bytes on its connection and
+// tries to resize its record's file, while the producer publishes with
+// short timeouts and good readers consume. A reader writes nothing else:
+// the segment is read-only to it, and no other reader's record is in its
+// reach. So this is everything a buggy or hostile reader can do to the
+// producer. Checked:
+//   - the producer never panics (nor faults: the record cannot be shrunk);
 //   - Reserve and EndEpoch return within their timeout (plus scheduling
 //     slack), with nil or ErrTimedOut; with timeout 0, nil or
 //     ErrBackpressure at once; Publish of a reserved batch never fails;
@@ -15,8 +18,8 @@ package producer_test
 //     slow, but then what they got is still an in-order prefix, and a batch
 //     they held when evicted, which the producer may overwrite while it is
 //     read, is reported by its release: ErrEvicted);
-//   - once the buggy reader detaches, its record never stalls the producer
-//     again, whatever state it left there.
+//   - once the buggy reader is gone, whatever it left in its record never
+//     stalls the producer again.
 //
 // The seed corpus runs in every `go test`; to fuzz:
 //
@@ -30,9 +33,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/tsock/tsock/internal/batchgen"
+	"github.com/tsock/tsock/internal/testkit"
 	"github.com/tsock/tsock/producer"
 	"github.com/tsock/tsock/reader"
 	"github.com/tsock/tsock/ring"
@@ -145,10 +148,12 @@ func interesting(s *script, published, slots uint64) uint64 {
 
 func FuzzBuggyReaderRecord(f *testing.F) {
 	f.Add(uint16(0), []byte{0, 0, 0})
-	f.Add(uint16(1), []byte{4, 3, 2, 0, 0, 0, 0, 0, 0, 0}) // cursor far behind: the producer times out
-	f.Add(uint16(2), []byte{4, 3, 1, 9, 0, 0, 0, 0, 0})    // cursor ahead
-	f.Add(uint16(3), []byte{4, 0, 4, 3, 2, 0, 1, 0, 3, 0}) // claim rewritten
-	f.Add(uint16(1<<7), []byte{4, 3, 3, 0, 0, 0, 0, 0, 0}) // with eviction
+	f.Add(uint16(1), []byte{4, 3, 2, 0, 0, 0, 0, 0, 0, 0})            // cursor far behind: the producer times out
+	f.Add(uint16(2), []byte{4, 3, 1, 9, 0, 0, 0, 0, 0})               // cursor ahead
+	f.Add(uint16(3), []byte{4, 7, 4, 3, 2, 0, 1, 0, 3, 0})            // sleeping for ever
+	f.Add(uint16(2), []byte{5, 1, 'w', 63, 0, 0, 5, 0, 'l', 0, 0, 0}) // wake spam, then a leave
+	f.Add(uint16(1), []byte{8, 0, 8, 200, 0, 0, 0})                   // shrink, grow
+	f.Add(uint16(1<<7), []byte{4, 3, 3, 0, 0, 0, 0, 0, 0})            // with eviction
 	f.Add(uint16(5), []byte{5, 1, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 7, 0, 6, 3, 0})
 	f.Add(uint16(6), []byte{4, 0, 4, 0, 2, 6, 0, 0, 0, 3})
 	f.Fuzz(func(t *testing.T, cfg uint16, ops []byte) {
@@ -185,16 +190,11 @@ func runBuggyReader(t *testing.T, cfg uint16, ops []byte) {
 			p.Close()
 		}
 	}()
-	buggy, err := reader.Attach(name, reader.Options{Start: reader.StartNow, MaxHeld: 2})
+	buggy, err := testkit.JoinRogue(name, uint32(reader.StartNow))
 	if err != nil {
 		t.Fatal(err)
 	}
-	buggyAttached := true
-	defer func() {
-		if buggyAttached {
-			buggy.Detach()
-		}
-	}()
+	defer buggy.Close()
 	var goods []*goodReader
 	var wg sync.WaitGroup
 	for k := 0; k < nGood; k++ {
@@ -215,24 +215,19 @@ func runBuggyReader(t *testing.T, cfg uint16, ops []byte) {
 		wg.Wait()
 	}()
 
-	// The buggy reader's record (the first one attached gets record 0) and
-	// the shared words, through a writable mapping of our own.
-	g, _ := ring.ComputeGeometry(slots, maxReaders, batchgen.MaxPayload)
-	fl, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR, 0)
+	// The buggy reader attached first: roster entry 0, as the producer says.
+	seg, err := ring.OpenSegment(name)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer fl.Close()
-	seg, err := ring.MapSegment(fl, g, slots, maxReaders, true)
-	if err != nil {
-		t.Fatal(err)
+	defer seg.Close()
+	if snap := seg.Snapshot(0); snap.Pid != int32(os.Getpid()) || snap.Claim != buggy.Reply.Claim ||
+		ring.ClaimState(snap.Claim) != ring.ReaderActive {
+		t.Fatalf("entry 0 is not the buggy reader's: %+v", snap)
 	}
-	defer seg.Unmap()
-	if snap := seg.Snapshot(0); snap.Pid != int32(os.Getpid()) || ring.ClaimState(snap.Claim) != ring.ReaderActive {
-		t.Fatalf("record 0 is not the buggy reader's: %+v", snap)
-	}
-	rec, shared := seg.RecordBytes(0), seg.ReaderSharedBytes()
-	word := func(b []byte, off uintptr) *uint64 { return (*uint64)(unsafe.Pointer(&b[off])) }
+	recordWords := []uintptr{ring.RecordOffCursor, ring.RecordOffAcquired, ring.RecordOffHeartbeatNs,
+		ring.RecordOffWaitNs, ring.RecordOffBatches, ring.RecordOffPlacement, ring.RecordOffGPUUUID,
+		ring.RecordOffSleeping}
 
 	var i, markers uint64 // next data batch, epoch markers published
 	wait := func(what string, tmo time.Duration, err error, took time.Duration) bool {
@@ -261,44 +256,46 @@ func runBuggyReader(t *testing.T, cfg uint16, ops []byte) {
 		}
 		i++
 	}
-	var held *reader.Batch
 	s := &script{b: ops}
 	for s.more() {
-		switch op := s.u8(); op % 8 {
+		switch op := s.u8(); op % 9 {
 		case 0, 1, 2:
 			publish(timeout)
 		case 3:
 			publish(0)
 		case 4: // the buggy reader writes a word of its record
-			off := uintptr(s.u8()%8) * 8
-			atomic.StoreUint64(word(rec, off), interesting(s, seg.Published(), uint64(slots)))
-		case 5: // ... or a shared word
-			off := uintptr(s.u8()%2) * 4
-			atomic.StoreUint32((*uint32)(unsafe.Pointer(&shared[off])), uint32(s.u64()))
-		case 6: // ... or reads and releases like a real reader (it may be refused)
-			if held != nil {
-				buggy.Release(held)
-				held = nil
-			} else if b, err := buggy.Acquire(0); err == nil && b != nil {
-				held = b
+			off := recordWords[int(s.u8())%len(recordWords)]
+			buggy.Set(off, interesting(s, seg.Published(), uint64(slots)))
+		case 5: // ... or sends bytes on its connection (a leave, a wake, garbage)
+			msg := make([]byte, 1+int(s.u8()%8))
+			for k := range msg {
+				msg[k] = s.u8()
 			}
+			for k := 0; k < 1+int(s.u8()%64); k++ {
+				_ = buggy.Send(msg) // a full buffer refuses some: that is fine
+			}
+		case 6: // ... or releases everything, like a real reader
+			buggy.Set(ring.RecordOffCursor, seg.Published())
 		case 7:
 			start := time.Now()
 			if wait("end epoch", timeout, p.EndEpoch(timeout), time.Since(start)) {
 				markers++
+			}
+		case 8: // ... or tries to shrink or grow its record's file: the seals refuse
+			if err := buggy.Truncate(int64(s.u8()) * 64); err == nil {
+				t.Fatalf("the buggy reader resized its record's file")
 			}
 		}
 	}
 
 	// The buggy reader goes away: whatever it left in its record, the
 	// producer must not be held back by it any more.
-	buggy.Detach()
-	buggyAttached = false
+	buggy.Close()
 	for k := 0; k < 2*int(slots); k++ {
 		start := time.Now()
 		buf, err := p.Reserve(batchgen.PayloadBytes(i), 10*time.Second)
 		if err != nil {
-			t.Fatalf("after the buggy reader detached: reserve batch %d: %v after %v (record: %+v)", i, err,
+			t.Fatalf("after the buggy reader left: reserve batch %d: %v after %v (entry: %+v)", i, err,
 				time.Since(start), seg.Snapshot(0))
 		}
 		ts, meta := batchgen.Write(buf, i)

@@ -20,6 +20,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/tsock/tsock/internal/readers"
 	"github.com/tsock/tsock/ring"
 )
 
@@ -101,9 +102,14 @@ func closeLockable(f *os.File) error {
 	return forkGuard.Close(f)
 }
 
-// livenessPeriod bounds how long a dead reader can hold the producer back:
-// while blocked, the producer re-checks the readers' locks this often.
-const livenessPeriod = 10 * time.Millisecond
+// guard is the fork guard the reader table uses for the join socket, the
+// readers' connections and their records' memfds.
+func guard() readers.Guard {
+	if forkGuard == nil {
+		return readers.NoGuard{}
+	}
+	return forkGuard
+}
 
 // Producer owns one channel.
 type Producer struct {
@@ -123,7 +129,8 @@ type Producer struct {
 	epoch     uint64
 	index     uint64
 	descs     [ring.MaxTensors]ring.ShmTensor
-	pool      *devicePool // nil without a device
+	pool      *devicePool    // nil without a device
+	table     *readers.Table // the readers: join socket, records, liveness
 
 	// live guards the mapping's lifetime against the calls that may come
 	// from any goroutine (Stats, Readers, WaitReaders) and so do not take
@@ -136,7 +143,6 @@ type Producer struct {
 	// gating reader watch, for the eviction policy
 	gateCursor uint64
 	gateSince  time.Time
-	lastLive   time.Time // last look at the readers' locks while waiting
 }
 
 func (o *Options) fill() error {
@@ -182,18 +188,20 @@ func Create(name string, opts Options) (*Producer, error) {
 			"geometry out of range: slots %d (power of two, %d..%d), readers %d (1..%d), slot bytes %d (1..%d)",
 			opts.Slots, ring.MinSlots, ring.MaxSlots, opts.MaxReaders, ring.MaxReaders, opts.SlotBytes, ring.MaxSlotBytes)
 	}
-	seg, tmp, pool, err := buildSegment(name, g, opts)
+	seg, tmp, pool, table, err := buildSegment(name, g, opts)
 	if err != nil {
 		return nil, err
 	}
 	p := &Producer{name: name, path: channelPath(name), tmp: tmp, seg: seg, opts: opts, slots: uint64(opts.Slots),
-		pool: pool}
+		pool: pool, table: table}
 	if err := p.install(); err != nil {
+		table.Close()
 		pool.close()
 		seg.Unmap()
 		closeLockable(seg.File)
 		return nil, err
 	}
+	table.Serve()
 	// Now that this channel exists, remove those of this user that nobody
 	// holds any more (best effort: reclaim.go).
 	reclaimDead(name)
@@ -280,26 +288,33 @@ func spaceError(name string, size, free, total uint64, err error) error {
 
 func mib(n uint64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }
 
+// segmentMode is the file mode of a segment for the mode asked: readers
+// only read it, so group and others never get write permission (a reader
+// that could write the file could change descriptors and payload, or
+// truncate it under the producer).
+func segmentMode(asked os.FileMode) os.FileMode { return asked &^ 0o022 }
+
 // buildSegment creates the segment as an unnamed file (createUnnamed),
 // fully initialised and locked before install gives it its name, so that
 // no reader can ever open a half-built channel and a producer killed while
 // creating leaves nothing behind. With a device, the device pool is made
-// and described in the segment before the header is published.
-func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, string, *devicePool, error) {
+// and described in the segment before the header is published; the join
+// socket is bound and its key written there too.
+func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, string, *devicePool, *readers.Table, error) {
 	f, tmp, err := createUnnamed()
 	if err != nil {
-		return nil, "", nil, err
+		return nil, "", nil, nil, err
 	}
 	where := tmp
 	if where == "" {
 		where = "the new segment of " + name
 	}
-	fail := func(err error) (*ring.Segment, string, *devicePool, error) {
+	fail := func(err error) (*ring.Segment, string, *devicePool, *readers.Table, error) {
 		closeLockable(f)
 		if tmp != "" {
 			os.Remove(tmp)
 		}
-		return nil, "", nil, err
+		return nil, "", nil, nil, err
 	}
 	if err := reserveSpace(f, name, g.TotalBytes); err != nil {
 		return fail(err)
@@ -310,11 +325,11 @@ func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, st
 	if err != nil {
 		return fail(sysError(err, "map %s", where))
 	}
-	failMapped := func(err error) (*ring.Segment, string, *devicePool, error) {
+	failMapped := func(err error) (*ring.Segment, string, *devicePool, *readers.Table, error) {
 		seg.Unmap()
 		return fail(err)
 	}
-	if err := f.Chmod(opts.Mode); err != nil { // the umask must not widen or narrow the choice
+	if err := f.Chmod(segmentMode(opts.Mode)); err != nil { // the umask must not widen or narrow the choice
 		return failMapped(sysError(err, "chmod %s", where))
 	}
 	if opts.Gid > 0 {
@@ -329,12 +344,18 @@ func buildSegment(name string, g ring.Geometry, opts Options) (*ring.Segment, st
 			return failMapped(err)
 		}
 	}
+	table, err := readers.Listen(seg, guard())
+	if err != nil {
+		pool.close()
+		return failMapped(sysError(err, "channel %q", name))
+	}
 	seg.InitHeader(name, os.Getpid(), uint64(time.Now().UnixNano()))
 	if err := ring.LockByte(f, ring.LockProducer); err != nil {
+		table.Close()
 		pool.close()
 		return failMapped(sysError(err, "lock %s", where))
 	}
-	return seg, tmp, pool, nil
+	return seg, tmp, pool, table, nil
 }
 
 // createUnnamed makes the segment's file in shmDir without a name
@@ -451,10 +472,16 @@ func reclaimStale(path string) error {
 // which then removes the name: so a held lock is given up to 50 ms to go
 // away or the name to change (nil error, lock not taken: the caller's
 // check that path still names f then sends it round again) before it
-// counts as a live producer.
+// counts as a live producer. The 50 ms run from the first look and end with
+// a look taken after them: a Create descheduled between two looks (a
+// loaded machine) still looks again rather than give up on a stale view.
+// A read lock there (any reader of the file may take one) is no producer,
+// but it keeps the write lock from us: the error says so, and that tsock
+// rm removes the file.
 func lockStale(f *os.File, path string) error {
-	deadline := time.Now().Add(50 * time.Millisecond)
+	var deadline time.Time
 	for {
+		looked := time.Now()
 		err := ring.LockByte(f, ring.LockProducer)
 		if err == nil {
 			return nil
@@ -465,12 +492,26 @@ func lockStale(f *os.File, path string) error {
 		if st, err := os.Lstat(path); err != nil || !sameFile(f, st) {
 			return nil
 		}
-		if time.Now().After(deadline) {
+		if staleLockedHook != nil {
+			staleLockedHook()
+		}
+		if deadline.IsZero() {
+			deadline = looked.Add(50 * time.Millisecond)
+		}
+		if looked.After(deadline) {
+			if alive, err := ring.ByteWriteLocked(f, ring.LockProducer); err == nil && !alive {
+				return ring.Errorf(ring.StatusExist, "%s: its producer is dead, but a reader process holds a read "+
+					"lock on its producer byte (a broken or hostile reader); `tsock rm` removes the file", path)
+			}
 			return ring.Errorf(ring.StatusExist, "%s has a live producer", path)
 		}
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// staleLockedHook, set by tests only, runs each time lockStale has found
+// the lock held, before it decides to look again or give up.
+var staleLockedHook func()
 
 // sameFile reports whether f is the file st describes.
 func sameFile(f *os.File, st os.FileInfo) bool {
@@ -636,34 +677,36 @@ func (p *Producer) write(c ring.SlotContents, n int) {
 	p.reserved = false
 	p.seg.StorePublished(p.next)
 	// Sequentially consistent store above, loads here: pairs with a reader
-	// that sets its sleepers bit and then re-reads published before sleeping.
-	if p.seg.AnySleeper() {
+	// that sets its sleeping flag and then re-reads published before
+	// sleeping (docs/ARCHITECTURE.md, "Acquire and release").
+	if p.table.AnySleeping() {
 		ring.FutexWakeAll(p.seg.PublishedWord())
 	}
 }
 
-// gate returns once slot seq may be overwritten: every live reader has
-// released seq - slots. Dead readers are reclaimed while waiting.
+// maxSleep bounds one sleep of the gate. The producer sleeps on the cursor
+// word of the reader that holds it back, which that reader's release or
+// death changes and wakes; only a Close that comes between the gate's last
+// look and its sleep goes unseen, for at most this long.
+const maxSleep = 50 * time.Millisecond
+
+// gate returns once slot seq may be overwritten: every reader that gates
+// has released seq - slots. A reader that dies is freed by its
+// connection's goroutine (end of file), which wakes the gate.
 func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 	if seq < p.cachedMin+p.slots {
 		return nil
 	}
-	p.cachedMin = p.scan(seq, false)
+	p.cachedMin, _, _ = p.scan(seq)
 	if seq < p.cachedMin+p.slots {
 		return nil
 	}
 	if timeout == 0 {
-		// A producer that never waits must still get past a dead reader:
-		// look at the readers' locks before reporting back-pressure.
-		p.cachedMin = p.scan(seq, true)
-		if seq < p.cachedMin+p.slots {
-			return nil
-		}
-		// Nor may it escape the eviction policy: a caller that polls with
-		// timeout 0 is blocked by a stuck reader as surely as one that
-		// waits. The policy's clock runs across calls.
+		// A caller that polls with timeout 0 is blocked by a stuck reader
+		// as surely as one that waits: it may not escape the eviction
+		// policy, whose clock runs across calls.
 		if p.maybeEvict(p.cachedMin) {
-			p.cachedMin = p.scan(seq, false)
+			p.cachedMin, _, _ = p.scan(seq)
 			if seq < p.cachedMin+p.slots {
 				return nil
 			}
@@ -673,27 +716,30 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 	start := time.Now()
 	defer func() { p.seg.AddBackpressure(uint64(time.Since(start))) }()
 	defer p.seg.SetProducerWaiting(false)
-	word := p.seg.ReleaseWord()
 	for {
+		// Dekker pairing with a releasing reader: waiting is stored
+		// before the scan loads cursors; a reader stores its cursor
+		// before it loads waiting, and if it sees it, wakes its cursor
+		// word. The sleep is on the gating reader's cursor word, with the
+		// value the scan read: a release after the scan changed the word,
+		// and the sleep does not begin (docs/ARCHITECTURE.md, "Publish").
 		p.seg.SetProducerWaiting(true)
-		w := atomic.LoadUint32(word)
-		// The readers' locks (a system call per reader) once per
-		// livenessPeriod, not at every wait and wake-up: while the ring is
-		// full every release wakes us, and with many readers the checks
-		// cost more than the batches.
-		live := time.Since(p.lastLive) >= livenessPeriod
-		if live {
-			p.lastLive = time.Now()
-		}
-		p.cachedMin = p.scan(seq, live)
+		var word *uint32
+		var val uint32
+		p.cachedMin, word, val = p.scan(seq)
 		if seq < p.cachedMin+p.slots {
 			return nil
 		}
 		if p.closing.Load() {
 			return ring.Errorf(ring.StatusHandle, "producer of %q closed while waiting", p.name)
 		}
-		p.maybeEvict(p.cachedMin)
-		slice := max(livenessPeriod-time.Since(p.lastLive), time.Microsecond) // wake for the next check
+		if p.maybeEvict(p.cachedMin) {
+			continue
+		}
+		slice := maxSleep
+		if p.opts.EvictAfter > 0 {
+			slice = min(slice, p.opts.EvictAfter) // the policy's clock needs a look now and then
+		}
 		if timeout > 0 {
 			left := timeout - time.Since(start)
 			if left <= 0 {
@@ -701,59 +747,25 @@ func (p *Producer) gate(seq uint64, timeout time.Duration) error {
 			}
 			slice = min(slice, left)
 		}
-		ring.FutexWait(word, w, slice)
+		if word == nil { // held back by the join window alone: cannot happen (JoinWindow < Slots)
+			time.Sleep(slice)
+			continue
+		}
+		p.table.Wait(word, val, slice)
 	}
 }
 
-// scan returns the smallest cursor of the live readers, or seq if none
-// gates. With checkLive it also frees the records of dead readers. Cursors
-// come from other processes: a cursor outside [seq-slots, seq] is clamped.
-func (p *Producer) scan(seq uint64, checkLive bool) uint64 {
+// scan returns the smallest cursor of the readers that gate, or seq if
+// none does, and where to sleep until it moves (Table.Gating). Cursors
+// come from other processes: each is clamped into [seq-slots, seq].
+func (p *Producer) scan(seq uint64) (uint64, *uint32, uint32) {
 	least := seq
 	// Late-join window: keep the epoch's first batch (and so every later
 	// one) while no more than JoinWindow batches of the epoch are out.
 	if start := p.seg.EpochStart(); p.opts.JoinWindow > 0 && seq-start <= uint64(p.opts.JoinWindow) {
 		least = min(least, start)
 	}
-	for i := uint32(0); i < p.seg.Readers; i++ {
-		c := p.seg.Claim(i)
-		st := ring.ClaimState(c)
-		if st != ring.ReaderActive && st != ring.ReaderJoining {
-			continue
-		}
-		if checkLive && p.reclaimIfDead(i, c) {
-			continue
-		}
-		if st != ring.ReaderActive {
-			continue // a joining reader gates itself (see ARCHITECTURE.md, Joining)
-		}
-		cur := p.seg.Cursor(i)
-		if cur > seq {
-			cur = seq
-		}
-		if seq >= p.slots && cur < seq-p.slots {
-			cur = seq - p.slots
-		}
-		least = min(least, cur)
-	}
-	return least
-}
-
-// reclaimIfDead frees record i if no live process holds its lock. The claim
-// word was read before the lock check, so a reader that joined in between
-// changed it and the CAS fails.
-func (p *Producer) reclaimIfDead(i uint32, claim uint64) bool {
-	locked, err := p.seg.ReaderLocked(i)
-	if err != nil || locked {
-		return false
-	}
-	if p.seg.CASClaim(i, claim, ring.MakeClaim(ring.ClaimGen(claim)+1, ring.ReaderFree)) {
-		p.seg.AddReclaimed()
-		// A reader killed in its sleep left its bit set: every publish
-		// would wake nobody, with a system call, for ever.
-		p.seg.ClearSleeper(i)
-	}
-	return true
+	return p.table.Gating(least, seq, p.slots)
 }
 
 // maybeEvict applies the opt-in eviction policy: readers whose cursor is
@@ -770,40 +782,27 @@ func (p *Producer) maybeEvict(least uint64) bool {
 	if time.Since(p.gateSince) < p.opts.EvictAfter {
 		return false
 	}
-	evicted := false
-	seq := p.next
-	for i := uint32(0); i < p.seg.Readers; i++ {
-		c := p.seg.Claim(i)
-		if ring.ClaimState(c) != ring.ReaderActive {
-			continue
-		}
-		cur := min(p.seg.Cursor(i), seq)
-		if seq >= p.slots && cur < seq-p.slots {
-			cur = seq - p.slots
-		}
-		if cur == least && p.seg.CASClaim(i, c, ring.MakeClaim(ring.ClaimGen(c), ring.ReaderEvicted)) {
-			p.seg.AddEvicted()
-			p.seg.ClearSleeper(i) // it wakes within its sleep slice and sees EEVICTED
-			evicted = true
-		}
-	}
 	p.gateSince = time.Time{}
-	return evicted
+	return p.table.Evict(least, p.next, p.slots) > 0
 }
 
 // ReaderInfo describes one attached reader.
 type ReaderInfo struct {
 	Index    uint32
-	Pid      int32
+	Pid      int32  // in this process's pid namespace, from the kernel (0: not visible here)
+	Uid      uint32 // from the kernel
 	Cursor   uint64 // batches released
 	Acquired uint64 // batches acquired
 	Batches  uint64
 	WaitNs   uint64 // time spent waiting for data
 	Evicted  bool
+	Sleeping bool // may be asleep waiting for the next batch
 }
 
-// Readers lists the live readers. It may be called from any goroutine;
-// once the producer is closed it returns nil.
+// Readers lists the attached readers: those whose attach has completed
+// (they say so in their record; each gates the producer from a little
+// earlier, its join). It may be called from any goroutine; once the
+// producer is closed it returns nil.
 func (p *Producer) Readers() []ReaderInfo {
 	p.live.RLock()
 	defer p.live.RUnlock()
@@ -814,20 +813,16 @@ func (p *Producer) Readers() []ReaderInfo {
 }
 
 // readers lists the live readers; the caller holds live and the segment is
-// mapped.
+// mapped. The values come from each reader's record: a reader writes what
+// it likes there.
 func (p *Producer) readers() []ReaderInfo {
 	var out []ReaderInfo
-	for i := uint32(0); i < p.seg.Readers; i++ {
-		s := p.seg.Snapshot(i)
-		st := ring.ClaimState(s.Claim)
-		if st != ring.ReaderActive && st != ring.ReaderEvicted {
+	for _, r := range p.table.Readers() {
+		if !r.Attached {
 			continue
 		}
-		if locked, err := p.seg.ReaderLocked(i); err != nil || !locked {
-			continue
-		}
-		out = append(out, ReaderInfo{Index: i, Pid: s.Pid, Cursor: s.Cursor, Acquired: s.Acquired,
-			Batches: s.Batches, WaitNs: s.WaitNs, Evicted: st == ring.ReaderEvicted})
+		out = append(out, ReaderInfo{Index: r.Index, Pid: r.Pid, Uid: r.Uid, Cursor: r.Cursor, Acquired: r.Acquired,
+			Batches: r.Batches, WaitNs: r.WaitNs, Evicted: r.Evicted, Sleeping: r.Sleeping})
 	}
 	return out
 }
@@ -886,6 +881,7 @@ func (p *Producer) Close() error {
 	if p.closing.Swap(true) {
 		return ring.Errorf(ring.StatusHandle, "producer of %q is already closed", p.name)
 	}
+	p.table.Poke() // a Reserve waiting for readers returns
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.seg.SetState(ring.StateClosed)
@@ -895,6 +891,7 @@ func (p *Producer) Close() error {
 	if p.seg.StillNamed(p.path) {
 		_ = os.Remove(p.path)
 	}
+	p.table.StopJoins()
 	p.releasePool()
 	// Stats, Readers and WaitReaders may be reading the segment from other
 	// goroutines right now: unmap only once none is, and leave them the
@@ -902,6 +899,7 @@ func (p *Producer) Close() error {
 	p.live.Lock()
 	defer p.live.Unlock()
 	p.final = p.stats()
+	p.table.Close()
 	p.unmapped = true
 	err := p.seg.Unmap()
 	if cerr := closeLockable(p.seg.File); err == nil {
@@ -944,8 +942,8 @@ func (p *Producer) releasePool() {
 	p.pool = nil
 }
 
-// deviceReaders reports whether a live reader says it has the device pool
-// open (a reader-written claim: a false one costs Close at most
+// deviceReaders reports whether an attached reader says it has the device
+// pool open (a reader-written claim: a false one costs Close at most
 // poolDrainTimeout), and the sum of their cursors, which grows while they
 // drain. A reader process holds a read lock on LockDeviceMap from before it
 // maps the pool until after it unmaps it, which may be long after detach
@@ -955,12 +953,8 @@ func (p *Producer) deviceReaders() (attached bool, cursors uint64) {
 	if mapped, err := ring.ByteLocked(p.seg.File, ring.LockDeviceMap); err != nil || mapped {
 		attached = true
 	}
-	for i := uint32(0); i < p.seg.Readers; i++ {
-		r := p.seg.Snapshot(i)
-		if r.Placement != ring.PlacementDevice || ring.ClaimState(r.Claim) == ring.ReaderFree {
-			continue
-		}
-		if locked, err := p.seg.ReaderLocked(i); err == nil && locked {
+	for _, r := range p.table.Readers() {
+		if r.Placement == ring.PlacementDevice {
 			attached = true
 			cursors += r.Cursor
 		}

@@ -5,6 +5,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -295,17 +296,20 @@ func TestBackpressure(t *testing.T) {
 	_, _, err = batchgen.Check(tensors(held), held.Meta)
 	require.NoError(t, err)
 
-	// A release in another goroutine wakes a blocked Reserve.
-	// (The reader is used by one goroutine at a time: wait for Release to
-	// return before using it again.)
+	// A release in another goroutine wakes a blocked Reserve: the ring is
+	// full until the release begins, so the publish cannot return before,
+	// however the goroutines are scheduled. (The reader is used by one
+	// goroutine at a time: wait for Release to return before using it
+	// again.)
+	var releasing atomic.Bool
 	released := make(chan error, 1)
 	go func() {
-		time.Sleep(30 * time.Millisecond)
+		time.Sleep(30 * time.Millisecond) // most often, the Reserve below is asleep by then
+		releasing.Store(true)
 		released <- r.Release(held)
 	}()
-	start = time.Now()
 	require.NoError(t, publish(p, 4, 5*time.Second))
-	assert.GreaterOrEqual(t, time.Since(start), 20*time.Millisecond)
+	assert.True(t, releasing.Load(), "Reserve returned a slot of a full ring before the reader released one")
 	require.NoError(t, <-released)
 
 	// Acquiring without releasing never gives more than max_held.

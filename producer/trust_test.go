@@ -39,13 +39,11 @@ func TestCloseRacesQueries(t *testing.T) {
 
 		var stop atomic.Bool
 		var wg sync.WaitGroup
-		var calls atomic.Int64
-		started := make(chan struct{}, 3)
+		var calls [3]atomic.Int64 // per goroutine
 		for g := 0; g < 3; g++ {
 			wg.Add(1)
 			go func(g int) {
 				defer wg.Done()
-				started <- struct{}{}
 				for !stop.Load() {
 					switch g {
 					case 0:
@@ -60,20 +58,33 @@ func TestCloseRacesQueries(t *testing.T) {
 							assert.True(t, st == ring.StatusTimedOut || st == ring.StatusHandle, "WaitReaders: %v", err)
 						}
 					}
-					calls.Add(1)
+					calls[g].Add(1)
 				}
 			}(g)
 		}
-		for g := 0; g < 3; g++ {
-			<-started
+		// Every goroutine calls before the close, and again after it (a
+		// closed producer answers, it does not crash), however they are
+		// scheduled.
+		waitCalls := func(min [3]int64) (now [3]int64) {
+			deadline := time.Now().Add(30 * time.Second)
+			for g := range calls {
+				for calls[g].Load() < min[g] {
+					if time.Now().After(deadline) {
+						stop.Store(true)
+						wg.Wait()
+						t.Fatalf("goroutine %d made %d calls in 30 s, not %d", g, calls[g].Load(), min[g])
+					}
+					time.Sleep(50 * time.Microsecond)
+				}
+				now[g] = calls[g].Load()
+			}
+			return now
 		}
+		before := waitCalls([3]int64{1, 1, 1})
 		require.NoError(t, p.Close())
-		// Keep calling after Close too: a closed producer answers, it does
-		// not crash.
-		time.Sleep(time.Millisecond)
+		waitCalls([3]int64{before[0] + 2, before[1] + 2, before[2] + 2})
 		stop.Store(true)
 		wg.Wait()
-		assert.Positive(t, calls.Load())
 		assert.Nil(t, p.Readers(), "a closed producer has no readers to list")
 		assert.Equal(t, uint64(1), p.Stats().Published, "Stats after Close: the counters as Close left them")
 		assert.Equal(t, ring.StatusHandle, ring.StatusOf(p.WaitReaders(0, 0)))
@@ -263,7 +274,10 @@ func TestCreateFallbackTempName(t *testing.T) {
 // TestCreateWaitsForReclaimer: a Create that finds its name's dead segment
 // locked by a process reclaiming it (another channel's Create sweeping
 // dead channels holds the producer lock for a moment, then unlinks it)
-// waits for the name to go instead of failing with ErrExist.
+// waits for the name to go instead of failing with ErrExist. The
+// reclaimer lets go once Create has found the lock held (from the test
+// hook, not after a sleep that a loaded machine can stretch past Create's
+// 50 ms).
 func TestCreateWaitsForReclaimer(t *testing.T) {
 	name := testkit.Channel(t)
 	staleSegment(t, name, 0)
@@ -271,12 +285,40 @@ func TestCreateWaitsForReclaimer(t *testing.T) {
 	require.NoError(t, err)
 	defer f.Close()
 	require.NoError(t, ring.LockByte(f, ring.LockProducer))
-	go func() {
-		time.Sleep(10 * time.Millisecond)
-		os.Remove(ring.ChannelPath(name)) // what the reclaimer does, then it closes
-		f.Close()
-	}()
+	found := 0
+	defer producer.SetStaleLockedHookForTest(func() {
+		if found++; found == 1 {
+			os.Remove(ring.ChannelPath(name)) // what the reclaimer does, then it closes
+			f.Close()
+		}
+	})()
 	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
 	require.NoError(t, err, "a reclaimer's moment on the lock is not a live producer")
 	require.NoError(t, p.Close())
+	assert.Equal(t, 1, found, "Create found the lock held once, then free")
+}
+
+// TestCreateGivesUpOnlyAfterLooking: a lock that stays held is a live
+// producer, and Create fails with ErrExist, but only once a look taken 50
+// ms after its first one still finds it held. A Create descheduled right
+// after its first look (here the hook stalls it 80 ms, as a loaded machine
+// can) looks again before it gives up: before the fix it counted the stall
+// as 50 ms of a held lock, and a reclaimer that had let go meanwhile made
+// Create fail with ErrExist.
+func TestCreateGivesUpOnlyAfterLooking(t *testing.T) {
+	name := testkit.Channel(t)
+	staleSegment(t, name, 0)
+	f, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, ring.LockByte(f, ring.LockProducer))
+	looks := 0
+	defer producer.SetStaleLockedHookForTest(func() {
+		if looks++; looks == 1 {
+			time.Sleep(80 * time.Millisecond)
+		}
+	})()
+	_, err = producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.ErrorIs(t, err, producer.ErrExist)
+	assert.Equal(t, 2, looks, "one look after the stall, then ErrExist")
 }

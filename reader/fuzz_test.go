@@ -28,6 +28,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/tsock/tsock/internal/readers"
 	"github.com/tsock/tsock/reader"
 	"github.com/tsock/tsock/ring"
 )
@@ -281,7 +282,7 @@ func FuzzAttachAcquire(f *testing.F) {
 
 func runAttachCase(t *testing.T, geom uint32, hdrPatch, slotData, script []byte) {
 	slots := uint32(2) << (geom & 3)
-	readers := 1 + (geom>>2)&3
+	capacity := 1 + (geom>>2)&3
 	spb := uint64(4096) << ((geom >> 4) & 1)
 	lockHeld := geom&(1<<5) == 0
 	startNow := geom&(1<<6) != 0
@@ -291,9 +292,9 @@ func runAttachCase(t *testing.T, geom uint32, hdrPatch, slotData, script []byte)
 
 	name := fmt.Sprintf("fuzz-%d-%d", os.Getpid(), fuzzN.Add(1))
 	path := ring.ChannelPath(name)
-	g, ok := ring.ComputeGeometry(slots, readers, spb)
+	g, ok := ring.ComputeGeometry(slots, capacity, spb)
 	if !ok {
-		t.Fatalf("harness geometry %d %d %d", slots, readers, spb)
+		t.Fatalf("harness geometry %d %d %d", slots, capacity, spb)
 	}
 	fl, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
@@ -304,7 +305,7 @@ func runAttachCase(t *testing.T, geom uint32, hdrPatch, slotData, script []byte)
 	if err := fl.Truncate(int64(g.TotalBytes)); err != nil {
 		t.Fatal(err)
 	}
-	seg, err := ring.MapSegment(fl, g, slots, readers, true)
+	seg, err := ring.MapSegment(fl, g, slots, capacity, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -318,7 +319,13 @@ func runAttachCase(t *testing.T, geom uint32, hdrPatch, slotData, script []byte)
 			p[j] = patByte(base + uint64(j))
 		}
 	}
+	table, err := readers.Listen(seg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer table.Close()
 	seg.InitHeader(name, os.Getpid(), 1)
+	table.Serve()
 	sd := &stream{b: slotData}
 	fs.publish(prePublish, sd)
 	if lockHeld {
@@ -346,7 +353,8 @@ func runAttachCase(t *testing.T, geom uint32, hdrPatch, slotData, script []byte)
 	raw := sizeMode != 0 || string(orig) != string(hdr[:72]) // geometry changed: no content oracle
 	hdrCopy := append([]byte(nil), hdr...)
 	if fileSize != g.TotalBytes {
-		seg.Unmap() // never touch a mapping past a shrunk file
+		table.Close() // it writes the roster
+		seg.Unmap()   // never touch a mapping past a shrunk file
 		if err := fl.Truncate(int64(fileSize)); err != nil {
 			t.Fatal(err)
 		}
@@ -496,7 +504,7 @@ func runAttachCase(t *testing.T, geom uint32, hdrPatch, slotData, script []byte)
 				if sc.u8()%2 == 0 {
 					v = ring.MakeClaim(v>>8, ring.ReaderEvicted)
 				}
-				atomic.StoreUint64((*uint64)(unsafe.Pointer(&seg.RecordBytes(0)[ring.RecordOffClaim])), v)
+				seg.SetClaim(0, v)
 				fs.claimHit = true
 			}
 		case 9:
@@ -514,8 +522,15 @@ func runAttachCase(t *testing.T, geom uint32, hdrPatch, slotData, script []byte)
 		if locked, _ := seg.ReaderLocked(0); locked {
 			t.Fatalf("detached reader still holds its record lock")
 		}
-		if c := seg.Claim(0); !fs.claimHit && ring.ClaimState(c) != ring.ReaderFree {
-			t.Fatalf("detached reader left its record in state %d", ring.ClaimState(c))
+		// The producer frees the entry when the connection ends.
+		for deadline := time.Now().Add(10 * time.Second); !fs.claimHit; time.Sleep(time.Millisecond) {
+			c := seg.Claim(0)
+			if ring.ClaimState(c) == ring.ReaderFree {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("detached reader's entry still in state %d", ring.ClaimState(c))
+			}
 		}
 	}
 }

@@ -58,6 +58,6 @@ func TestRejectedBatchesDoNotWedgeTheReader(t *testing.T) {
 		}
 		assert.Equal(t, 2*maxHeld, rejected, "max_held %d", maxHeld)
 		// Everything was released: the producer is not gated on this reader.
-		assert.Equal(t, fs.next, fs.seg.Cursor(0), "max_held %d: cursor", maxHeld)
+		assert.Equal(t, fs.next, fs.cursor(t, 0), "max_held %d: cursor", maxHeld)
 	}
 }

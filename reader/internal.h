@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "layout.h"
 #include "tsock.h"
@@ -30,12 +31,14 @@ TSOCK_INTERNAL uint64_t tsock__now_ns(void); /* CLOCK_MONOTONIC */
 /* futex on a word of a MAP_SHARED mapping; timeout_ns < 0 waits forever. */
 TSOCK_INTERNAL void tsock__futex_wait(const uint32_t *word, uint32_t expected, int64_t timeout_ns);
 TSOCK_INTERNAL void tsock__futex_wake_all(uint32_t *word);
-/* OFD write lock on one byte: 0 on success, -1 if another description holds
- * it, -2 on another error (errno set). */
-TSOCK_INTERNAL int tsock__lock_byte(int fd, uint64_t byte);
-/* 1 if some other open file description holds a lock on `byte`, 0 if not,
- * -1 on error. */
-TSOCK_INTERNAL int tsock__byte_locked(int fd, uint64_t byte);
+/* OFD read lock on one byte (needs a descriptor open for reading): 0 on
+ * success, -1 if another description holds a write lock on it, -2 on
+ * another error (errno set). */
+TSOCK_INTERNAL int tsock__lock_byte_shared(int fd, uint64_t byte);
+/* 1 if some other open file description holds a write lock on `byte` (a
+ * producer's liveness lock), 0 if not (read locks do not count: anyone
+ * who may read the file can take one), -1 on error. */
+TSOCK_INTERNAL int tsock__byte_write_locked(int fd, uint64_t byte);
 TSOCK_INTERNAL uint64_t tsock__proc_start_time(int pid); /* 0 if unknown */
 
 /* Fork guard: descriptors registered here are closed in a child process
@@ -46,10 +49,41 @@ TSOCK_INTERNAL uint64_t tsock__proc_start_time(int pid); /* 0 if unknown */
  * tsock__fork_track (0, or -1 out of memory) / _untrack register a
  * descriptor opened elsewhere (the Go producer's). */
 TSOCK_INTERNAL int tsock__fork_open(const char *path, int flags); /* open(2)'s result */
+TSOCK_INTERNAL int tsock__fork_socket(int domain, int type, int protocol); /* socket(2)'s */
+/* recvmsg(2) that never waits (MSG_DONTWAIT), registering every descriptor
+ * received (SCM_RIGHTS) before any fork() can copy it: close each with
+ * tsock__fork_close. One that cannot be registered (out of memory) is
+ * closed and reads -1. */
+struct msghdr;
+TSOCK_INTERNAL ssize_t tsock__fork_recvmsg(int sock, struct msghdr *msg, int flags);
 TSOCK_INTERNAL void tsock__fork_close(int fd);
 TSOCK_INTERNAL int tsock__fork_track(int fd);
 TSOCK_INTERNAL void tsock__fork_untrack(int fd);
 TSOCK_INTERNAL uint64_t tsock__fork_generation(void);
+
+/* ---- the join (join.c) ----
+ * A reader attaches over the producer's join socket (layout.h, "The
+ * join"). What it gets: */
+typedef struct tsock_join {
+  int sock;                 /* the connection, kept open while attached (fork-guarded) */
+  tsock_reader_record *rec; /* its record, mapped read-write (TSOCK_RECORD_FILE_BYTES) */
+  uint32_t index;           /* its roster entry, < the header's reader_capacity */
+  uint64_t claim;           /* the entry's claim word while it owns it */
+  uint64_t start;           /* first seq to read */
+  int in_window;            /* starts at the epoch's first batch (late join window) */
+} tsock_join;
+
+/* Joins the channel of the validated header copy h: seg_fd is a
+ * descriptor of the segment open for reading (sent as the proof; not the
+ * one holding locks), owner the segment file's uid (the producer's must
+ * match). Returns TSOCK_OK, or a status with a message: TSOCK_EAGAIN when
+ * the producer turned the connection away (busy: retry), and otherwise
+ * the producer's refusal or the failure. */
+TSOCK_INTERNAL int tsock__join(const tsock_header *h, int seg_fd, uint32_t owner, uint32_t start_mode,
+                               const char *name, tsock_join *out);
+/* Unmaps j's record and closes its connection (after TSOCK_MSG_LEAVE,
+ * and once the producer has freed the entry, 1 s at most). */
+TSOCK_INTERNAL void tsock__join_leave(tsock_join *j);
 
 /* ---- the read-only mapping (reader.c) ----
  * Tensor memory handed out (DLPack descriptors, pinned views) points into

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -49,16 +50,19 @@ static struct flock byte_lock(short type, uint64_t byte) {
   return fl;
 }
 
-int tsock__lock_byte(int fd, uint64_t byte) {
-  struct flock fl = byte_lock(F_WRLCK, byte);
+int tsock__lock_byte_shared(int fd, uint64_t byte) {
+  struct flock fl = byte_lock(F_RDLCK, byte);
   if (fcntl(fd, F_OFD_SETLK, &fl) == 0) return 0;
   return (errno == EAGAIN || errno == EACCES) ? -1 : -2;
 }
 
-int tsock__byte_locked(int fd, uint64_t byte) {
+int tsock__byte_write_locked(int fd, uint64_t byte) {
   struct flock fl = byte_lock(F_WRLCK, byte);
   if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return -1;
-  return fl.l_type != F_UNLCK;
+  /* A write lock excludes every other lock on the byte: if one is
+   * reported, it is the only one. Read locks, which anyone who may read
+   * the file can take, do not count. */
+  return fl.l_type == F_WRLCK;
 }
 
 uint64_t tsock__proc_start_time(int pid) {
@@ -150,6 +154,46 @@ int tsock__fork_open(const char *path, int flags) {
   pthread_mutex_unlock(&fork_mu);
   errno = err;
   return fd;
+}
+
+int tsock__fork_socket(int domain, int type, int protocol) {
+  pthread_once(&fork_once, fork_install);
+  pthread_mutex_lock(&fork_mu);
+  int fd = -1;
+  if (fork_reserve() != 0) {
+    errno = ENOMEM;
+  } else {
+    fd = socket(domain, type, protocol);
+    if (fd >= 0) fork_fds[fork_nfds++] = fd;
+  }
+  int err = errno;
+  pthread_mutex_unlock(&fork_mu);
+  errno = err;
+  return fd;
+}
+
+ssize_t tsock__fork_recvmsg(int sock, struct msghdr *msg, int flags) {
+  pthread_once(&fork_once, fork_install);
+  pthread_mutex_lock(&fork_mu);
+  ssize_t n = recvmsg(sock, msg, flags | MSG_DONTWAIT);
+  int err = errno;
+  for (struct cmsghdr *c = n < 0 ? NULL : CMSG_FIRSTHDR(msg); c != NULL; c = CMSG_NXTHDR(msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    for (size_t k = 0; k < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); k++) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof fd);
+      if (fork_reserve() == 0) {
+        fork_fds[fork_nfds++] = fd;
+      } else {
+        close(fd);
+        int none = -1;
+        memcpy(CMSG_DATA(c) + k * sizeof(int), &none, sizeof none);
+      }
+    }
+  }
+  pthread_mutex_unlock(&fork_mu);
+  errno = err;
+  return n;
 }
 
 void tsock__fork_close(int fd) {

@@ -2,10 +2,11 @@
  * reader.c - the reader side of the ring, in plain C so that a trainer
  * process never carries a Go runtime.
  *
- * A reader maps the segment read-only, except the reader area, which it
- * maps read-write to publish its cursor. It trusts nothing the producer
- * wrote: the header is checked against the geometry rules of layout.h,
- * every slot against its seqlock stamp and the tensor rules.
+ * A reader opens the segment read-only and maps it PROT_READ; the only
+ * memory it writes is its own record, which the producer hands it at the
+ * join (join.c). It trusts nothing the producer wrote: the header is
+ * checked against the geometry rules of layout.h, every slot against its
+ * seqlock stamp and the tensor rules.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,9 +36,9 @@ struct reader_impl {
   const uint8_t *map; /* whole segment, read-only */
   size_t map_len;
   tsock_map_ref *map_ref; /* owns `map` once attached */
-  tsock_leases *leases;   /* the current mapping of each slot's payload (lease.c) */
-  tsock_reader_area *area; /* reader area, read-write */
-  size_t area_len;
+  tsock_leases *leases; /* the current mapping of each slot's payload (lease.c) */
+  int send_fd; /* the mapping's descriptor, sent as the join's proof, then closed */
+  int sock;    /* connection to the producer (join.c), open while attached */
   /* The header as validated at attach, private: every value the reader
    * derives pointers, sizes or decisions from comes from here, never again
    * from the shared page, which the producer (or anyone who can write the
@@ -51,9 +52,10 @@ struct reader_impl {
   const uint8_t *payload;
   uint64_t mask;
   uint64_t slot_payload_bytes;
-  uint32_t index;        /* our record */
-  tsock_reader_record *rec;
-  uint64_t claim;        /* our claim word while active */
+  uint32_t index;        /* our roster entry */
+  const tsock_roster_entry *entry; /* in the read-only mapping: the producer's verdict */
+  tsock_reader_record *rec; /* ours, read-write (a memfd of our own) */
+  uint64_t claim;        /* our entry's claim word while active */
   uint64_t next;         /* next seq to acquire */
   uint64_t released;     /* every seq below is released (mirror of rec->cursor) */
   int skipping;          /* TSOCK_START_NEXT_EPOCH: drop batches until index 0 */
@@ -190,7 +192,9 @@ void tsock__map_unref(tsock_map_ref *m) {
 }
 
 static void impl_unmap(struct reader_impl *r) {
-  if (r->area != NULL) munmap(r->area, r->area_len);
+  tsock_join j = {.sock = r->sock, .rec = r->rec};
+  tsock__join_leave(&j); /* the producer sees our connection end */
+  tsock__fork_close(r->send_fd);
   for (uint32_t i = 0; r->held != NULL && i < r->max_held; i++)
     tsock__lease_hold(&r->held[i].lease, NULL);
   if (r->leases != NULL) tsock__leases_close(r->leases);
@@ -198,7 +202,7 @@ static void impl_unmap(struct reader_impl *r) {
     tsock__map_unref(r->map_ref);
   else if (r->map != NULL)
     munmap((void *)r->map, r->map_len);
-  tsock__fork_close(r->fd); /* drops our OFD lock, freeing the record's byte */
+  tsock__fork_close(r->fd); /* drops our OFD lock on the entry's byte */
   free(r->held);
   free(r);
 }
@@ -209,8 +213,9 @@ static int check_header(const tsock_header *h, uint64_t file_size, const char *n
   int rc = tsock_layout_check_header(h, file_size, &why);
   switch (rc) {
   case TSOCK_OK:
-  case TSOCK_EAGAIN:
     return rc;
+  case TSOCK_EAGAIN:
+    return tsock__fail(rc, "channel '%s' is still being created", name);
   case TSOCK_EVERSION:
     return tsock__fail(rc, "channel '%s': segment layout version %u, this library reads version %u",
                        name, h->layout_version, TSOCK_LAYOUT_VERSION);
@@ -227,11 +232,25 @@ static int check_header(const tsock_header *h, uint64_t file_size, const char *n
 static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, const char *path,
                        const char *name);
 
-/* Opens and maps the segment. TSOCK_EAGAIN means "not there yet, retry". */
-static int open_segment(const char *name, struct reader_impl *r) {
+/* A second open file description of the file open at fd (path names it,
+ * or did): through /proc/self/fd, which opens that very file even when the
+ * name has gone or names another file since (a new producer replacing a
+ * dead one), else, without /proc, through the name. Read-only, as every
+ * open of the segment by a reader. -1 with errno. */
+static int reopen(int fd, const char *path) {
+  char self[40];
+  snprintf(self, sizeof self, "/proc/self/fd/%d", fd);
+  int m = tsock__fork_open(self, O_RDONLY | O_CLOEXEC); /* a link to our own descriptor: followed */
+  if (m >= 0 || errno != ENOENT) return m;
+  return tsock__fork_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+}
+
+/* Opens and maps the segment (st: the file's status). TSOCK_EAGAIN means
+ * "not there yet, retry". */
+static int open_segment(const char *name, struct reader_impl *r, struct stat *st_out) {
   char path[sizeof(TSOCK_SHM_DIR) + sizeof(TSOCK_SHM_PREFIX) + TSOCK_NAME_MAX + 2];
   snprintf(path, sizeof path, "%s/%s%s", TSOCK_SHM_DIR, TSOCK_SHM_PREFIX, name);
-  r->fd = tsock__fork_open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  r->fd = tsock__fork_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (r->fd < 0) {
     if (errno == ENOENT) return tsock__fail(TSOCK_ENOENT, "no channel '%s' (%s)", name, path);
     if (errno == ELOOP)
@@ -241,6 +260,7 @@ static int open_segment(const char *name, struct reader_impl *r) {
   }
   struct stat st;
   if (fstat(r->fd, &st) != 0) return tsock__fail_errno(TSOCK_ESYS, errno, "fstat %s", path);
+  *st_out = st;
   if (!S_ISREG(st.st_mode))
     return tsock__fail(TSOCK_ECORRUPT, "channel '%s': %s is not a regular file", name, path);
   if ((uint64_t)st.st_size < sizeof(tsock_header))
@@ -252,11 +272,11 @@ static int open_segment(const char *name, struct reader_impl *r) {
    * cannot unmap). Mapped from r->fd, the description that carries our
    * record lock would live on in such a child after we die, and the
    * producer would wait for a dead reader as long as the child lives. */
-  int mfd = tsock__fork_open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-  if (mfd < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "open %s", path);
-  int rc = map_segment(r, mfd, &st, path, name);
-  tsock__fork_close(mfd); /* the mappings keep what they need */
-  return rc;
+  r->send_fd = reopen(r->fd, path);
+  if (r->send_fd < 0 && errno == ENOENT)
+    return tsock__fail(TSOCK_EAGAIN, "channel '%s' was replaced while attaching", name);
+  if (r->send_fd < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "open %s", path);
+  return map_segment(r, r->send_fd, &st, path, name); /* send_fd is closed after the join */
 }
 
 /* open_segment's second half: reads the header once into r->h, checks
@@ -286,11 +306,6 @@ static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, co
   r->map_ref = malloc(sizeof *r->map_ref);
   if (r->map_ref == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
   *r->map_ref = (tsock_map_ref){.addr = m, .len = r->map_len, .refs = 1};
-  r->area_len = (size_t)(r->h.slots_offset - r->h.readers_offset);
-  void *a = mmap(NULL, r->area_len, PROT_READ | PROT_WRITE, MAP_SHARED, mfd,
-                 (off_t)r->h.readers_offset);
-  if (a == MAP_FAILED) return tsock__fail_errno(TSOCK_ESYS, errno, "mmap reader area of %s", path);
-  r->area = a;
   r->live = (const tsock_header *)r->map;
   r->slots = (const tsock_slot *)(r->map + r->h.slots_offset);
   r->payload = r->map + r->h.payload_offset;
@@ -300,81 +315,36 @@ static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, co
 }
 
 static int producer_alive(struct reader_impl *r) {
-  return tsock__byte_locked(r->fd, TSOCK_LOCK_PRODUCER) != 0; /* error: assume alive */
+  return tsock__byte_write_locked(r->fd, TSOCK_LOCK_PRODUCER) != 0; /* error: assume alive */
 }
 
-/* Inside the producer's join window, moves a new reader back to the first
- * batch of the current epoch. The producer keeps that batch while no more
- * than join_window batches of the epoch are published; we gate it from the
- * moment our cursor is stored, so the check after the store decides (see
- * docs/ARCHITECTURE.md, "Late join window"). */
-static void join_in_window(struct reader_impl *r, uint64_t p2) {
-  uint64_t window = r->h.join_window;
-  uint64_t start = __atomic_load_n(&r->live->epoch_start, __ATOMIC_SEQ_CST);
-  if (window == 0 || start > p2 || p2 - start > window || start == p2) return;
-  __atomic_store_n(&r->rec->cursor, start, __ATOMIC_SEQ_CST);
-  uint64_t p3 = __atomic_load_n(&r->live->published, __ATOMIC_SEQ_CST);
-  uint64_t start2 = __atomic_load_n(&r->live->epoch_start, __ATOMIC_SEQ_CST);
-  if (start2 == start && p3 - start <= window) {
-    __atomic_store_n(&r->rec->acquired, start, __ATOMIC_SEQ_CST);
-    r->next = r->released = start;
-    r->skipping = 0;
-    return;
-  }
-  __atomic_store_n(&r->rec->cursor, p2, __ATOMIC_SEQ_CST); /* too late: next epoch */
-}
-
-/* Claims a free reader record: the kernel arbitrates through the OFD lock on
- * the record's byte, the claim word's generation guards against the
- * producer reclaiming the record at the same moment. */
-static int claim_record(struct reader_impl *r, const char *name, int start_mode) {
-  uint32_t cap = r->h.reader_capacity;
-  for (uint32_t i = 0; i < cap; i++) {
-    int lk = tsock__lock_byte(r->fd, TSOCK_LOCK_READER0 + i);
-    if (lk == -1) continue;
-    if (lk == -2) return tsock__fail_errno(TSOCK_ESYS, errno, "lock reader record %u", i);
-    tsock_reader_record *rec = &r->area->records[i];
-    /* We hold the lock, so whoever owned this record is gone: take it
-     * whatever state it was left in. */
-    uint64_t old = __atomic_load_n(&rec->claim, __ATOMIC_SEQ_CST), joining;
-    do {
-      joining = TSOCK_CLAIM(TSOCK_CLAIM_GEN(old) + 1, TSOCK_READER_JOINING);
-    } while (!__atomic_compare_exchange_n(&rec->claim, &old, joining, 0, __ATOMIC_SEQ_CST,
-                                          __ATOMIC_SEQ_CST));
-    rec->pid = getpid();
-    rec->start_time = tsock__proc_start_time(rec->pid);
-    rec->start_mode = (uint32_t)start_mode;
-    rec->wait_ns = 0;
-    rec->batches = 0;
-    rec->heartbeat_ns = tsock__now_ns();
-    __atomic_store_n(&rec->placement, TSOCK_PLACEMENT_HOST, __ATOMIC_RELAXED);
-    rec->cuda_ordinal = -1;
-    memset(rec->gpu_uuid, 0, sizeof rec->gpu_uuid);
-    /* Gate the producer at what is published now, then go active, then
-     * move up to what is published after that: any producer scan that
-     * missed us used a minimum no larger than that second value (see
-     * docs/ARCHITECTURE.md, "Joining"). */
-    uint64_t p1 = __atomic_load_n(&r->live->published, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&rec->cursor, p1, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&rec->acquired, p1, __ATOMIC_SEQ_CST);
-    uint64_t active = TSOCK_CLAIM(TSOCK_CLAIM_GEN(joining), TSOCK_READER_ACTIVE);
-    uint64_t expect = joining;
-    if (!__atomic_compare_exchange_n(&rec->claim, &expect, active, 0, __ATOMIC_SEQ_CST,
-                                     __ATOMIC_SEQ_CST))
-      return tsock__fail(TSOCK_ECORRUPT, "channel '%s': reader record %u changed while joining",
-                         name, i);
-    uint64_t p2 = __atomic_load_n(&r->live->published, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&rec->cursor, p2, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&rec->acquired, p2, __ATOMIC_SEQ_CST);
-    r->index = i;
-    r->rec = rec;
-    r->claim = active;
-    r->next = r->released = p2;
-    r->skipping = start_mode == TSOCK_START_NEXT_EPOCH;
-    if (r->skipping) join_in_window(r, p2);
-    return TSOCK_OK;
-  }
-  return tsock__fail(TSOCK_EFULL, "channel '%s': all %u reader records are taken", name, cap);
+/* Joins the channel (join.c): the producer gives us a roster entry, our
+ * record and where to start (it stored that start in our record and
+ * gates on it from before any batch it could overwrite; the late join
+ * window is decided there too: docs/ARCHITECTURE.md, "Joining"). Then we
+ * mark our presence with a read lock on the entry's byte. */
+static int join_channel(struct reader_impl *r, const struct stat *st, const char *name,
+                        int start_mode) {
+  tsock_join j;
+  int rc = tsock__join(&r->h, r->send_fd, (uint32_t)st->st_uid, (uint32_t)start_mode, name, &j);
+  /* A closing producer stops accepting readers: say closed, not gone. */
+  if (rc == TSOCK_EPRODUCER_GONE &&
+      __atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
+    return tsock__fail(TSOCK_ECLOSED, "channel '%s': closed by the producer", name);
+  if (rc != TSOCK_OK) return rc;
+  r->sock = j.sock;
+  r->rec = j.rec;
+  r->index = j.index;
+  r->claim = j.claim;
+  r->entry = (const tsock_roster_entry *)(r->map + r->h.roster_offset) + j.index;
+  r->next = r->released = j.start;
+  r->skipping = start_mode == TSOCK_START_NEXT_EPOCH && !j.in_window;
+  if (tsock__lock_byte_shared(r->fd, TSOCK_LOCK_READER0 + j.index) == -2)
+    return tsock__fail_errno(TSOCK_ESYS, errno, "channel '%s': lock reader entry %u", name, j.index);
+  /* The producer gated on us from the join on; it counts us as attached
+   * (tsock_producer_wait_readers) from here on. */
+  __atomic_store_n(&r->rec->attached, 1, __ATOMIC_RELEASE);
+  return TSOCK_OK;
 }
 
 int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
@@ -392,8 +362,9 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
   for (;;) {
     struct reader_impl *r = calloc(1, sizeof *r);
     if (r == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
-    r->fd = -1;
-    rc = open_segment(name, r);
+    r->fd = r->send_fd = r->sock = -1;
+    struct stat st = {0};
+    rc = open_segment(name, r, &st);
     if (rc == TSOCK_OK && !producer_alive(r))
       rc = tsock__fail(TSOCK_EPRODUCER_GONE, "channel '%s': its producer is gone", name);
     if (rc == TSOCK_OK) {
@@ -410,8 +381,10 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
       r->held = calloc(r->max_held, sizeof *r->held);
       r->leases = tsock__leases_open(r->map_ref, r->payload, r->h.payload_offset,
                                      (uint32_t)(r->mask + 1), r->slot_payload_bytes, r->fd);
-      rc = r->held && r->leases ? claim_record(r, name, o.start)
+      rc = r->held && r->leases ? join_channel(r, &st, name, o.start)
                                 : tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
+      tsock__fork_close(r->send_fd); /* the mapping keeps the file */
+      r->send_fd = -1;
     }
     if (rc == TSOCK_OK) {
       tsock_reader_t *h = handle_new(r);
@@ -426,13 +399,13 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
     }
     impl_unmap(r);
     /* Worth waiting for: no file yet, one being built, one left by a dead
-     * producer that a new producer will replace. */
+     * producer that a new producer will replace, a producer too busy to
+     * take the join. */
     int retry = rc == TSOCK_ENOENT || rc == TSOCK_EAGAIN || rc == TSOCK_EPRODUCER_GONE;
     int64_t waited = (int64_t)(tsock__now_ns() - start);
     if (!retry || o.attach_timeout_ns == 0 ||
         (o.attach_timeout_ns > 0 && waited >= o.attach_timeout_ns)) {
-      if (rc == TSOCK_EAGAIN)
-        rc = tsock__fail(TSOCK_ETIMEDOUT, "channel '%s' is still being created", name);
+      if (rc == TSOCK_EAGAIN) rc = TSOCK_ETIMEDOUT; /* with the message of why */
       return rc;
     }
     struct timespec ts = {0, ATTACH_POLL_NS};
@@ -443,12 +416,12 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
 /* ---- acquire ---- */
 
 static int check_claim(struct reader_impl *r) {
-  uint64_t c = __atomic_load_n(&r->rec->claim, __ATOMIC_ACQUIRE);
+  uint64_t c = __atomic_load_n(&r->entry->claim, __ATOMIC_ACQUIRE);
   if (c == r->claim) return TSOCK_OK;
   if (TSOCK_CLAIM_STATE(c) == TSOCK_READER_EVICTED)
     return tsock__fail(TSOCK_EEVICTED, "reader %u was evicted: it held the producer back too long",
                        r->index);
-  return tsock__fail(TSOCK_EEVICTED, "reader record %u was taken from this reader", r->index);
+  return tsock__fail(TSOCK_EEVICTED, "reader entry %u was taken from this reader", r->index);
 }
 
 /* Copies slot `seq` into a held batch and checks it. Returns TSOCK_OK,
@@ -532,11 +505,11 @@ static void publish_cursor(struct reader_impl *r, uint64_t cursor) {
   r->released = cursor;
   __atomic_store_n(&r->rec->cursor, cursor, __ATOMIC_SEQ_CST);
   /* Dekker pairing with the producer: it sets producer_waiting, then
-   * rescans cursors; we store the cursor, then look at producer_waiting. */
-  if (__atomic_load_n(&r->live->producer_waiting, __ATOMIC_SEQ_CST)) {
-    __atomic_add_fetch(&r->area->shared.release_notify, 1, __ATOMIC_SEQ_CST);
-    tsock__futex_wake_all(&r->area->shared.release_notify);
-  }
+   * rescans cursors, then sleeps on the cursor word of the reader it waits
+   * for; we store the cursor (which changes that word), then look at
+   * producer_waiting and wake whoever sleeps on our word. */
+  if (__atomic_load_n(&r->live->producer_waiting, __ATOMIC_SEQ_CST))
+    tsock__futex_wake_all((uint32_t *)&r->rec->cursor);
 }
 
 /* 1 when the producer may have hb's slot back: never handed out, or
@@ -620,16 +593,13 @@ static int wait_for_data(struct reader_impl *r, int64_t timeout_ns, uint64_t sta
       if (r->fenced > 0 && slice > FENCE_POLL_NS) slice = FENCE_POLL_NS;
     }
     if (timeout_ns >= 0 && timeout_ns - elapsed < slice) slice = timeout_ns - elapsed;
-    uint64_t *sleepers = &r->area->shared.sleepers[r->index / 64];
-    uint64_t bit = 1ull << (r->index % 64);
     uint32_t word = (uint32_t)__atomic_load_n(pub, __ATOMIC_SEQ_CST);
-    /* Dekker pairing with publish: it stores published, then reads the
-     * sleepers bits. Set on every sleep: the producer clears the bit of a
-     * record it reclaims, and a clear that raced our claim costs one slice. */
-    __atomic_fetch_or(sleepers, bit, __ATOMIC_SEQ_CST);
+    /* Dekker pairing with publish: it stores published, then loads every
+     * attached reader's sleeping flag. */
+    __atomic_store_n(&r->rec->sleeping, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(pub, __ATOMIC_SEQ_CST) <= r->next)
       tsock__futex_wait((const uint32_t *)pub, word, slice);
-    __atomic_fetch_and(sleepers, ~bit, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&r->rec->sleeping, 0, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(pub, __ATOMIC_ACQUIRE) > r->next) return TSOCK_OK;
   }
 }
@@ -889,30 +859,20 @@ int tsock_reader_detach(tsock_reader_t *h) {
     if (r->held[i].fence != NULL && r->hooks->pending(&r->held[i], 1)) unproven = 1;
   if (r->hooks != NULL) r->hooks->detach(r->device);
   if (unproven) {
-    /* Fail closed: GPU work may still read a released slot. The record
-     * stays claimed and its lock held (the descriptor is left open) until
-     * this process exits; the producer sees a stalled reader. */
+    /* Fail closed: GPU work may still read a released slot. The entry
+     * stays ours and its lock held (the connection and the descriptor are
+     * left open) until this process exits; the producer sees a stalled
+     * reader. */
     r->fd = -1;
+    r->sock = -1;
     impl_unmap(r);
     return tsock__fail(TSOCK_ESYS, "tsock_reader_detach: CUDA cannot confirm that GPU work "
                                    "queued on released batches has finished (the CUDA context "
                                    "failed): the reader's slots stay held until this process "
                                    "exits");
   }
-  /* Leave the record free for the next reader, then wake a producer that
-   * may have been gated on us. Only our own claim is changed: if the
-   * producer already reclaimed or evicted it, the CAS fails harmlessly. */
-  uint64_t expect = r->claim;
-  uint64_t freed = TSOCK_CLAIM(TSOCK_CLAIM_GEN(r->claim) + 1, TSOCK_READER_FREE);
-  if (!__atomic_compare_exchange_n(&r->rec->claim, &expect, freed, 0, __ATOMIC_SEQ_CST,
-                                   __ATOMIC_SEQ_CST) &&
-      TSOCK_CLAIM_STATE(expect) == TSOCK_READER_EVICTED) {
-    __atomic_compare_exchange_n(&r->rec->claim, &expect,
-                                TSOCK_CLAIM(TSOCK_CLAIM_GEN(expect) + 1, TSOCK_READER_FREE), 0,
-                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-  }
-  __atomic_add_fetch(&r->area->shared.release_notify, 1, __ATOMIC_SEQ_CST);
-  tsock__futex_wake_all(&r->area->shared.release_notify);
+  /* Closing our connection (impl_unmap) tells the producer we left: it
+   * frees our entry and stops gating on us at once. */
   impl_unmap(r);
   return TSOCK_OK;
 }

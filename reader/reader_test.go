@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tsock/tsock/internal/batchgen"
+	"github.com/tsock/tsock/internal/readers"
 	"github.com/tsock/tsock/internal/testkit"
 	"github.com/tsock/tsock/producer"
 	"github.com/tsock/tsock/reader"
@@ -62,11 +63,27 @@ func TestAttachErrors(t *testing.T) {
 	assert.Equal(t, ring.StatusHandle, ring.StatusOf(err), "acquire after detach")
 }
 
+// TestAttachWaitsForChannel: Attach with an AttachTimeout waits for a
+// channel that does not exist yet. The producer is created 50 ms after the
+// test starts to attach; a run in which the creation began before Attach
+// was called (the test was descheduled that long) proves nothing, and is
+// run again.
 func TestAttachWaitsForChannel(t *testing.T) {
+	for attempt := 1; !attachWaitsOnce(t); attempt++ {
+		require.Less(t, attempt, 20, "the channel was created before Attach was called, every time")
+		t.Logf("attempt %d: the channel was created before Attach was called; again", attempt)
+	}
+}
+
+// attachWaitsOnce is one run of TestAttachWaitsForChannel; false when it
+// proved nothing.
+func attachWaitsOnce(t *testing.T) bool {
 	name := testkit.Channel(t)
+	creating := make(chan time.Time, 1)
 	created := make(chan *producer.Producer, 1)
 	go func() {
 		time.Sleep(50 * time.Millisecond)
+		creating <- time.Now()
 		p, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 64 << 10})
 		if err != nil {
 			created <- nil
@@ -80,17 +97,20 @@ func TestAttachWaitsForChannel(t *testing.T) {
 		ts, meta := batchgen.Write(buf, 0)
 		p.Publish(ts, meta)
 	}()
-	start := time.Now()
+	called := time.Now()
 	r := testkit.Attach(t, name, reader.Options{AttachTimeout: 10 * time.Second})
-	assert.GreaterOrEqual(t, time.Since(start), 40*time.Millisecond)
 	p := <-created
 	require.NotNil(t, p)
 	t.Cleanup(func() { p.Close() })
+	if (<-creating).Before(called) {
+		return false
+	}
 	b, err := r.Acquire(5 * time.Second)
 	require.NoError(t, err)
 	require.NotNil(t, b)
 	_, _, err = batchgen.Check(tensors(b), b.Meta)
 	require.NoError(t, err)
+	return true
 }
 
 func TestAcquireContents(t *testing.T) {
@@ -270,12 +290,14 @@ func TestReaderRecordsFull(t *testing.T) {
 	assert.Len(t, p.Readers(), 2)
 }
 
-// fakeSegment builds a channel segment by hand and holds its producer lock
-// through f, standing in for a producer the test controls completely.
+// fakeSegment builds a channel segment by hand, holds its producer lock
+// through f and lets readers join through a reader table, standing in for
+// a producer the test controls completely.
 type fakeSegment struct {
-	seg  *ring.Segment
-	f    *os.File
-	next uint64
+	seg   *ring.Segment
+	f     *os.File
+	table *readers.Table
+	next  uint64
 }
 
 func newFake(t *testing.T, name string, slots uint32) *fakeSegment {
@@ -287,9 +309,12 @@ func newFake(t *testing.T, name string, slots uint32) *fakeSegment {
 	require.NoError(t, f.Truncate(int64(g.TotalBytes)))
 	seg, err := ring.MapSegment(f, g, slots, 4, true)
 	require.NoError(t, err)
+	table, err := readers.Listen(seg, nil)
+	require.NoError(t, err)
 	seg.InitHeader(name, os.Getpid(), 1)
 	require.NoError(t, ring.LockByte(f, ring.LockProducer))
-	fs := &fakeSegment{seg: seg, f: f}
+	table.Serve()
+	fs := &fakeSegment{seg: seg, f: f, table: table}
 	t.Cleanup(fs.die)
 	return fs
 }
@@ -309,9 +334,23 @@ func (fs *fakeSegment) publish(t *testing.T, tn ring.Tensor, checkBytes, payload
 	ring.FutexWakeAll(fs.seg.PublishedWord())
 }
 
-// die drops the producer lock as a dying process would.
+// cursor is the cursor in the record of the reader of entry i, now.
+func (fs *fakeSegment) cursor(t *testing.T, i uint32) uint64 {
+	t.Helper()
+	for _, r := range fs.table.Readers() {
+		if r.Index == i {
+			return r.Cursor
+		}
+	}
+	t.Fatalf("no reader in entry %d", i)
+	return 0
+}
+
+// die drops the producer lock and the join socket as a dying process
+// would.
 func (fs *fakeSegment) die() {
 	if fs.f != nil {
+		fs.table.Close()
 		fs.seg.Unmap()
 		fs.f.Close()
 		fs.f = nil
@@ -471,4 +510,17 @@ func TestDevicePathRefusedWithoutPool(t *testing.T) {
 	err = r.RegisterHost()
 	assert.ErrorIs(t, err, reader.ErrNoCUDA)
 	assert.Contains(t, err.Error(), "CUDA driver not available")
+}
+
+// TestAttachToClosingChannel: a producer that is closing its channel no
+// longer accepts readers; a reader that found the file first is told the
+// channel is closed, not that its producer died.
+func TestAttachToClosingChannel(t *testing.T) {
+	name := testkit.Channel(t)
+	fs := newFake(t, name, 4)
+	fs.seg.SetState(ring.StateClosed)
+	fs.table.StopJoins()
+	_, err := reader.Attach(name, reader.Options{})
+	require.ErrorIs(t, err, reader.ErrClosed)
+	assert.Contains(t, err.Error(), "closed by the producer")
 }

@@ -29,11 +29,11 @@ const (
 	hOffVersion    = 8
 	hOffHeaderSize = 12
 	hOffSlotSize   = 16
-	hOffRecordSize = 20
+	hOffEntrySize  = 20
 	hOffSlotCount  = 24
 	hOffReaders    = 28
 	hOffSlotBytes  = 32
-	hOffReadersOff = 40
+	hOffRosterOff  = 40
 	hOffSlotsOff   = 48
 	hOffPayloadOff = 56
 	hOffTotal      = 64
@@ -58,7 +58,7 @@ func refCheckHeader(h []byte, fileSize uint64) int {
 		return ring.StatusVersion
 	}
 	if le32(hOffHeaderSize) != uint64(ring.HeaderSize) || le32(hOffSlotSize) != uint64(ring.SlotSize) ||
-		le32(hOffRecordSize) != uint64(ring.ReaderRecordSize) {
+		le32(hOffEntrySize) != uint64(ring.RosterEntrySize) {
 		return ring.StatusCorrupt
 	}
 	slots, readers, spb := le32(hOffSlotCount), le32(hOffReaders), le64(hOffSlotBytes)
@@ -77,11 +77,10 @@ func refCheckHeader(h []byte, fileSize uint64) int {
 	}
 	b := func(v uint64) *big.Int { return new(big.Int).SetUint64(v) }
 	ro := b(ring.PageSize)
-	so := alignUp(new(big.Int).Add(new(big.Int).Add(ro, b(uint64(ring.ReaderSharedSize))),
-		new(big.Int).Mul(b(readers), b(uint64(ring.ReaderRecordSize)))))
+	so := alignUp(new(big.Int).Add(ro, new(big.Int).Mul(b(readers), b(uint64(ring.RosterEntrySize)))))
 	po := alignUp(new(big.Int).Add(so, new(big.Int).Mul(b(slots), b(uint64(ring.SlotSize)))))
 	total := new(big.Int).Add(po, new(big.Int).Mul(b(slots), b(spb)))
-	if ro.Cmp(b(le64(hOffReadersOff))) != 0 || so.Cmp(b(le64(hOffSlotsOff))) != 0 ||
+	if ro.Cmp(b(le64(hOffRosterOff))) != 0 || so.Cmp(b(le64(hOffSlotsOff))) != 0 ||
 		po.Cmp(b(le64(hOffPayloadOff))) != 0 || total.Cmp(b(le64(hOffTotal))) != 0 {
 		return ring.StatusCorrupt
 	}
@@ -102,11 +101,11 @@ func validHeader(slots, readers uint32, spb uint64) ([]byte, uint64) {
 	binary.LittleEndian.PutUint32(h[hOffVersion:], ring.LayoutVersion)
 	binary.LittleEndian.PutUint32(h[hOffHeaderSize:], uint32(ring.HeaderSize))
 	binary.LittleEndian.PutUint32(h[hOffSlotSize:], uint32(ring.SlotSize))
-	binary.LittleEndian.PutUint32(h[hOffRecordSize:], uint32(ring.ReaderRecordSize))
+	binary.LittleEndian.PutUint32(h[hOffEntrySize:], uint32(ring.RosterEntrySize))
 	binary.LittleEndian.PutUint32(h[hOffSlotCount:], slots)
 	binary.LittleEndian.PutUint32(h[hOffReaders:], readers)
 	binary.LittleEndian.PutUint64(h[hOffSlotBytes:], g.SlotPayloadBytes)
-	binary.LittleEndian.PutUint64(h[hOffReadersOff:], g.ReadersOffset)
+	binary.LittleEndian.PutUint64(h[hOffRosterOff:], g.RosterOffset)
 	binary.LittleEndian.PutUint64(h[hOffSlotsOff:], g.SlotsOffset)
 	binary.LittleEndian.PutUint64(h[hOffPayloadOff:], g.PayloadOffset)
 	binary.LittleEndian.PutUint64(h[hOffTotal:], g.TotalBytes)
@@ -159,8 +158,8 @@ func FuzzCheckHeader(f *testing.F) {
 		le64 := func(o int) uint64 { return binary.LittleEndian.Uint64(h[o:]) }
 		slots := uint64(binary.LittleEndian.Uint32(h[hOffSlotCount:]))
 		readers := uint64(binary.LittleEndian.Uint32(h[hOffReaders:]))
-		ro, so, po := le64(hOffReadersOff), le64(hOffSlotsOff), le64(hOffPayloadOff)
-		if ro < uint64(ring.HeaderSize) || ro+uint64(ring.ReaderSharedSize)+readers*uint64(ring.ReaderRecordSize) > so ||
+		ro, so, po := le64(hOffRosterOff), le64(hOffSlotsOff), le64(hOffPayloadOff)
+		if ro < uint64(ring.HeaderSize) || ro+readers*uint64(ring.RosterEntrySize) > so ||
 			so+slots*uint64(ring.SlotSize) > po || po+slots*le64(hOffSlotBytes) != fileSize {
 			t.Fatalf("accepted a header whose regions overlap or leave the file: %x", h[:72])
 		}

@@ -22,10 +22,10 @@ func (s *Segment) InitHeader(name string, pid int, createdNs uint64) {
 	h := s.Header()
 	g := s.Geometry
 	h.magic = C64(Magic)
-	h.header_size, h.slot_size, h.reader_record_size = C32(HeaderSize), C32(SlotSize), C32(ReaderRecordSize)
+	h.header_size, h.slot_size, h.roster_entry_size = C32(HeaderSize), C32(SlotSize), C32(RosterEntrySize)
 	h.slot_count, h.reader_capacity = C32(s.SlotCount), C32(s.Readers)
 	h.slot_payload_bytes = C64(g.SlotPayloadBytes)
-	h.readers_offset, h.slots_offset, h.payload_offset = C64(g.ReadersOffset), C64(g.SlotsOffset), C64(g.PayloadOffset)
+	h.roster_offset, h.slots_offset, h.payload_offset = C64(g.RosterOffset), C64(g.SlotsOffset), C64(g.PayloadOffset)
 	h.total_bytes = C64(g.TotalBytes)
 	h.producer_pid = C32s(int32(pid))
 	h.producer_start_time = C64(ProcStartTime(pid))

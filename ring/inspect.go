@@ -10,12 +10,9 @@ import (
 // slots as a buggy or hostile process would. Nothing here takes a lock or
 // writes to the segment.
 
-// Byte offsets of the reader record's fields (layout.h, tsock_reader_record).
+// Byte offsets of the reader record's fields (layout.h,
+// tsock_reader_record), for tests that write a record as a hostile reader.
 const (
-	RecordOffClaim       = unsafe.Offsetof(ReaderRecord{}.claim)
-	RecordOffPid         = unsafe.Offsetof(ReaderRecord{}.pid)
-	RecordOffStartMode   = unsafe.Offsetof(ReaderRecord{}.start_mode)
-	RecordOffStartTime   = unsafe.Offsetof(ReaderRecord{}.start_time)
 	RecordOffCursor      = unsafe.Offsetof(ReaderRecord{}.cursor)
 	RecordOffAcquired    = unsafe.Offsetof(ReaderRecord{}.acquired)
 	RecordOffHeartbeatNs = unsafe.Offsetof(ReaderRecord{}.heartbeat_ns)
@@ -24,12 +21,14 @@ const (
 	RecordOffPlacement   = unsafe.Offsetof(ReaderRecord{}.placement)
 	RecordOffCUDAOrdinal = unsafe.Offsetof(ReaderRecord{}.cuda_ordinal)
 	RecordOffGPUUUID     = unsafe.Offsetof(ReaderRecord{}.gpu_uuid)
+	RecordOffSleeping    = unsafe.Offsetof(ReaderRecord{}.sleeping)
+	RecordOffAttached    = unsafe.Offsetof(ReaderRecord{}.attached)
 )
 
-// Byte offsets of the reader area's shared words (tsock_reader_shared).
+// Byte offsets of roster entry fields (tsock_roster_entry).
 const (
-	SharedOffSleepers      = unsafe.Offsetof(ReaderShared{}.sleepers)
-	SharedOffReleaseNotify = unsafe.Offsetof(ReaderShared{}.release_notify)
+	RosterOffClaim = unsafe.Offsetof(RosterEntry{}.claim)
+	RosterOffPid   = unsafe.Offsetof(RosterEntry{}.pid)
 )
 
 // Byte offsets of a slot's fields (tsock_slot) and of a tensor descriptor's
@@ -67,6 +66,7 @@ const (
 	HeaderOffGPUUUID       = unsafe.Offsetof(Header{}.gpu_uuid)
 	HeaderOffPublished     = unsafe.Offsetof(Header{}.published)
 	HeaderOffHeartbeatNs   = unsafe.Offsetof(Header{}.heartbeat_ns)
+	HeaderOffJoinKey       = unsafe.Offsetof(Header{}.join_key)
 )
 
 // Close unmaps the segment and closes its file.
@@ -96,15 +96,10 @@ func (s *Segment) HeaderName() string {
 	return string(b[:n])
 }
 
-// RecordBytes is reader record i as raw bytes of the mapping (read-only
+// EntryBytes is roster entry i as raw bytes of the mapping (read-only
 // unless the segment was mapped writable).
-func (s *Segment) RecordBytes(i uint32) []byte {
-	return unsafe.Slice((*byte)(unsafe.Pointer(s.Record(i))), ReaderRecordSize)
-}
-
-// ReaderSharedBytes is the reader area's shared words as raw bytes.
-func (s *Segment) ReaderSharedBytes() []byte {
-	return unsafe.Slice((*byte)(unsafe.Pointer(s.shared())), ReaderSharedSize)
+func (s *Segment) EntryBytes(i uint32) []byte {
+	return unsafe.Slice((*byte)(unsafe.Pointer(s.Entry(i))), RosterEntrySize)
 }
 
 // SlotBytes is the slot holding seq as raw bytes.
@@ -112,18 +107,19 @@ func (s *Segment) SlotBytes(seq uint64) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(s.SlotAt(seq))), SlotSize)
 }
 
-// RecordLive is what a tool needs to know about one reader record: its
-// claim state and whether a live process holds its lock.
+// RecordLive is what a tool needs to know about one roster entry: its
+// claim state and whether a live process holds its byte's lock.
 type RecordLive struct {
 	Index uint32
 	RecordSnapshot
-	State  uint32 // ReaderFree, ReaderJoining, ReaderActive, ReaderEvicted or garbage
-	Locked bool   // a live process holds the record's liveness lock
+	State  uint32 // ReaderFree, ReaderActive, ReaderEvicted or garbage
+	Locked bool   // a live process holds a lock on the entry's byte (its reader, while attached)
 }
 
-// LiveRecords lists the records that are in use: claimed (not FREE) or
-// locked by a live process. Records left ACTIVE by a dead reader appear
-// with Locked false until the producer reclaims them.
+// LiveRecords lists the roster entries that are in use: claimed (not FREE)
+// or locked by a live process. A live producer frees the entry of a reader
+// that dies at once; entries of readers that died after their producer
+// appear ACTIVE with Locked false.
 func (s *Segment) LiveRecords() ([]RecordLive, error) {
 	var out []RecordLive
 	for i := uint32(0); i < s.Readers; i++ {
@@ -146,8 +142,6 @@ func StateName(st uint32) string {
 	switch st {
 	case ReaderFree:
 		return "free"
-	case ReaderJoining:
-		return "joining"
 	case ReaderActive:
 		return "active"
 	case ReaderEvicted:

@@ -10,6 +10,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tsock/tsock/ring"
 )
@@ -80,30 +81,66 @@ func TestOpenSegmentRefusesLinksAndFifos(t *testing.T) {
 	}
 }
 
+// lockShared takes an OFD read lock on byte b of f, as a reader does.
+func lockShared(f *os.File, b int64) error {
+	fl := unix.Flock_t{Type: unix.F_RDLCK, Start: b, Len: 1}
+	return unix.FcntlFlock(f.Fd(), unix.F_OFD_SETLK, &fl)
+}
+
+// TestProducerLockIsAWriteLock: the producer's liveness is its write lock
+// on byte 0; a read lock there, which anyone who may read the file can
+// take (a reader of another user, say), does not make a dead producer
+// look alive to readers and tools.
+func TestProducerLockIsAWriteLock(t *testing.T) {
+	name := inspectName(t, "plock")
+	writeSegment(t, name)
+	reader, err := os.Open(ring.ChannelPath(name))
+	require.NoError(t, err)
+	defer reader.Close()
+	require.NoError(t, lockShared(reader, ring.LockProducer))
+	seg, err := ring.OpenSegment(name)
+	require.NoError(t, err)
+	defer seg.Close()
+	alive, err := seg.ProducerLocked()
+	require.NoError(t, err)
+	assert.False(t, alive, "a read lock on the producer byte is not a producer")
+	require.NoError(t, reader.Close())
+	w, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer w.Close()
+	require.NoError(t, ring.LockByte(w, ring.LockProducer))
+	alive, err = seg.ProducerLocked()
+	require.NoError(t, err)
+	assert.True(t, alive)
+}
+
 func TestInspectAccessors(t *testing.T) {
 	name := inspectName(t, "acc")
 	w := writeSegment(t, name)
 	assert.Equal(t, name[:min(len(name), 31)], w.HeaderName())
 
 	// Offsets pinned by layout.h's static asserts.
-	assert.Equal(t, uintptr(0), ring.RecordOffClaim)
-	assert.Equal(t, uintptr(24), ring.RecordOffCursor)
+	assert.Equal(t, uintptr(0), ring.RosterOffClaim)
+	assert.Equal(t, uintptr(0), ring.RecordOffCursor)
+	assert.Equal(t, uintptr(128), ring.RecordOffSleeping)
 	assert.Equal(t, uintptr(64), ring.SlotOffTensors)
 	assert.Equal(t, uintptr(256), ring.HeaderOffPublished)
 	assert.Equal(t, uintptr(128), ring.HeaderOffState)
 	assert.Equal(t, uintptr(8), ring.HeaderOffLayoutVersion)
-	assert.Equal(t, uintptr(ring.ReaderRecordSize), uintptr(len(w.RecordBytes(0))))
+	assert.Equal(t, uintptr(ring.RosterEntrySize), uintptr(len(w.EntryBytes(0))))
 	assert.Equal(t, uintptr(ring.SlotSize), uintptr(len(w.SlotBytes(3))))
-	assert.Equal(t, uintptr(ring.ReaderSharedSize), uintptr(len(w.ReaderSharedBytes())))
 
-	// A record claimed by a process that holds its lock, one left ACTIVE by
-	// a dead reader, one free: LiveRecords lists the first two.
-	lockFile, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR, 0)
+	// An entry whose reader holds its (read) lock, one left ACTIVE by a
+	// reader that died after its producer, one free: LiveRecords lists
+	// the first two.
+	lockFile, err := os.Open(ring.ChannelPath(name))
 	require.NoError(t, err)
 	defer lockFile.Close()
-	require.NoError(t, ring.LockByte(lockFile, ring.LockReader0+0))
-	require.True(t, w.CASClaim(0, 0, ring.MakeClaim(1, ring.ReaderActive)))
-	require.True(t, w.CASClaim(1, 0, ring.MakeClaim(5, ring.ReaderActive)))
+	require.NoError(t, lockShared(lockFile, ring.LockReader0+0))
+	w.SetClaim(0, ring.MakeClaim(1, ring.ReaderActive))
+	w.SetClaim(1, ring.MakeClaim(5, ring.ReaderActive))
+	w.SetIdentity(1, ring.Identity{Pid: 77, Uid: 65534})
+	w.Mirror(1, ring.Progress{Cursor: 4, Placement: ring.PlacementPinned})
 	w.StorePublished(9)
 
 	seg, err := ring.OpenSegment(name)
@@ -117,6 +154,10 @@ func TestInspectAccessors(t *testing.T) {
 	assert.Equal(t, ring.ReaderActive, recs[0].State)
 	assert.Equal(t, uint32(1), recs[1].Index)
 	assert.False(t, recs[1].Locked)
+	assert.Equal(t, int32(77), recs[1].Pid)
+	assert.Equal(t, uint32(65534), recs[1].Uid)
+	assert.Equal(t, uint64(4), recs[1].Cursor)
+	assert.Equal(t, ring.PlacementPinned, recs[1].Placement)
 	assert.False(t, seg.ProducerWaiting())
 	w.SetProducerWaiting(true)
 	assert.True(t, seg.ProducerWaiting())

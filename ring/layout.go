@@ -26,10 +26,14 @@ static inline uint32_t ring_dtype_size(int32_t dtype) { return tsock_layout_dtyp
 static inline int ring_check_header(const tsock_header *h, uint64_t size, int *why) {
 	return tsock_layout_check_header(h, size, why);
 }
+static inline uint32_t ring_join_address(const uint8_t *key, char *path) {
+	return tsock_layout_join_address(key, path);
+}
 */
 import "C"
 
 import (
+	"time"
 	"unsafe"
 )
 
@@ -37,10 +41,15 @@ import (
 type (
 	// Header is the segment's first page, written by the producer only.
 	Header = C.tsock_header
-	// ReaderShared holds the words every reader may write.
-	ReaderShared = C.tsock_reader_shared
-	// ReaderRecord is one reader's record in the reader area.
+	// RosterEntry is one reader's entry in the segment's roster, written
+	// by the producer only.
+	RosterEntry = C.tsock_roster_entry
+	// ReaderRecord is what one reader writes: its own memfd, never the
+	// segment.
 	ReaderRecord = C.tsock_reader_record
+	// JoinRequest and JoinReply are the messages of the join.
+	JoinRequest = C.tsock_join_request
+	JoinReply   = C.tsock_join_reply
 	// Slot is one entry of the ring: a batch's descriptors.
 	Slot = C.tsock_slot
 	// ShmTensor is a tensor descriptor inside a slot.
@@ -63,6 +72,13 @@ const (
 	ShmDir        = C.TSOCK_SHM_DIR
 	ShmPrefix     = C.TSOCK_SHM_PREFIX
 
+	MirrorPeriod    = time.Duration(C.TSOCK_MIRROR_MS) * time.Millisecond
+	RecordFileBytes = int64(C.TSOCK_RECORD_FILE_BYTES)
+	JoinMagic       = uint64(C.TSOCK_JOIN_MAGIC)
+	JoinKeyBytes    = int(C.TSOCK_JOIN_KEY_BYTES)
+	JoinInWindow    = uint32(C.TSOCK_JOIN_IN_WINDOW)
+	MsgLeave        = byte(C.TSOCK_MSG_LEAVE)
+
 	LockProducer  = int64(C.TSOCK_LOCK_PRODUCER)
 	LockReader0   = int64(C.TSOCK_LOCK_READER0)
 	LockDeviceMap = int64(C.TSOCK_LOCK_DEVICE_MAP)
@@ -71,7 +87,6 @@ const (
 	StateClosed = uint32(C.TSOCK_STATE_CLOSED)
 
 	ReaderFree    = uint32(C.TSOCK_READER_FREE)
-	ReaderJoining = uint32(C.TSOCK_READER_JOINING)
 	ReaderActive  = uint32(C.TSOCK_READER_ACTIVE)
 	ReaderEvicted = uint32(C.TSOCK_READER_EVICTED)
 
@@ -87,10 +102,12 @@ const (
 	CUDAUUIDBytes   = int(C.TSOCK_CUDA_UUID_BYTES)
 
 	HeaderSize       = uintptr(C.sizeof_tsock_header)
-	ReaderSharedSize = uintptr(C.sizeof_tsock_reader_shared)
+	RosterEntrySize  = uintptr(C.sizeof_tsock_roster_entry)
 	ReaderRecordSize = uintptr(C.sizeof_tsock_reader_record)
 	SlotSize         = uintptr(C.sizeof_tsock_slot)
 	ShmTensorSize    = uintptr(C.sizeof_tsock_shm_tensor)
+	JoinRequestSize  = uintptr(C.sizeof_tsock_join_request)
+	JoinReplySize    = uintptr(C.sizeof_tsock_join_reply)
 )
 
 // Status codes of tsock.h, for errors that cross the C ABI.
@@ -140,7 +157,7 @@ const (
 
 // Geometry is where each part of a segment lies.
 type Geometry struct {
-	ReadersOffset, SlotsOffset, PayloadOffset, TotalBytes, SlotPayloadBytes uint64
+	RosterOffset, SlotsOffset, PayloadOffset, TotalBytes, SlotPayloadBytes uint64
 }
 
 // ComputeGeometry lays out a segment with the same rule the reader checks.
@@ -151,7 +168,7 @@ func ComputeGeometry(slots, readers uint32, slotBytes uint64) (g Geometry, ok bo
 		return g, false
 	}
 	return Geometry{
-		ReadersOffset:    uint64(cg.readers_offset),
+		RosterOffset:     uint64(cg.roster_offset),
 		SlotsOffset:      uint64(cg.slots_offset),
 		PayloadOffset:    uint64(cg.payload_offset),
 		TotalBytes:       uint64(cg.total_bytes),
@@ -205,3 +222,11 @@ func checkHeader(h *Header, fileSize uint64) (status int, why int) {
 }
 
 func statusString(st int) string { return C.GoString(C.ring_status_str(C.int(st))) }
+
+// JoinAddress is the abstract Unix socket address (sun_path, with its
+// leading NUL) of the join socket of a header whose join key is key.
+func JoinAddress(key [16]byte) string {
+	var path [C.TSOCK_JOIN_ADDR_MAX]C.char
+	n := C.ring_join_address((*C.uint8_t)(unsafe.Pointer(&key[0])), &path[0])
+	return C.GoStringN(&path[0], C.int(n))
+}

@@ -11,17 +11,26 @@
  *     assert; change one and bump TSOCK_LAYOUT_VERSION;
  *   - fields written by more than one party are atomic words.
  *
- * Segment: /dev/shm/tsock.<name>, one file:
+ * Segment: /dev/shm/tsock.<name>, one file, written by the producer only
+ * (group and other never get a write bit; readers open it O_RDONLY and map
+ * it PROT_READ):
  *
- *   [0, 4096)                 tsock_header          (producer writes; readers map read-only)
- *   [readers_offset, ...)     tsock_reader_area     (readers write their own record; mapped read-write)
- *   [slots_offset, ...)       tsock_slot[slot_count] (producer writes; readers map read-only)
- *   [payload_offset, ...)     payload, slot_payload_bytes per slot (producer writes; readers map read-only)
+ *   [0, 4096)                 tsock_header
+ *   [roster_offset, ...)      tsock_roster_entry[reader_capacity]: who reads, the producer's verdicts
+ *   [slots_offset, ...)       tsock_slot[slot_count]
+ *   [payload_offset, ...)     payload, slot_payload_bytes per slot
  *
- * OFD locks on the same file carry liveness: the producer holds a write lock
- * on byte TSOCK_LOCK_PRODUCER, reader record i a write lock on byte
- * TSOCK_LOCK_READER0 + i; readers that map the device pool a read lock on
- * TSOCK_LOCK_DEVICE_MAP. The kernel drops them when the process dies.
+ * What a reader writes lives elsewhere: its own tsock_reader_record, one
+ * page in a sealed memfd the producer made for it alone and handed over at
+ * the join (tsock_join_request / tsock_join_reply on the channel's join
+ * socket, an abstract Unix address derived from header.join_key).
+ *
+ * OFD locks on the segment file: the producer holds a write lock on byte
+ * TSOCK_LOCK_PRODUCER (its liveness: a read lock there is never the
+ * producer's); the reader of roster entry i a read lock on byte
+ * TSOCK_LOCK_READER0 + i (presence, for tools and dead-channel reclaim);
+ * readers that map the device pool a read lock on TSOCK_LOCK_DEVICE_MAP.
+ * The kernel drops them when the process dies.
  */
 #ifndef TSOCK_RING_LAYOUT_H
 #define TSOCK_RING_LAYOUT_H
@@ -32,7 +41,7 @@
 #include "tsock.h"
 
 #define TSOCK_MAGIC 0x4d48534b434f5354ull /* "TSOCKSHM" in a little-endian word */
-#define TSOCK_LAYOUT_VERSION 3u
+#define TSOCK_LAYOUT_VERSION 4u
 
 #define TSOCK_PAGE 4096u
 #define TSOCK_CACHE_LINE 64u
@@ -44,7 +53,10 @@
 #define TSOCK_MAX_READERS 1024u
 #define TSOCK_MAX_SLOT_BYTES (1ull << 34) /* 16 GiB per slot */
 
-/* Byte offsets used for OFD locks (advisory; unrelated to the data there). */
+/* Byte offsets used for OFD locks (advisory; unrelated to the data there).
+ * Anyone who may read the file may take a read lock on any byte, so only a
+ * write lock on TSOCK_LOCK_PRODUCER means "a producer lives"; the reader
+ * bytes and TSOCK_LOCK_DEVICE_MAP only ever say "someone may be there". */
 #define TSOCK_LOCK_PRODUCER 0
 #define TSOCK_LOCK_READER0 1
 /* A shared (read) lock held by every reader process that has the device
@@ -58,12 +70,12 @@
 #define TSOCK_STATE_OPEN 1u
 #define TSOCK_STATE_CLOSED 2u
 
-/* Reader record states: low 8 bits of tsock_reader_record.claim; the upper
- * 56 bits are a generation that grows on every change of owner. */
+/* Roster entry states: low 8 bits of tsock_roster_entry.claim; the upper
+ * 56 bits are a generation that grows on every change of owner. Written by
+ * the producer only. */
 #define TSOCK_READER_FREE 0u
-#define TSOCK_READER_JOINING 1u
-#define TSOCK_READER_ACTIVE 2u
-#define TSOCK_READER_EVICTED 3u
+#define TSOCK_READER_ACTIVE 1u  /* attached, gating the producer */
+#define TSOCK_READER_EVICTED 2u /* still attached, no longer gating: its next call fails */
 #define TSOCK_CLAIM_STATE(c) ((uint32_t)((c) & 0xffu))
 #define TSOCK_CLAIM_GEN(c) ((c) >> 8)
 #define TSOCK_CLAIM(gen, state) (((uint64_t)(gen) << 8) | (uint64_t)(state))
@@ -81,6 +93,7 @@
 
 #define TSOCK_CUDA_HANDLE_BYTES 64u /* CUipcMemHandle, CUipcEventHandle */
 #define TSOCK_CUDA_UUID_BYTES 16u   /* CUuuid */
+#define TSOCK_JOIN_KEY_BYTES 16u    /* tsock_header.join_key */
 
 /* ---- Header page ---------------------------------------------------------
  * Written by the producer only. Identity fields are written once before
@@ -93,11 +106,11 @@ typedef struct tsock_header {
   uint32_t layout_version;       /* TSOCK_LAYOUT_VERSION, stored last */
   uint32_t header_size;          /* sizeof(tsock_header) */
   uint32_t slot_size;            /* sizeof(tsock_slot) */
-  uint32_t reader_record_size;   /* sizeof(tsock_reader_record) */
+  uint32_t roster_entry_size;    /* sizeof(tsock_roster_entry) */
   uint32_t slot_count;           /* power of two */
-  uint32_t reader_capacity;      /* records in the reader area */
+  uint32_t reader_capacity;      /* entries in the roster */
   uint64_t slot_payload_bytes;   /* payload bytes per slot, multiple of 4096 */
-  uint64_t readers_offset;       /* byte offsets from the segment start */
+  uint64_t roster_offset;        /* byte offsets from the segment start */
   uint64_t slots_offset;
   uint64_t payload_offset;
   /* line 1 */
@@ -109,7 +122,8 @@ typedef struct tsock_header {
   char name[32];                 /* informational prefix of the channel name */
   /* lines 2-3: producer state */
   uint32_t state;                /* TSOCK_STATE_*, atomic */
-  uint32_t producer_waiting;     /* 1 while reserve sleeps; readers wake it */
+  uint32_t producer_waiting;     /* 1 while reserve waits; a releasing reader then
+                                    wakes its record's cursor word (futex) */
   uint64_t heartbeat_ns;         /* CLOCK_MONOTONIC, informational only */
   uint64_t epoch;                /* current epoch (informational) */
   uint64_t epoch_start;          /* seq of the current epoch's first batch */
@@ -136,49 +150,136 @@ typedef struct tsock_header {
   uint8_t gpu_uuid[TSOCK_CUDA_UUID_BYTES]; /* the pool's GPU; readers match on it */
   uint8_t pad5[32];
   uint8_t gpu_mem_handle[TSOCK_CUDA_HANDLE_BYTES]; /* CUipcMemHandle of the pool */
-  uint8_t pad_page[TSOCK_PAGE - 640];
+  /* line 10: the join socket (written once, before layout_version). The
+   * producer listens on the abstract Unix address that
+   * tsock_layout_join_address() derives from this random key: known only
+   * to those who may read the segment, and bound before the segment is
+   * named, so nobody can take it first while the producer lives. */
+  uint8_t join_key[TSOCK_JOIN_KEY_BYTES];
+  uint8_t pad6[48];
+  uint8_t pad_page[TSOCK_PAGE - 704];
 } tsock_header;
 
-/* ---- Reader area ---------------------------------------------------------
- * The only memory readers write. The first two cache lines are shared words
- * every reader may touch; then one record per reader. */
-typedef struct tsock_reader_shared {
-  uint32_t release_notify; /* futex word the producer sleeps on; readers bump it */
-  uint8_t pad0[60];
-  /* Bit i set: reader record i may be asleep on header.published (atomic
-   * OR before its last look at published, AND after). The producer wakes
-   * sleepers when any bit is set. A bit per record, not a count: the
-   * producer clears the bit of a record it reclaims or evicts, so a reader
-   * killed in its sleep cannot leave every later publish paying a wake-up
-   * (a counter cannot be repaired: nobody knows the dead reader's share). */
-  uint64_t sleepers[TSOCK_MAX_READERS / 64];
-  uint8_t pad1[64];
-} tsock_reader_shared;
+/* ---- Roster ----------------------------------------------------------------
+ * One entry per reader, in the segment, written by the producer only: the
+ * claim word (a reader learns there that it was evicted), who the reader
+ * is (from the kernel: SO_PEERCRED of its join socket), and, for tools,
+ * the reader's progress and placement as last mirrored from its record
+ * (the producer copies them every TSOCK_MIRROR_MS; reader-written values,
+ * so tools treat them as untrusted). */
+typedef struct tsock_roster_entry {
+  /* line 0 */
+  uint64_t claim;          /* generation << 8 | TSOCK_READER_* */
+  int32_t pid;             /* in the producer's pid namespace; 0 when not visible there */
+  uint32_t uid;
+  uint64_t start_time;     /* /proc/<pid>/stat field 22, guards pid reuse; 0 unknown */
+  uint32_t start_mode;     /* tsock_start, as the reader asked */
+  uint32_t gid;
+  uint64_t cursor;         /* mirrored from the record */
+  uint64_t acquired;
+  uint64_t heartbeat_ns;
+  uint64_t batches;
+  /* line 1 */
+  uint64_t wait_ns;
+  uint32_t placement;      /* TSOCK_PLACEMENT_* as the reader wrote it (any value) */
+  int32_t cuda_ordinal;
+  uint8_t gpu_uuid[TSOCK_CUDA_UUID_BYTES];
+  uint8_t pad[32];
+} tsock_roster_entry;
 
-/* One record per reader. Each field has one writer:
- *   claim          CAS by the reader (join/leave) and the producer (reclaim/evict)
- *   everything else: the reader; the producer validates before use. */
+/* How often the producer mirrors records into the roster. */
+#define TSOCK_MIRROR_MS 20u
+
+/* ---- Reader record ---------------------------------------------------------
+ * The only memory a reader writes, one per reader: the first bytes of a
+ * memfd of TSOCK_RECORD_FILE_BYTES that the producer creates for that
+ * reader alone, sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL: its size
+ * never changes, so the producer's mapping can never fault) and handed over
+ * at the join. Its cursor and acquired fields hold the reader's start when
+ * it gets it. From then on only the reader writes it (the producer, once
+ * more, when the reader is gone: it changes and wakes the cursor word it
+ * may sleep on), and the producer treats every field as untrusted input
+ * (a cursor is clamped into the ring, anything else is informational). */
 typedef struct tsock_reader_record {
-  uint64_t claim;          /* generation << 8 | state */
-  int32_t pid;
-  uint32_t start_mode;     /* tsock_start */
-  uint64_t start_time;     /* /proc/<pid>/stat field 22 */
-  uint64_t cursor;         /* every seq below is released */
+  /* line 0: progress, written at every acquire and release */
+  uint64_t cursor;         /* every seq below is released: the producer gates on it,
+                              and sleeps on its low half (futex) while it waits for it */
   uint64_t acquired;       /* every seq below was acquired */
   uint64_t heartbeat_ns;   /* CLOCK_MONOTONIC of last acquire/release */
   uint64_t wait_ns;        /* total time spent waiting for data (data stall) */
   uint64_t batches;        /* batches acquired */
+  uint8_t pad0[24];
   /* line 1: where the reader reads from, informational (tsock gpus) */
   uint32_t placement;      /* TSOCK_PLACEMENT_* */
   int32_t cuda_ordinal;    /* the reader's device, in its own process's numbering; -1 none */
   uint8_t gpu_uuid[TSOCK_CUDA_UUID_BYTES]; /* that device's UUID */
-  uint8_t pad[40];
+  uint32_t attached;       /* 1 once its attach has completed: what the producer's
+                              reader count (wait_readers) counts */
+  uint8_t pad1[36];
+  /* lines 2-3, alone (the adjacent-line prefetcher pairs lines): 1 while
+   * the reader may be asleep on header.published. The producer loads it
+   * after each publish and wakes sleepers when any attached reader's is
+   * set. Stored before the reader's last look at published, cleared after. */
+  uint32_t sleeping;
+  uint8_t pad2[124];
 } tsock_reader_record;
 
-typedef struct tsock_reader_area {
-  tsock_reader_shared shared;
-  tsock_reader_record records[]; /* reader_capacity entries */
-} tsock_reader_area;
+#define TSOCK_RECORD_FILE_BYTES TSOCK_PAGE
+
+/* ---- The join --------------------------------------------------------------
+ * A reader attaches over the channel's join socket (SOCK_SEQPACKET): it
+ * sends a tsock_join_request carrying, as SCM_RIGHTS, one descriptor of the
+ * segment opened for reading, which proves it may read the channel (the
+ * producer checks it is its segment's inode, opened for reading, not
+ * O_PATH: the file's permission bits decide who may attach). The producer
+ * answers with a tsock_join_reply carrying the record's memfd. The
+ * connection then stays open while the reader is attached: its end of file
+ * tells the producer that the reader is gone. (A producer waiting for
+ * releases sleeps on the low half of the gating reader's cursor, a futex
+ * word in its record that the reader changes and wakes.) */
+#define TSOCK_JOIN_MAGIC 0x4e494f4a4b434f53ull /* "SOCKJOIN" in a little-endian word */
+#define TSOCK_JOIN_ADDR_MAX 64u
+
+typedef struct tsock_join_request {
+  uint64_t magic;          /* TSOCK_JOIN_MAGIC */
+  uint32_t layout_version; /* TSOCK_LAYOUT_VERSION */
+  uint32_t start_mode;     /* tsock_start */
+  uint64_t reserved;       /* 0 */
+} tsock_join_request;
+
+typedef struct tsock_join_reply {
+  uint64_t magic;          /* TSOCK_JOIN_MAGIC */
+  uint32_t layout_version; /* TSOCK_LAYOUT_VERSION */
+  int32_t status;          /* TSOCK_OK, or why the producer refused (no memfd then) */
+  uint64_t claim;          /* the roster entry's claim word while this reader owns it */
+  uint64_t start;          /* first seq to read; the record's cursor already says so */
+  uint32_t index;          /* roster entry */
+  uint32_t flags;          /* TSOCK_JOIN_* */
+} tsock_join_reply;
+
+/* The reader starts at the first batch of the current epoch (late join
+ * window): it must not skip to the next one. */
+#define TSOCK_JOIN_IN_WINDOW 1u
+
+/* After the join, the reader sends one byte, when it detaches (end of file
+ * without it: it died); the producer then frees its entry and closes. */
+#define TSOCK_MSG_LEAVE 'l'
+
+/* The abstract Unix socket address (sun_path, starting with its NUL) of
+ * the join socket of a header with this key; returns its length. */
+static inline uint32_t tsock_layout_join_address(const uint8_t key[TSOCK_JOIN_KEY_BYTES],
+                                                 char path[TSOCK_JOIN_ADDR_MAX]) {
+  static const char prefix[] = "tsock-join-";
+  static const char hex[] = "0123456789abcdef";
+  uint32_t n = 0;
+  path[n++] = '\0';
+  for (uint32_t i = 0; prefix[i] != '\0'; i++) path[n++] = prefix[i];
+  for (uint32_t i = 0; i < TSOCK_JOIN_KEY_BYTES; i++) {
+    path[n++] = hex[key[i] >> 4];
+    path[n++] = hex[key[i] & 15];
+  }
+  return n;
+}
 
 /* ---- Slots ---------------------------------------------------------------
  * Written by the producer only, while no live reader can be reading it
@@ -230,10 +331,16 @@ TSOCK_STATIC_ASSERT(offsetof(tsock_header, total_bytes) == 64, "line 1");
 TSOCK_STATIC_ASSERT(offsetof(tsock_header, state) == 128, "state line");
 TSOCK_STATIC_ASSERT(offsetof(tsock_header, published) == 256, "published line");
 TSOCK_STATIC_ASSERT(offsetof(tsock_header, stat_backpressure_ns) == 384, "stats line");
-TSOCK_STATIC_ASSERT(sizeof(tsock_reader_shared) == 256, "reader shared words");
-TSOCK_STATIC_ASSERT(offsetof(tsock_reader_shared, sleepers) == 64, "sleepers line");
-TSOCK_STATIC_ASSERT(sizeof(tsock_reader_record) == 128, "reader record");
-TSOCK_STATIC_ASSERT(offsetof(tsock_reader_record, cursor) == 24, "cursor");
+TSOCK_STATIC_ASSERT(offsetof(tsock_header, join_key) == 640, "join line");
+TSOCK_STATIC_ASSERT(sizeof(tsock_roster_entry) == 128, "roster entry");
+TSOCK_STATIC_ASSERT(offsetof(tsock_roster_entry, wait_ns) == 64, "roster entry line 1");
+TSOCK_STATIC_ASSERT(sizeof(tsock_reader_record) == 256, "reader record");
+TSOCK_STATIC_ASSERT(sizeof(tsock_reader_record) <= TSOCK_RECORD_FILE_BYTES, "record fits its file");
+TSOCK_STATIC_ASSERT(offsetof(tsock_reader_record, cursor) == 0, "cursor");
+TSOCK_STATIC_ASSERT(offsetof(tsock_reader_record, sleeping) == 128, "sleeping lines");
+TSOCK_STATIC_ASSERT(sizeof(tsock_join_request) == 24, "join request");
+TSOCK_STATIC_ASSERT(sizeof(tsock_join_reply) == 40, "join reply");
+TSOCK_STATIC_ASSERT(1 + 11 + 2 * TSOCK_JOIN_KEY_BYTES <= TSOCK_JOIN_ADDR_MAX, "join address");
 TSOCK_STATIC_ASSERT(sizeof(tsock_shm_tensor) == 152, "tensor descriptor");
 TSOCK_STATIC_ASSERT(offsetof(tsock_slot, tensors) == 64, "slot head");
 TSOCK_STATIC_ASSERT(offsetof(tsock_header, gpu_pool) == 512, "gpu line");
@@ -291,7 +398,7 @@ static inline int tsock_layout_check_tensor(int32_t dtype, int32_t ndim, const i
 
 /* Geometry of a segment, derived from its three parameters. */
 typedef struct tsock_geometry {
-  uint64_t readers_offset, slots_offset, payload_offset, total_bytes, slot_payload_bytes;
+  uint64_t roster_offset, slots_offset, payload_offset, total_bytes, slot_payload_bytes;
 } tsock_geometry;
 
 /* Computes the geometry; returns 0, or TSOCK_EINVAL for parameters outside
@@ -305,10 +412,9 @@ static inline int tsock_layout_geometry(uint32_t slot_count, uint32_t reader_cap
   if (reader_capacity < 1 || reader_capacity > TSOCK_MAX_READERS) return TSOCK_EINVAL;
   if (slot_payload_bytes < 1 || slot_payload_bytes > TSOCK_MAX_SLOT_BYTES) return TSOCK_EINVAL;
   g->slot_payload_bytes = tsock_align_up(slot_payload_bytes, TSOCK_PAGE);
-  g->readers_offset = TSOCK_PAGE;
-  g->slots_offset = tsock_align_up(g->readers_offset + sizeof(tsock_reader_shared) +
-                                       (uint64_t)reader_capacity * sizeof(tsock_reader_record),
-                                   TSOCK_PAGE);
+  g->roster_offset = TSOCK_PAGE;
+  g->slots_offset = tsock_align_up(
+      g->roster_offset + (uint64_t)reader_capacity * sizeof(tsock_roster_entry), TSOCK_PAGE);
   g->payload_offset =
       tsock_align_up(g->slots_offset + (uint64_t)slot_count * sizeof(tsock_slot), TSOCK_PAGE);
   g->total_bytes = g->payload_offset + (uint64_t)slot_count * g->slot_payload_bytes;
@@ -327,11 +433,11 @@ static inline int tsock_layout_check_header(const tsock_header *h, uint64_t file
   if (v == 0) return TSOCK_EAGAIN;
   if (v != TSOCK_LAYOUT_VERSION) return TSOCK_EVERSION;
   if (h->header_size != sizeof(tsock_header) || h->slot_size != sizeof(tsock_slot) ||
-      h->reader_record_size != sizeof(tsock_reader_record))
+      h->roster_entry_size != sizeof(tsock_roster_entry))
     return *why = 2, TSOCK_ECORRUPT;
   tsock_geometry g;
   if (tsock_layout_geometry(h->slot_count, h->reader_capacity, h->slot_payload_bytes, &g) != 0 ||
-      g.slot_payload_bytes != h->slot_payload_bytes || g.readers_offset != h->readers_offset ||
+      g.slot_payload_bytes != h->slot_payload_bytes || g.roster_offset != h->roster_offset ||
       g.slots_offset != h->slots_offset || g.payload_offset != h->payload_offset ||
       g.total_bytes != h->total_bytes)
     return *why = 3, TSOCK_ECORRUPT;

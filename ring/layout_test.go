@@ -33,8 +33,10 @@ type layoutStruct struct {
 
 var layoutStructs = []layoutStruct{
 	{"tsock_header", reflect.TypeOf(ring.Header{})},
-	{"tsock_reader_shared", reflect.TypeOf(ring.ReaderShared{})},
+	{"tsock_roster_entry", reflect.TypeOf(ring.RosterEntry{})},
 	{"tsock_reader_record", reflect.TypeOf(ring.ReaderRecord{})},
+	{"tsock_join_request", reflect.TypeOf(ring.JoinRequest{})},
+	{"tsock_join_reply", reflect.TypeOf(ring.JoinReply{})},
 	{"tsock_slot", reflect.TypeOf(ring.Slot{})},
 	{"tsock_shm_tensor", reflect.TypeOf(ring.ShmTensor{})},
 }
@@ -154,17 +156,24 @@ func TestLayoutPinned(t *testing.T) {
 	assert.Less(t, off(h, "epoch"), uintptr(256-8+1))
 	assert.Equal(t, uintptr(512), off(h, "gpu_pool"))
 	assert.Equal(t, uintptr(576), off(h, "gpu_mem_handle"))
+	assert.Equal(t, uintptr(640), off(h, "join_key"))
 
-	rs := reflect.TypeOf(ring.ReaderShared{})
-	assert.Equal(t, uintptr(256), rs.Size())
-	assert.Equal(t, uintptr(0), off(rs, "release_notify"))
-	assert.Equal(t, uintptr(64), off(rs, "sleepers"))
+	re := reflect.TypeOf(ring.RosterEntry{})
+	assert.Equal(t, uintptr(128), re.Size())
+	assert.Equal(t, uintptr(0), off(re, "claim"))
+	assert.Equal(t, uintptr(64), off(re, "wait_ns"))
 
+	// The record's cursor line, placement line and sleeping flag (on its
+	// own pair of lines) in one page.
 	rr := reflect.TypeOf(ring.ReaderRecord{})
-	assert.Equal(t, uintptr(128), rr.Size())
-	assert.Equal(t, uintptr(0), off(rr, "claim"))
-	assert.Equal(t, uintptr(24), off(rr, "cursor"))
+	assert.Equal(t, uintptr(256), rr.Size())
+	assert.Equal(t, uintptr(0), off(rr, "cursor"))
 	assert.Equal(t, uintptr(64), off(rr, "placement"))
+	assert.Equal(t, uintptr(128), off(rr, "sleeping"))
+	assert.LessOrEqual(t, rr.Size(), uintptr(ring.RecordFileBytes))
+
+	assert.Equal(t, uintptr(24), reflect.TypeOf(ring.JoinRequest{}).Size())
+	assert.Equal(t, uintptr(40), reflect.TypeOf(ring.JoinReply{}).Size())
 
 	st := reflect.TypeOf(ring.ShmTensor{})
 	assert.Equal(t, uintptr(152), st.Size())
@@ -177,7 +186,7 @@ func TestLayoutPinned(t *testing.T) {
 	assert.Zero(t, sl.Size()%64)
 
 	assert.Equal(t, ring.HeaderSize, h.Size())
-	assert.Equal(t, ring.ReaderSharedSize, rs.Size())
+	assert.Equal(t, ring.RosterEntrySize, re.Size())
 	assert.Equal(t, ring.ReaderRecordSize, rr.Size())
 	assert.Equal(t, ring.SlotSize, sl.Size())
 	assert.Equal(t, ring.ShmTensorSize, st.Size())
@@ -188,6 +197,34 @@ func TestLayoutPinned(t *testing.T) {
 		b[i] = byte(ring.Magic >> (8 * i))
 	}
 	assert.Equal(t, "TSOCKSHM", string(b[:]))
+	for i := range b {
+		b[i] = byte(ring.JoinMagic >> (8 * i))
+	}
+	assert.Equal(t, "SOCKJOIN", string(b[:]))
+}
+
+// TestJoinAddress: the join socket's abstract address is a NUL, a fixed
+// prefix and the key in hex, the same in C (layout.h) and Go; messages
+// encode to their structs' sizes and decode back.
+func TestJoinAddress(t *testing.T) {
+	var key [16]byte
+	for i := range key {
+		key[i] = byte(0xf0 + i)
+	}
+	assert.Equal(t, "\x00tsock-join-f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff", ring.JoinAddress(key))
+	req := ring.NewJoinRequest(1)
+	b := req.Bytes()
+	assert.Len(t, b, int(ring.JoinRequestSize))
+	got, ok := ring.ParseJoinRequest(b)
+	assert.True(t, ok)
+	assert.Equal(t, req, got)
+	_, ok = ring.ParseJoinRequest(b[1:])
+	assert.False(t, ok, "a short request")
+	rep := ring.JoinReplyMsg{Magic: ring.JoinMagic, LayoutVersion: 4, Status: -11, Claim: 5<<8 | 1, Start: 77,
+		Index: 3, Flags: 1}
+	r2, ok := ring.ParseJoinReply(rep.Bytes())
+	assert.True(t, ok)
+	assert.Equal(t, rep, r2)
 }
 
 func TestGeometry(t *testing.T) {
@@ -202,13 +239,13 @@ func TestGeometry(t *testing.T) {
 		g, ok := ring.ComputeGeometry(c.slots, c.readers, c.bytes)
 		require.True(t, ok, "%+v", c)
 		page := ring.PageSize
-		assert.Equal(t, page, g.ReadersOffset, "%+v", c)
-		for _, v := range []uint64{g.ReadersOffset, g.SlotsOffset, g.PayloadOffset, g.TotalBytes, g.SlotPayloadBytes} {
+		assert.Equal(t, page, g.RosterOffset, "%+v", c)
+		for _, v := range []uint64{g.RosterOffset, g.SlotsOffset, g.PayloadOffset, g.TotalBytes, g.SlotPayloadBytes} {
 			assert.Zero(t, v%page, "%+v: %+v not page aligned", c, g)
 		}
 		assert.GreaterOrEqual(t, g.SlotPayloadBytes, c.bytes)
 		assert.Less(t, g.SlotPayloadBytes-c.bytes, page)
-		readersEnd := g.ReadersOffset + uint64(ring.ReaderSharedSize) + uint64(c.readers)*uint64(ring.ReaderRecordSize)
+		readersEnd := g.RosterOffset + uint64(c.readers)*uint64(ring.RosterEntrySize)
 		assert.GreaterOrEqual(t, g.SlotsOffset, readersEnd)
 		assert.Less(t, g.SlotsOffset-readersEnd, page)
 		slotsEnd := g.SlotsOffset + uint64(c.slots)*uint64(ring.SlotSize)
@@ -217,12 +254,12 @@ func TestGeometry(t *testing.T) {
 		assert.Equal(t, g.PayloadOffset+uint64(c.slots)*g.SlotPayloadBytes, g.TotalBytes)
 	}
 
-	// Exact values for the defaults: 64 readers need 128+64*128 bytes (3
-	// pages from 4096), 16 slots 16*2752 bytes (11 pages).
+	// Exact values for the defaults: 64 readers need 64*128 bytes of
+	// roster (2 pages from 4096), 16 slots 16*2752 bytes (11 pages).
 	g, ok := ring.ComputeGeometry(16, 64, 1<<20)
 	require.True(t, ok)
-	assert.Equal(t, ring.Geometry{ReadersOffset: 4096, SlotsOffset: 4096 + 3*4096,
-		PayloadOffset: 4096 + 3*4096 + 11*4096, TotalBytes: 4096 + 3*4096 + 11*4096 + 16<<20,
+	assert.Equal(t, ring.Geometry{RosterOffset: 4096, SlotsOffset: 4096 + 2*4096,
+		PayloadOffset: 4096 + 2*4096 + 11*4096, TotalBytes: 4096 + 2*4096 + 11*4096 + 16<<20,
 		SlotPayloadBytes: 1 << 20}, g)
 
 	bad := []struct {

@@ -66,6 +66,21 @@ func ByteLocked(f *os.File, b int64) (bool, error) {
 	return fl.Type != unix.F_UNLCK, nil
 }
 
+// ByteWriteLocked reports whether another open file description holds a
+// write lock on byte b of f. Only a process that may write the file can
+// take one; anyone who may read it can take a read lock, which this
+// ignores: the producer's liveness is its write lock, and a reader's read
+// lock there must not make a dead producer look alive.
+func ByteWriteLocked(f *os.File, b int64) (bool, error) {
+	fl := byteLock(unix.F_WRLCK, b)
+	if err := unix.FcntlFlock(f.Fd(), unix.F_OFD_GETLK, &fl); err != nil {
+		return false, err
+	}
+	// With a write lock held no read lock can be: if any lock is
+	// reported, it is the write lock.
+	return fl.Type == unix.F_WRLCK, nil
+}
+
 // RangeLocked reports whether another open file description holds a lock
 // on any byte of f in [start, start+length); length 0 means to the end of
 // the file and beyond. One system call, whatever the range.

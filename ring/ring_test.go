@@ -309,7 +309,7 @@ func TestClaimWord(t *testing.T) {
 	c := ring.MakeClaim(12345, ring.ReaderActive)
 	assert.Equal(t, uint64(12345), ring.ClaimGen(c))
 	assert.Equal(t, ring.ReaderActive, ring.ClaimState(c))
-	assert.Equal(t, uint64(12345<<8|2), c)
+	assert.Equal(t, uint64(12345<<8|1), c)
 	big := ring.MakeClaim(1<<56-1, ring.ReaderEvicted)
 	assert.Equal(t, uint64(1<<56-1), ring.ClaimGen(big))
 	assert.Equal(t, ring.ReaderEvicted, ring.ClaimState(big))

@@ -3,7 +3,6 @@ package ring
 import (
 	"errors"
 	"fmt"
-	"math/bits"
 	"os"
 	"strconv"
 	"sync/atomic"
@@ -96,14 +95,10 @@ func (s *Segment) Unmap() error {
 // Header is the segment's header page.
 func (s *Segment) Header() *Header { return (*Header)(s.base) }
 
-func (s *Segment) shared() *ReaderShared {
-	return (*ReaderShared)(unsafe.Add(s.base, s.Geometry.ReadersOffset))
-}
-
-// Record is reader record i.
-func (s *Segment) Record(i uint32) *ReaderRecord {
-	off := s.Geometry.ReadersOffset + uint64(ReaderSharedSize) + uint64(i)*uint64(ReaderRecordSize)
-	return (*ReaderRecord)(unsafe.Add(s.base, off))
+// Entry is roster entry i.
+func (s *Segment) Entry(i uint32) *RosterEntry {
+	off := s.Geometry.RosterOffset + uint64(i)*uint64(RosterEntrySize)
+	return (*RosterEntry)(unsafe.Add(s.base, off))
 }
 
 // SlotIndex is the ring position of a sequence number.
@@ -128,7 +123,7 @@ func u32(p *C32) *uint32 { return (*uint32)(unsafe.Pointer(p)) }
 func (s *Segment) Published() uint64 { return atomic.LoadUint64(u64(&s.Header().published)) }
 
 // StorePublished makes every seq below v readable (atomic, sequentially
-// consistent: pairs with the readers' sleepers bits).
+// consistent: pairs with the sleeping flags of the readers' records).
 func (s *Segment) StorePublished(v uint64) { atomic.StoreUint64(u64(&s.Header().published), v) }
 
 // PublishedWord is the futex word readers sleep on: the low half of
@@ -150,57 +145,30 @@ func (s *Segment) SetProducerWaiting(on bool) {
 	atomic.StoreUint32(u32(&s.Header().producer_waiting), v)
 }
 
-// AnySleeper reports whether any reader may sleep on the published word
-// (its sleepers bit is set): the producer then wakes them after a publish.
-// One word per 64 records: one load at the default 64 readers.
-func (s *Segment) AnySleeper() bool {
-	words := &s.shared().sleepers
-	for w := uint32(0); w < (s.Readers+63)/64; w++ {
-		if atomic.LoadUint64(u64(&words[w])) != 0 {
-			return true
-		}
-	}
-	return false
-}
+// Claim is roster entry i's claim word: generation << 8 | state.
+func (s *Segment) Claim(i uint32) uint64 { return atomic.LoadUint64(u64(&s.Entry(i).claim)) }
 
-// ClearSleeper clears record i's sleepers bit: the producer does this when
-// it reclaims or evicts the record, whose owner can no longer clear it.
-func (s *Segment) ClearSleeper(i uint32) {
-	atomic.AndUint64(u64(&s.shared().sleepers[i/64]), ^(uint64(1) << (i % 64)))
-}
-
-// Sleepers counts the records whose sleepers bit is set (for tools).
-func (s *Segment) Sleepers() int {
-	n := 0
-	for w := uint32(0); w < (s.Readers+63)/64; w++ {
-		n += bits.OnesCount64(atomic.LoadUint64(u64(&s.shared().sleepers[w])))
-	}
-	return n
-}
-
-// ReleaseWord is the futex word the producer sleeps on; readers bump it.
-func (s *Segment) ReleaseWord() *uint32 { return u32(&s.shared().release_notify) }
-
-// Claim is reader record i's claim word: generation << 8 | state.
-func (s *Segment) Claim(i uint32) uint64 { return atomic.LoadUint64(u64(&s.Record(i).claim)) }
-
-// CASClaim changes record i's claim word from old to new.
-func (s *Segment) CASClaim(i uint32, old, new uint64) bool {
-	return atomic.CompareAndSwapUint64(u64(&s.Record(i).claim), old, new)
-}
+// SetClaim stores roster entry i's claim word (the producer only: it is
+// the entry's one writer).
+func (s *Segment) SetClaim(i uint32, v uint64) { atomic.StoreUint64(u64(&s.Entry(i).claim), v) }
 
 // ClaimState and ClaimGen split a claim word; MakeClaim joins them.
 func ClaimState(c uint64) uint32             { return uint32(c & 0xff) }
 func ClaimGen(c uint64) uint64               { return c >> 8 }
 func MakeClaim(gen uint64, st uint32) uint64 { return gen<<8 | uint64(st) }
 
-// RecordSnapshot is what a reader last wrote in its record. The values come
-// from another process: validate before use.
-type RecordSnapshot struct {
-	Claim       uint64
-	Pid         int32
-	StartTime   uint64
-	StartMode   uint32
+// Identity is who a reader is, as the kernel told the producer at the
+// join (SO_PEERCRED), and how it asked to start.
+type Identity struct {
+	Pid       int32 // in the producer's pid namespace; 0 when not visible there
+	Uid, Gid  uint32
+	StartTime uint64 // /proc/<pid>/stat field 22; 0 unknown
+	StartMode uint32
+}
+
+// Progress is what a reader writes in its record: how far it got and
+// where it reads from. Every value comes from the reader: untrusted.
+type Progress struct {
 	Cursor      uint64
 	Acquired    uint64
 	HeartbeatNs uint64
@@ -211,35 +179,88 @@ type RecordSnapshot struct {
 	GPUUUID     [16]byte
 }
 
-// Snapshot reads reader record i.
+// RecordSnapshot is roster entry i: the producer's claim word, the
+// reader's identity and its progress as last mirrored.
+type RecordSnapshot struct {
+	Claim uint64
+	Identity
+	Progress
+}
+
+// SetIdentity writes who the reader of entry i is (the producer, before
+// it stores the entry's claim).
+func (s *Segment) SetIdentity(i uint32, id Identity) {
+	e := s.Entry(i)
+	atomic.StoreUint32(u32((*C32)(unsafe.Pointer(&e.pid))), uint32(id.Pid))
+	atomic.StoreUint32(u32(&e.uid), id.Uid)
+	atomic.StoreUint32(u32(&e.gid), id.Gid)
+	atomic.StoreUint64(u64(&e.start_time), id.StartTime)
+	atomic.StoreUint32(u32(&e.start_mode), id.StartMode)
+}
+
+// Mirror copies a reader's progress into entry i, for tools.
+func (s *Segment) Mirror(i uint32, p Progress) {
+	e := s.Entry(i)
+	atomic.StoreUint64(u64(&e.cursor), p.Cursor)
+	atomic.StoreUint64(u64(&e.acquired), p.Acquired)
+	atomic.StoreUint64(u64(&e.heartbeat_ns), p.HeartbeatNs)
+	atomic.StoreUint64(u64(&e.wait_ns), p.WaitNs)
+	atomic.StoreUint64(u64(&e.batches), p.Batches)
+	atomic.StoreUint32(u32((*C32)(unsafe.Pointer(&e.cuda_ordinal))), uint32(p.CUDAOrdinal))
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(&e.gpu_uuid[0])), CUDAUUIDBytes), p.GPUUUID[:])
+	atomic.StoreUint32(u32(&e.placement), p.Placement)
+}
+
+// Snapshot reads roster entry i.
 func (s *Segment) Snapshot(i uint32) RecordSnapshot {
-	r := s.Record(i)
+	e := s.Entry(i)
 	return RecordSnapshot{
-		Claim:       atomic.LoadUint64(u64(&r.claim)),
-		Pid:         int32(atomic.LoadUint32(u32((*C32)(unsafe.Pointer(&r.pid))))),
-		StartTime:   atomic.LoadUint64(u64(&r.start_time)),
-		StartMode:   atomic.LoadUint32(u32(&r.start_mode)),
-		Cursor:      atomic.LoadUint64(u64(&r.cursor)),
-		Acquired:    atomic.LoadUint64(u64(&r.acquired)),
-		HeartbeatNs: atomic.LoadUint64(u64(&r.heartbeat_ns)),
-		WaitNs:      atomic.LoadUint64(u64(&r.wait_ns)),
-		Batches:     atomic.LoadUint64(u64(&r.batches)),
-		Placement:   atomic.LoadUint32(u32(&r.placement)),
-		CUDAOrdinal: int32(atomic.LoadUint32(u32((*C32)(unsafe.Pointer(&r.cuda_ordinal))))),
-		GPUUUID:     *(*[16]byte)(unsafe.Pointer(&r.gpu_uuid[0])),
+		Claim: atomic.LoadUint64(u64(&e.claim)),
+		Identity: Identity{
+			Pid:       int32(atomic.LoadUint32(u32((*C32)(unsafe.Pointer(&e.pid))))),
+			Uid:       atomic.LoadUint32(u32(&e.uid)),
+			Gid:       atomic.LoadUint32(u32(&e.gid)),
+			StartTime: atomic.LoadUint64(u64(&e.start_time)),
+			StartMode: atomic.LoadUint32(u32(&e.start_mode)),
+		},
+		Progress: Progress{
+			Cursor:      atomic.LoadUint64(u64(&e.cursor)),
+			Acquired:    atomic.LoadUint64(u64(&e.acquired)),
+			HeartbeatNs: atomic.LoadUint64(u64(&e.heartbeat_ns)),
+			WaitNs:      atomic.LoadUint64(u64(&e.wait_ns)),
+			Batches:     atomic.LoadUint64(u64(&e.batches)),
+			Placement:   atomic.LoadUint32(u32(&e.placement)),
+			CUDAOrdinal: int32(atomic.LoadUint32(u32((*C32)(unsafe.Pointer(&e.cuda_ordinal))))),
+			GPUUUID:     *(*[16]byte)(unsafe.Pointer(&e.gpu_uuid[0])),
+		},
 	}
 }
 
-// Cursor is reader record i's cursor (every seq below is released).
-func (s *Segment) Cursor(i uint32) uint64 { return atomic.LoadUint64(u64(&s.Record(i).cursor)) }
+// Cursor is roster entry i's cursor as last mirrored from the reader's
+// record (for tools; the producer gates on the record itself).
+func (s *Segment) Cursor(i uint32) uint64 { return atomic.LoadUint64(u64(&s.Entry(i).cursor)) }
 
-// ReaderLocked reports whether a live process holds reader record i.
+// JoinKey is the key of the channel's join socket (see JoinAddress).
+func (s *Segment) JoinKey() [16]byte {
+	return *(*[16]byte)(unsafe.Pointer(&s.Header().join_key[0]))
+}
+
+// SetJoinKey records the join socket's key in a header being built, before
+// InitHeader publishes it.
+func (s *Segment) SetJoinKey(key [16]byte) {
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(&s.Header().join_key[0])), JoinKeyBytes), key[:])
+}
+
+// ReaderLocked reports whether a live process holds a lock on roster entry
+// i's byte: the reader of that entry holds a read lock there while it is
+// attached (anyone who may read the file could, too: for tools only).
 func (s *Segment) ReaderLocked(i uint32) (bool, error) {
 	return ByteLocked(s.File, LockReader0+int64(i))
 }
 
-// ProducerLocked reports whether a live process holds the producer lock.
-func (s *Segment) ProducerLocked() (bool, error) { return ByteLocked(s.File, LockProducer) }
+// ProducerLocked reports whether a live producer holds the producer lock:
+// a write lock, which only a process that may write the file can take.
+func (s *Segment) ProducerLocked() (bool, error) { return ByteWriteLocked(s.File, LockProducer) }
 
 // ErrNotSegment and friends describe why a file is not a usable segment.
 var (

@@ -273,8 +273,17 @@ func pingPong(cfg config, shm *sharedPage) (stats, error) {
 	ping, pong := shm.u64(offPing), shm.u64(offPong)
 	n := cfg.samples * 4 // cheap: take more samples
 	samples := make([]uint64, 0, n)
-	deadline := now() + uint64(cfg.maxTime)
-	for i := uint64(1); i <= uint64(n+cfg.warmup); i++ {
+	// The time cap is on the samples, counted from the end of the warmup:
+	// each round trip needs the child, and on a loaded machine (two busy
+	// processes per CPU) the warmup alone took longer than the cap, which
+	// left no sample (a NaN median that the JSON encoder refused, failing
+	// the whole benchmark).
+	warmup := uint64(cfg.warmup)
+	deadline := ^uint64(0)
+	if warmup == 0 {
+		deadline = now() + uint64(cfg.maxTime)
+	}
+	for i := uint64(1); i <= uint64(n)+warmup; i++ {
 		t0 := now()
 		atomic.StoreUint64(ping, i)
 		for spins := 0; atomic.LoadUint64(pong) != i; spins++ {
@@ -283,11 +292,14 @@ func pingPong(cfg config, shm *sharedPage) (stats, error) {
 			}
 		}
 		t1 := now()
-		if i > uint64(cfg.warmup) {
-			samples = append(samples, (t1-t0)/2)
+		if i == warmup {
+			deadline = t1 + uint64(cfg.maxTime)
 		}
-		if t1 > deadline {
-			break
+		if i > warmup {
+			samples = append(samples, (t1-t0)/2)
+			if t1 > deadline {
+				break
+			}
 		}
 	}
 	atomic.StoreUint64(ping, ^uint64(0))
@@ -404,7 +416,7 @@ func futexBaseline(cfg config, shm *sharedPage) (stats, error) {
 		atomic.StoreUint64(shm.u64(offStamps+8*int(i%stampSlots)), now())
 		atomic.StoreUint32(word, i)
 		futexWake(word, 1)
-		if now() > deadline {
+		if now() > deadline && i > uint32(cfg.warmup) { // as pingPong: once one wake-up is timed
 			break
 		}
 	}

@@ -23,8 +23,10 @@ import (
 const descriptorBytes = 224
 
 // buildHelper compiles helper/tbench.c with the C reader sources into dir,
-// with libzmq when pkg-config finds it. It returns the program and whether
-// it has the ZMQ roles.
+// with libzmq: the library file TBENCH_LIBZMQ names (bench/run.py names the
+// one inside pyzmq's wheel; helper/zmq_subset.h declares what tbench calls,
+// so no libzmq headers are needed), else the one pkg-config finds. It
+// returns the program and whether it has the ZMQ roles.
 func buildHelper(repo, dir string) (string, bool, error) {
 	cc := os.Getenv("CC")
 	if cc == "" {
@@ -35,10 +37,13 @@ func buildHelper(repo, dir string) (string, bool, error) {
 		"-I" + filepath.Join(repo, "include"), "-I" + filepath.Join(repo, "ring"),
 		filepath.Join(repo, "bench", "latency", "helper", "tbench.c"),
 		filepath.Join(repo, "reader", "status.c"), filepath.Join(repo, "reader", "platform.c"),
-		filepath.Join(repo, "reader", "reader.c"), filepath.Join(repo, "reader", "lease.c"), "-lpthread",
-		"-o", exe}
+		filepath.Join(repo, "reader", "reader.c"), filepath.Join(repo, "reader", "join.c"),
+		filepath.Join(repo, "reader", "lease.c"), "-lpthread", "-o", exe}
 	withZmq := false
-	if flags, err := exec.Command("pkg-config", "--cflags", "--libs", "libzmq").Output(); err == nil {
+	if lib := os.Getenv("TBENCH_LIBZMQ"); lib != "" {
+		args = append(args, "-DTBENCH_ZMQ", "-DTBENCH_ZMQ_SUBSET", lib, "-Wl,-rpath,"+filepath.Dir(lib))
+		withZmq = true
+	} else if flags, err := exec.Command("pkg-config", "--cflags", "--libs", "libzmq").Output(); err == nil {
 		args = append(append(args, "-DTBENCH_ZMQ"), strings.Fields(string(flags))...)
 		withZmq = true
 	}

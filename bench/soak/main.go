@@ -6,12 +6,24 @@
 //   - a reader is SIGKILLed and restarted (it joins with StartNow);
 //   - a reader is SIGSTOPped for up to --stop-max, then SIGCONTed;
 //   - a reader is stopped until the producer is gated on it alone, then
-//     SIGKILLed, and the time from the kill to the next publish is measured
-//     (the liveness bound: the producer must notice the death at once);
+//     SIGKILLed, and the time from its death (seen reaped) to the next
+//     publish is measured (the liveness bound: the producer must notice the
+//     death at once);
 //
 // and every --producer-every the producer is SIGKILLed and restarted: the
 // readers must read everything the dead producer published, report
-// "producer gone", attach to the new producer (AttachTimeout) and go on.
+// "producer gone" within --gone-bound of the kill, attach to the new
+// producer (AttachTimeout) and go on; the new producer must take the name
+// at its first Create.
+//
+// The producer is in turn the C one (creader's twin, cproducer/soak_producer.c
+// on libtsock.so, built here) and the Go one (this binary re-executed), or
+// one of them with --producer. With --fork (the default) the C producer and
+// the C and Python readers fork children without exec that outlive them
+// (--fork-every, --fork-life), as DataLoader workers and trainers' helpers
+// do: the soak checks that such children, alive at the kill of their
+// parent, change nothing above (the kill-to-publish bound, "producer gone"
+// within the bound, the name taken at once, every record free at the end).
 //
 // Every reader verifies every batch (content and checksum of the
 // internal/batchgen format, consecutive sequence numbers and batch
@@ -30,7 +42,7 @@
 //
 // Usage:
 //
-//	go run ./bench/soak [--duration 10m] [--readers 8] [--c-readers 4] [--json]
+//	go run ./bench/soak [--duration 10m] [--readers 8] [--c-readers 3] [--fork=false] [--json]
 //
 // Exit status 0 when every check passed, 1 otherwise, 2 for a bad command
 // line.
@@ -84,6 +96,11 @@ type config struct {
 	jsonOut       bool
 	device        bool
 	libcuda       string
+	producer      string // "mixed", "c" or "go"
+	fork          bool
+	forkEvery     time.Duration
+	forkLife      time.Duration
+	goneBound     time.Duration
 }
 
 func realMain(args []string, stdout, stderr io.Writer) int {
@@ -118,6 +135,14 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&cfg.jsonOut, "json", false, "print the result as JSON")
 	fs.BoolVar(&cfg.device, "device", false, "device pool and C readers on the device path (fake CUDA driver)")
 	fs.StringVar(&cfg.libcuda, "libcuda", "", "with --device: the CUDA driver to use (default: build the fake)")
+	fs.StringVar(&cfg.producer, "producer", "mixed",
+		"producer program: mixed (C and Go in turn, C first), c (on libtsock.so) or go")
+	fs.BoolVar(&cfg.fork, "fork", true,
+		"the C producer and the C and Python readers fork children without exec that outlive them")
+	fs.DurationVar(&cfg.forkEvery, "fork-every", time.Second, "with --fork: a forking process forks this often (and at start)")
+	fs.DurationVar(&cfg.forkLife, "fork-life", 5*time.Second, "with --fork: how long each forked child lives")
+	fs.DurationVar(&cfg.goneBound, "gone-bound", time.Second,
+		"longest allowed time from a producer's death to \"producer gone\" in each of its readers")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -126,7 +151,8 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 	}
 	if fs.NArg() != 0 || cfg.readers < 1 || cfg.cReaders < 0 || cfg.pyReaders < 0 ||
 		cfg.cReaders+cfg.pyReaders > cfg.readers || cfg.duration <= 0 ||
-		cfg.chaosEvery <= 0 || cfg.slots < 2 {
+		cfg.chaosEvery <= 0 || cfg.slots < 2 || (cfg.producer != "mixed" && cfg.producer != "c" && cfg.producer != "go") ||
+		(cfg.fork && (cfg.forkEvery <= 0 || cfg.forkLife <= 0)) {
 		fmt.Fprintln(stderr, "soak: bad arguments (see -h)")
 		return 2
 	}
@@ -179,6 +205,23 @@ type Result struct {
 	Device           string                 `json:"device_driver,omitempty"` // --device: the libcuda used
 	DeviceVerified   uint64                 `json:"device_batches_verified"` // device copies checked by C readers
 	DeviceReads      uint64                 `json:"device_reads_verified"`   // queued GPU reads that saw their batch
+
+	// Producers and forked children (issue 17).
+	Forking            bool    `json:"forking"`
+	CProducers         int     `json:"c_producer_incarnations"`  // incarnations run by the C producer
+	GoProducers        int     `json:"go_producer_incarnations"` // by the Go producer
+	ProducerForks      int     `json:"producer_forks"`           // children forked by C producers
+	ReaderForks        int     `json:"reader_forks"`             // by C and Python readers
+	GatingKillsChild   int     `json:"gating_kills_with_child"`  // measured gating kills whose reader had a forked child alive throughout
+	ChildLatencyMaxMs  float64 `json:"gating_kills_with_child_max_ms"`
+	GoneTimed          int     `json:"gone_timed"` // readers timed from their producer's kill to "producer gone"
+	GoneP50Ms          float64 `json:"kill_to_gone_p50_ms"`
+	GoneP99Ms          float64 `json:"kill_to_gone_p99_ms"`
+	GoneMaxMs          float64 `json:"kill_to_gone_max_ms"`
+	GoneRawMaxMs       float64 `json:"kill_to_gone_with_backlog_max_ms"` // also counting the backlog a reader read first
+	ProducerKillsChild int     `json:"producer_kills_with_child"`        // producer kills with a forked child alive until the next producer had the name
+	CreateMaxMs        float64 `json:"create_max_ms"`                    // longest Create of a new producer on the dead one's name
+	ChildrenAtEnd      int     `json:"children_alive_at_end"`            // forked children alive when the records were checked
 }
 
 // KindCounts are the counts of one kind of reader ("c", "go", "python").
@@ -189,6 +232,7 @@ type KindCounts struct {
 	Stops      int    `json:"stops"`
 	Verified   uint64 `json:"batches_verified"`
 	Reattaches int    `json:"reattaches"`
+	Forks      int    `json:"forks"` // children forked without exec
 }
 
 // kindOf is the counts of c's kind (main loop only; result() reads them).
@@ -223,7 +267,12 @@ type child struct {
 	devN, reads uint64    // device copies and queued GPU reads verified (C readers, --device)
 	lastMove    time.Time // when n last grew
 	attaches    int
-	fatal       string // MISMATCH or error line
+	gones       int           // "gone" lines
+	goneMono    time.Duration // CLOCK_MONOTONIC of the last "gone"
+	drainedMono time.Duration // and of the end of its last batch before it
+	forks       int           // children it forked
+	createTime  time.Duration // producer: how long its Create took
+	fatal       string        // MISMATCH or error line
 	finalLine   string
 	lastOutputs []string
 }
@@ -251,22 +300,29 @@ type soak struct {
 	self    string
 	cReader string
 	python  string // venv python of the Python readers
+	cProd   string // the C producer, cproducer/soak_producer.c on libtsock.so
 	pyEnv   []string
 	cudaEnv []string // --device: TSOCK_LIBCUDA for every child
 	rnd     *rand.Rand
 
-	mu        sync.Mutex
-	readers   []*child // current reader of each slot
-	history   []*child // every reader process started
-	pending   []goneReport
-	finals    map[int64]uint64 // incarnation -> batches it published
-	failures  []string
-	res       Result
-	latencies []time.Duration
+	mu         sync.Mutex
+	readers    []*child // current reader of each slot
+	history    []*child // every reader process started
+	pending    []goneReport
+	finals     map[int64]uint64 // incarnation -> batches it published
+	failures   []string
+	res        Result
+	latencies  []time.Duration
+	childLat   []time.Duration // gating kills of readers with a forked child alive
+	goneLat    []time.Duration // producer kill (or a reader's last batch after it) to its "producer gone"
+	goneRawMax time.Duration   // the longest from the kill itself
+	createMax  time.Duration
+	forks      []*forked // forked children followed (forks.go)
 
 	prod      *child
 	inc       int64
 	prodPids  []int
+	producers []*child // every producer started
 	seg       *ring.Segment
 	tmpDir    string
 	stopwatch time.Time
@@ -288,12 +344,19 @@ func runSoak(cfg config, log io.Writer) Result {
 	s := &soak{cfg: cfg, log: &lockedWriter{w: log}, rnd: rand.New(rand.NewPCG(cfg.seed, 0x50a4)),
 		finals: map[int64]uint64{}}
 	s.res = Result{Seed: cfg.seed, Readers: cfg.readers, CReaders: cfg.cReaders, PyReaders: cfg.pyReaders,
-		Kinds: map[string]*KindCounts{}}
+		Kinds: map[string]*KindCounts{}, Forking: cfg.fork}
 	// Pdeathsig follows the thread that started a child: keep this
 	// goroutine, which starts them all, on one thread.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	s.stopwatch = time.Now()
+	// The forked children of a killed reader or producer become ours, to
+	// be reaped (and killed at the end) here.
+	if err := setSubreaper(true); err != nil {
+		s.fail("setup: PR_SET_CHILD_SUBREAPER: %v", err)
+		return s.result()
+	}
+	defer setSubreaper(false)
 	defer s.cleanup()
 	if err := s.setup(); err != nil {
 		s.fail("setup: %v", err)
@@ -335,19 +398,39 @@ func (s *soak) result() Result {
 		}
 		k.Processes++
 		k.Verified += c.n
+		k.Forks += c.forks
 		if c.attaches > 1 {
 			r.Reattaches += c.attaches - 1
 			k.Reattaches += c.attaches - 1
 		}
 	}
 	r.Kinds = kinds
-	if n := len(s.latencies); n > 0 {
-		l := append([]time.Duration(nil), s.latencies...)
-		sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
-		ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
-		r.LatencyP50Ms, r.LatencyP99Ms, r.LatencyMaxMs = ms(l[n/2]), ms(l[min(n-1, n*99/100)]), ms(l[n-1])
+	for _, c := range s.history {
+		r.ReaderForks += c.forks
 	}
+	for _, c := range s.producers {
+		r.ProducerForks += c.forks
+	}
+	r.LatencyP50Ms, r.LatencyP99Ms, r.LatencyMaxMs = percentiles(s.latencies)
+	_, _, r.ChildLatencyMaxMs = percentiles(s.childLat)
+	r.GoneP50Ms, r.GoneP99Ms, r.GoneMaxMs = percentiles(s.goneLat)
+	r.GoneTimed = len(s.goneLat)
+	r.GoneRawMaxMs = ms(s.goneRawMax)
+	r.CreateMaxMs = ms(s.createMax)
 	return r
+}
+
+func ms(d time.Duration) float64 { return float64(d) / 1e6 }
+
+// percentiles are p50, p99 and the maximum of ds, in milliseconds.
+func percentiles(ds []time.Duration) (p50, p99, top float64) {
+	n := len(ds)
+	if n == 0 {
+		return 0, 0, 0
+	}
+	l := append([]time.Duration(nil), ds...)
+	sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
+	return ms(l[n/2]), ms(l[min(n-1, n*99/100)]), ms(l[n-1])
 }
 
 // setup finds or builds the C reader, starts the producer and the readers.
@@ -386,6 +469,11 @@ func (s *soak) setup() error {
 		}
 	}
 	s.res.GoReaders = s.cfg.readers - s.cfg.cReaders - s.cfg.pyReaders
+	if s.cfg.producer != "go" {
+		if s.cProd, err = s.buildCProducer(); err != nil {
+			return err
+		}
+	}
 	if err := s.startProducer(); err != nil {
 		return err
 	}
@@ -452,7 +540,7 @@ func (s *soak) setupPython() string {
 		}
 		args := []string{"-shared", "-fPIC", "-O2", "-std=c11", "-I" + filepath.Join(repo, "include"),
 			"-I" + filepath.Join(repo, "ring")}
-		for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/lease.c", "reader/dlpack.c",
+		for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/join.c", "reader/lease.c", "reader/dlpack.c",
 			"cuda/driver.c", "cuda/host.c"} {
 			args = append(args, filepath.Join(repo, f))
 		}
@@ -502,13 +590,42 @@ func (s *soak) buildCReader() (string, error) {
 	exe := filepath.Join(s.tmpDir, "soak_reader")
 	args := []string{"-O2", "-std=c11", "-Wall", "-Werror", "-I" + filepath.Join(repo, "include"),
 		"-I" + filepath.Join(repo, "ring"), src}
-	for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/lease.c", "reader/dlpack.c",
+	for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/join.c", "reader/lease.c", "reader/dlpack.c",
 		"cuda/driver.c", "cuda/host.c", "cuda/device.c"} {
 		args = append(args, filepath.Join(repo, f))
 	}
 	out, err := exec.Command(cc, append(args, "-ldl", "-lpthread", "-o", exe)...).CombinedOutput()
 	if err != nil {
 		return "", fmt.Errorf("building the C reader: %v\n%s", err, out)
+	}
+	return exe, nil
+}
+
+// buildCProducer builds libtsock.so (go build -buildmode=c-shared ./cabi,
+// as tests/mp does) and cproducer/soak_producer.c on it.
+func (s *soak) buildCProducer() (string, error) {
+	repo := s.repoRoot()
+	src := filepath.Join(repo, "bench", "soak", "cproducer", "soak_producer.c")
+	if _, err := os.Stat(src); err != nil {
+		return "", fmt.Errorf("C producer source not found (%v); pass --repo or --producer go", err)
+	}
+	build := exec.Command("sh", filepath.Join(repo, "scripts", "cgo.sh"), "go", "build", "-buildmode=c-shared",
+		"-buildvcs=false", "-ldflags=-extldflags=-Wl,-soname,libtsock.so", "-o", filepath.Join(s.tmpDir, "libtsock.so"),
+		"./cabi")
+	build.Dir = repo
+	build.Env = append(os.Environ(), "CGO_ENABLED=1")
+	if out, err := build.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("building libtsock.so: %v\n%s", err, out)
+	}
+	cc := os.Getenv("CC")
+	if cc == "" {
+		cc = "cc"
+	}
+	exe := filepath.Join(s.tmpDir, "soak_producer")
+	out, err := exec.Command(cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I"+filepath.Join(repo, "include"),
+		src, "-L"+s.tmpDir, "-ltsock", "-Wl,-rpath,"+s.tmpDir, "-o", exe).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("building the C producer: %v\n%s", err, out)
 	}
 	return exe, nil
 }
@@ -550,7 +667,25 @@ func (s *soak) start(c *child, name string, args ...string) error {
 
 // onLine handles one output line of a child (its output goroutine).
 func (s *soak) onLine(c *child, l string) {
+	if v, ok := strings.CutPrefix(l, "forked pid="); ok {
+		pid, err := strconv.Atoi(v)
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if err != nil || pid <= 0 {
+			s.failures = append(s.failures, fmt.Sprintf("%s: bad line %q", c.label(), l))
+			return
+		}
+		s.onForked(c, pid)
+		return
+	}
 	if c.kind == "producer" {
+		if v, ok := strings.CutPrefix(l, "created ns="); ok {
+			ns, _ := strconv.ParseInt(v, 10, 64)
+			s.mu.Lock()
+			c.createTime = time.Duration(ns)
+			s.mu.Unlock()
+			l = "created"
+		}
 		select {
 		case c.lines <- l:
 		default:
@@ -601,6 +736,9 @@ func (s *soak) onLine(c *child, l string) {
 		}
 	case "gone":
 		s.pending = append(s.pending, goneReport{c: c, inc: val("inc"), lastSeq: val("last_seq")})
+		c.gones++
+		c.goneMono = time.Duration(val("mono"))
+		c.drainedMono = time.Duration(val("drained"))
 	case "MISMATCH", "error":
 		if c.fatal == "" {
 			c.fatal = l
@@ -608,19 +746,41 @@ func (s *soak) onLine(c *child, l string) {
 	}
 }
 
+// cProducerTurn tells whether incarnation inc is the C producer's.
+func (s *soak) cProducerTurn(inc int64) bool {
+	return s.cfg.producer == "c" || (s.cfg.producer == "mixed" && inc%2 == 0)
+}
+
 func (s *soak) startProducer() error {
 	c := &child{kind: "producer"}
-	args := []string{"producer", "--name", s.cfg.name, "--slots", strconv.Itoa(int(s.cfg.slots)),
+	args := []string{"--name", s.cfg.name, "--slots", strconv.Itoa(int(s.cfg.slots)),
 		"--rate", strconv.Itoa(s.cfg.rate), "--inc", strconv.FormatInt(s.inc, 10)}
-	if s.cfg.device {
-		args = append(args, "--device", "cuda:0")
+	var err error
+	if s.cProducerTurn(s.inc) {
+		if s.cfg.device {
+			args = append(args, "--cuda-device", "0")
+		}
+		if s.cfg.fork {
+			args = append(args, "--fork-every", strconv.FormatInt(s.cfg.forkEvery.Milliseconds(), 10),
+				"--fork-life", strconv.FormatInt(s.cfg.forkLife.Milliseconds(), 10))
+		}
+		err = s.start(c, s.cProd, args...)
+		s.res.CProducers++
+	} else {
+		if s.cfg.device {
+			args = append(args, "--device", "cuda:0")
+		}
+		err = s.start(c, s.self, append([]string{"producer"}, args...)...)
+		s.res.GoProducers++
 	}
-	err := s.start(c, s.self, args...)
 	if err != nil {
 		return err
 	}
 	s.prod = c
 	s.prodPids = append(s.prodPids, c.pid())
+	s.mu.Lock()
+	s.producers = append(s.producers, c)
+	s.mu.Unlock()
 	if l, err := s.producerReply(c, 30*time.Second); err != nil || l != "created" {
 		return fmt.Errorf("producer incarnation %d: %q %v", s.inc, l, err)
 	}
@@ -667,16 +827,20 @@ func (s *soak) startReader(slot int) error {
 		c.slowUs = 300
 	}
 	var err error
+	var forkArg []string
+	if s.cfg.fork {
+		forkArg = []string{fmt.Sprintf("fork=%d:%d", s.cfg.forkEvery.Milliseconds(), s.cfg.forkLife.Milliseconds())}
+	}
 	switch c.kind {
 	case "c":
 		args := []string{s.cfg.name, strconv.Itoa(c.slowUs)}
 		if s.cfg.device {
 			args = append(args, "device")
 		}
-		err = s.start(c, s.cReader, args...)
+		err = s.start(c, s.cReader, append(args, forkArg...)...)
 	case "python":
 		script := filepath.Join(s.repoRoot(), "bench", "soak", "pyreader", "soak_reader.py")
-		err = s.start(c, s.python, script, s.cfg.name, strconv.Itoa(c.slowUs))
+		err = s.start(c, s.python, append([]string{script, s.cfg.name, strconv.Itoa(c.slowUs)}, forkArg...)...)
 	default:
 		err = s.start(c, s.self, "reader", s.cfg.name, strconv.Itoa(c.slowUs))
 	}
@@ -768,11 +932,12 @@ func (s *soak) chaos() {
 			}
 		}
 		s.validateGone()
+		s.reapForks()
 		if err := s.checkChildren(); err != nil {
 			s.fail("%v", err)
 			break
 		}
-		s.checkStuck(15 * time.Second)
+		s.checkStuck(stuckAfter)
 		if now.After(nextStatus) {
 			nextStatus = now.Add(cfg.statusEvery)
 			s.status()
@@ -822,6 +987,11 @@ func (s *soak) cont(c *child) {
 	s.mu.Unlock()
 }
 
+// stuckAfter is how long a running reader may go without verifying a
+// batch (a reader just restarted on a loaded machine: a Python one imports
+// numpy first).
+const stuckAfter = 15 * time.Second
+
 // checkStuck fails when a running reader has not verified a batch for d.
 func (s *soak) checkStuck(d time.Duration) {
 	s.mu.Lock()
@@ -841,10 +1011,11 @@ func (s *soak) status() {
 		verified += c.n
 	}
 	r := s.res
+	followed := len(s.forks)
 	s.mu.Unlock()
-	fmt.Fprintf(s.log, "soak %v: published %d (incarnation %d), verified %d, kills %d (gating %d), stops %d, producer restarts %d\n",
+	fmt.Fprintf(s.log, "soak %v: published %d (incarnation %d), verified %d, kills %d (gating %d), stops %d, producer restarts %d, forked children followed %d\n",
 		time.Since(s.stopwatch).Round(time.Second), r.Published+s.seg.Published(), s.inc, verified, r.Kills,
-		r.GatingKills, r.Stops, r.ProducerRestarts)
+		r.GatingKills, r.Stops, r.ProducerRestarts, followed)
 }
 
 // replaceKilled waits until the SIGKILLed reader c is reaped, counts the
@@ -909,7 +1080,7 @@ func (s *soak) gatingKill(c *child) {
 				continue
 			}
 			snap := s.seg.Snapshot(i)
-			if st := ring.ClaimState(snap.Claim); st == ring.ReaderActive || st == ring.ReaderJoining {
+			if st := ring.ClaimState(snap.Claim); st == ring.ReaderActive {
 				if locked, _ := s.seg.ReaderLocked(i); locked && snap.Cursor <= cur {
 					alone = false
 				}
@@ -921,33 +1092,74 @@ func (s *soak) gatingKill(c *child) {
 		}
 		time.Sleep(time.Millisecond)
 	}
+	kids := s.liveForks(c)
 	killedAt := time.Now()
 	c.killed = true
 	syscall.Kill(c.pid(), syscall.SIGKILL)
 	if gating {
+		// Measured from the reader's death (seen reaped), not from the
+		// signal: on a loaded machine the victim may wait long for a CPU to
+		// run its exit, which is no delay of the producer's.
+		var deadAt time.Time
 		for s.seg.Published() == before {
+			if deadAt.IsZero() && c.exited() {
+				deadAt = time.Now()
+			}
 			if time.Since(killedAt) > 10*time.Second {
 				break
 			}
 			time.Sleep(100 * time.Microsecond)
 		}
-		lat := time.Since(killedAt)
+		publishedAt := time.Now()
+		if deadAt.IsZero() {
+			deadAt = publishedAt // published before the soak saw the reader reaped
+		}
+		lat := publishedAt.Sub(deadAt)
+		// The reader's forked children held its mapping all along: the
+		// producer must not have waited for them.
+		withChild := len(kids) > 0 && anyAlive(kids)
 		s.mu.Lock()
 		s.latencies = append(s.latencies, lat)
+		if withChild {
+			s.childLat = append(s.childLat, lat)
+		}
 		s.mu.Unlock()
 		s.res.GatingKills++
+		if withChild {
+			s.res.GatingKillsChild++
+		}
 		if lat > s.cfg.livenessBound {
-			s.fail("the producer published again %v after the death of the reader it waited for (bound %v)",
-				lat.Round(time.Millisecond), s.cfg.livenessBound)
+			s.fail("the producer published again %v after the death of the reader it waited for (bound %v; %d forked children of it alive at the kill)",
+				lat.Round(time.Millisecond), s.cfg.livenessBound, len(kids))
 		}
 	}
 	s.replaceKilled(c)
 }
 
-// restartProducer SIGKILLs the producer, records what it published and
-// starts the next incarnation, which replaces the dead segment.
+// restartProducer SIGKILLs the producer, records what it published, checks
+// that every reader attached to it reports "producer gone" within
+// --gone-bound, and starts the next incarnation, which must take the name
+// at its first Create. The dead producer's forked children, alive, must
+// change none of it.
 func (s *soak) restartProducer() error {
 	old := s.prod
+	// Every reader can report in time: none is stopped. Those attached now
+	// (their "attached" line is in, their "gone" not yet) must report.
+	for _, c := range s.readers {
+		if c.stopped {
+			s.cont(c)
+		}
+	}
+	attached := map[*child]int{} // reader -> its "gone" lines before the kill
+	s.mu.Lock()
+	for _, c := range s.readers {
+		if c.attaches > c.gones {
+			attached[c] = c.gones
+		}
+	}
+	s.mu.Unlock()
+	kids := s.liveForks(old)
+	killedAt := monoNow()
 	old.killed = true
 	syscall.Kill(old.pid(), syscall.SIGKILL)
 	select {
@@ -962,11 +1174,67 @@ func (s *soak) restartProducer() error {
 	s.res.Published += final
 	s.inc++
 	s.mu.Unlock()
+	s.checkGone(attached, killedAt, len(kids))
 	if err := s.startProducer(); err != nil {
-		return err
+		return fmt.Errorf("%w (the dead producer had %d forked children alive)", err, len(kids))
+	}
+	s.mu.Lock()
+	s.createMax = max(s.createMax, s.prod.createTime)
+	s.mu.Unlock()
+	// The children lived until the name was taken: they held the dead
+	// producer's mapping through all of the above.
+	if len(kids) > 0 && anyAlive(kids) {
+		s.res.ProducerKillsChild++
 	}
 	s.res.ProducerRestarts++
 	return nil
+}
+
+// checkGone waits for each reader attached at the producer's death
+// (killedAt, CLOCK_MONOTONIC) to report "producer gone", and checks when
+// it got it: within --gone-bound of the moment it had nothing left to read
+// (the kill, or its last batch if it was behind: reading a backlog is not
+// the death's cost), not EAGAIN for longer.
+func (s *soak) checkGone(attached map[*child]int, killedAt time.Duration, kids int) {
+	wait := max(stuckAfter, 2*s.cfg.goneBound) // for the report: the bound is checked on its stamps
+	deadline := time.Now().Add(wait)
+	for {
+		s.mu.Lock()
+		for c, before := range attached {
+			if c.gones == before {
+				if c.exited() {
+					delete(attached, c) // died on its own: checkChildren reports it
+				}
+				continue
+			}
+			delete(attached, c)
+			lat := c.goneMono - max(killedAt, c.drainedMono)
+			switch {
+			case c.goneMono < killedAt:
+				s.failures = append(s.failures, fmt.Sprintf("%s reported producer gone %v before the producer was killed",
+					c.label(), killedAt-c.goneMono))
+			case lat > s.cfg.goneBound:
+				s.failures = append(s.failures, fmt.Sprintf(
+					"%s got \"producer gone\" %v after the producer's death and its last batch (%v after the death; bound %v; %d forked children of the producer alive)",
+					c.label(), lat.Round(time.Millisecond), (c.goneMono-killedAt).Round(time.Millisecond),
+					s.cfg.goneBound, kids))
+			}
+			s.goneLat = append(s.goneLat, lat)
+			s.goneRawMax = max(s.goneRawMax, c.goneMono-killedAt)
+		}
+		s.mu.Unlock()
+		if len(attached) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			for c := range attached {
+				s.fail("%s did not report \"producer gone\" within %v of the producer's death (%d forked children of the producer alive)",
+					c.label(), wait, kids)
+			}
+			return
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
 }
 
 // finish ends the run and checks for leaks.
@@ -980,14 +1248,15 @@ func (s *soak) finish() {
 		}
 	}
 	if !s.failed() {
-		// Everyone still reads: each reader verifies batches within 5 s.
+		// Everyone still reads: each reader verifies batches within
+		// stuckAfter.
 		before := map[*child]uint64{}
 		s.mu.Lock()
 		for _, c := range s.readers {
 			before[c] = c.n
 		}
 		s.mu.Unlock()
-		deadline := time.Now().Add(5 * time.Second)
+		deadline := time.Now().Add(stuckAfter)
 		for {
 			moved := 0
 			s.mu.Lock()
@@ -1045,7 +1314,9 @@ func (s *soak) finish() {
 	if l, err := s.producerReply(s.prod, 60*time.Second); err != nil || l != "drained ok" {
 		s.fail("publish after the readers left: %q %v", l, err)
 	}
-	// No leaked record or lock.
+	// No leaked record or lock, with the forked children of the readers
+	// (and producers) that just died still holding their mappings.
+	s.res.ChildrenAtEnd = s.liveForksCount()
 	for i := uint32(0); i < s.seg.Readers; i++ {
 		snap := s.seg.Snapshot(i)
 		locked, err := s.seg.ReaderLocked(i)
@@ -1112,6 +1383,14 @@ func (s *soak) cleanup() {
 			<-c.done
 		}
 	}
+	own := map[int]bool{}
+	for _, pid := range s.prodPids {
+		own[pid] = true
+	}
+	for _, c := range s.history {
+		own[c.pid()] = true
+	}
+	s.killForks(own)
 	if s.seg != nil {
 		s.seg.Close()
 	}
@@ -1149,13 +1428,31 @@ func printResult(w io.Writer, cfg config, r Result) {
 	}
 	fmt.Fprintf(w, "  producer-gone checks        %d (a surviving reader read all the dead producer published)\n", r.GoneChecks)
 	if r.GatingKills > 0 {
-		fmt.Fprintf(w, "  kill -> next publish        p50 %.1f ms, p99 %.1f ms, max %.1f ms (bound %v)\n",
+		fmt.Fprintf(w, "  reader death -> next publish p50 %.1f ms, p99 %.1f ms, max %.1f ms (bound %v)\n",
 			r.LatencyP50Ms, r.LatencyP99Ms, r.LatencyMaxMs, cfg.livenessBound)
+	}
+	fmt.Fprintf(w, "  producers                   %d C (libtsock.so), %d Go incarnations\n", r.CProducers, r.GoProducers)
+	if r.Forking {
+		fmt.Fprintf(w, "  forked children (no exec)   %d by C producers, %d by C and Python readers; each lives %v\n",
+			r.ProducerForks, r.ReaderForks, cfg.forkLife)
+		fmt.Fprintf(w, "    gating kills, reader's child alive    %d (max death -> next publish %.1f ms)\n",
+			r.GatingKillsChild, r.ChildLatencyMaxMs)
+		fmt.Fprintf(w, "    producer kills, producer's child alive %d of %d\n", r.ProducerKillsChild, r.ProducerRestarts)
+		fmt.Fprintf(w, "    alive at the end-of-run record check  %d\n", r.ChildrenAtEnd)
+	} else {
+		fmt.Fprintln(w, "  forked children             none (--fork=false)")
+	}
+	if r.GoneTimed > 0 {
+		fmt.Fprintf(w, "  producer kill -> \"gone\"     p50 %.1f ms, p99 %.1f ms, max %.1f ms over %d readers (bound %v; from the kill or the reader's last batch; max %.1f ms with the backlog read)\n",
+			r.GoneP50Ms, r.GoneP99Ms, r.GoneMaxMs, r.GoneTimed, cfg.goneBound, r.GoneRawMaxMs)
+	}
+	if r.ProducerRestarts > 0 {
+		fmt.Fprintf(w, "  new producer's Create       every one at its first try, longest %.1f ms\n", r.CreateMaxMs)
 	}
 	for _, kind := range []string{"c", "python", "go"} {
 		if k := r.Kinds[kind]; k != nil {
-			fmt.Fprintf(w, "  %-6s readers %d: %d processes, %d kills, %d stops, %d re-attaches, %d batches verified\n",
-				kind, k.Slots, k.Processes, k.Kills, k.Stops, k.Reattaches, k.Verified)
+			fmt.Fprintf(w, "  %-6s readers %d: %d processes, %d kills, %d stops, %d re-attaches, %d forks, %d batches verified\n",
+				kind, k.Slots, k.Processes, k.Kills, k.Stops, k.Reattaches, k.Forks, k.Verified)
 		}
 	}
 	fmt.Fprintf(w, "  reader records at the end   %d checked: free and unlocked\n", r.RecordsChecked)

@@ -26,9 +26,11 @@ import (
 const incShift = 40
 
 // runProducerRole: producer --name N --slots S --rate R --inc K --epoch-every E.
-// Publishes until told otherwise on stdin: "pause", "drain N" (publish N
-// batches, waiting up to 10 s for each; answers "drained ok" or "drained
-// error: ..."), "close" (closes the channel and exits).
+// Prints "created ns=<how long Create took>", then publishes until told
+// otherwise on stdin: "pause", "drain N" (publish N batches, waiting up to
+// 10 s for each; answers "drained ok" or "drained error: ..."), "close"
+// (closes the channel and exits). Its twin on libtsock.so, which can also
+// fork, is cproducer/soak_producer.c.
 func runProducerRole(args []string) int {
 	fs := flag.NewFlagSet("soak producer", flag.ContinueOnError)
 	name := fs.String("name", "", "channel")
@@ -40,13 +42,14 @@ func runProducerRole(args []string) int {
 	if fs.Parse(args) != nil {
 		return 2
 	}
+	t0 := time.Now()
 	p, err := producer.Create(*name, producer.Options{Slots: uint32(*slots), SlotBytes: batchgen.MaxPayload,
 		MaxReaders: 32, Device: *device})
 	if err != nil {
 		fmt.Printf("error create: %v\n", err)
 		return 1
 	}
-	fmt.Printf("created\n")
+	fmt.Printf("created ns=%d\n", time.Since(t0).Nanoseconds())
 	cmds := make(chan string, 8)
 	go func() {
 		sc := bufio.NewScanner(os.Stdin)
@@ -165,6 +168,8 @@ func runReaderRole(args []string) int {
 		fmt.Println("attached")
 		haveSeq, haveI := false, false
 		var lastSeq, lastI uint64
+		var goneAt time.Duration
+		drainedAt := monoNow()
 		for {
 			select {
 			case <-term:
@@ -179,6 +184,7 @@ func runReaderRole(args []string) int {
 			}
 			b, err := r.Acquire(100 * time.Millisecond)
 			if errors.Is(err, reader.ErrProducerGone) {
+				goneAt = monoNow()
 				break
 			}
 			if errors.Is(err, reader.ErrClosed) {
@@ -226,6 +232,7 @@ func runReaderRole(args []string) int {
 				fmt.Printf("error release: %v\n", err)
 				return 1
 			}
+			drainedAt = monoNow()
 		}
 		inc, seq := int64(-1), int64(-1)
 		if haveI {
@@ -235,7 +242,7 @@ func runReaderRole(args []string) int {
 		if haveSeq {
 			seq = int64(lastSeq)
 		}
-		fmt.Printf("gone inc=%d last_seq=%d\n", inc, seq)
+		fmt.Printf("gone inc=%d last_seq=%d mono=%d drained=%d\n", inc, seq, goneAt.Nanoseconds(), drainedAt.Nanoseconds())
 		r.Detach()
 	}
 }

@@ -21,8 +21,11 @@ func TestMain(m *testing.M) {
 
 // TestSoakShort runs the chaos soak for 12 seconds: 8 readers (3 C, 2 Python,
 // 3 Go; C and Go only when there is no .venv/bin/python or reader library)
-// killed, stopped and restarted every ~100 ms, the producer killed and
-// restarted every ~3 s. The long run is `go run ./bench/soak` (10 minutes).
+// killed, stopped and restarted every ~100 ms, the producer (C on
+// libtsock.so and Go in turn) killed and restarted every ~3 s; the C
+// producer and the C and Python readers fork children without exec that
+// outlive them (issue 17). The long run is `go run ./bench/soak` (10
+// minutes).
 func TestSoakShort(t *testing.T) {
 	if testing.Short() {
 		t.Skip("12 s soak")
@@ -62,6 +65,19 @@ func TestSoakShort(t *testing.T) {
 		t.Errorf("published %d, verified %d", res.Published, res.Verified)
 	case res.RecordsChecked == 0:
 		t.Errorf("reader records were not checked at the end")
+	case res.CProducers == 0 || res.GoProducers == 0:
+		t.Errorf("%d C and %d Go producer incarnations, want both", res.CProducers, res.GoProducers)
+	case res.GoneTimed == 0:
+		t.Errorf("no reader's \"producer gone\" was timed after a producer kill")
+	case !res.Forking || res.ReaderForks == 0 || res.ProducerForks == 0:
+		t.Errorf("forking %v: %d children forked by readers, %d by producers", res.Forking, res.ReaderForks,
+			res.ProducerForks)
+	case res.PyReaders > 0 && (res.Kinds["python"] == nil || res.Kinds["python"].Forks == 0):
+		t.Errorf("the Python readers forked no child")
+	case res.GatingKillsChild == 0:
+		t.Errorf("no measured kill of a gating reader whose forked child lived on")
+	case res.ProducerKillsChild == 0:
+		t.Errorf("no producer kill whose forked child lived until the next producer took the name")
 	}
 }
 

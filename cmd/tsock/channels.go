@@ -43,8 +43,8 @@ var shmDir = ring.ShmDir
 type readerInfo struct {
 	Index    uint32 `json:"index"`
 	Pid      int32  `json:"pid"`
-	State    string `json:"state"` // active, joining, evicted, invalid
-	Alive    bool   `json:"alive"` // its liveness lock is held by a live process
+	State    string `json:"state"` // active, evicted, invalid
+	Alive    bool   `json:"alive"` // attached: the live producer says so, else its presence lock is held
 	Cursor   uint64 `json:"cursor"`
 	Acquired uint64 `json:"acquired"`
 	Lag      uint64 `json:"lag"` // published - cursor: batches not yet released
@@ -157,22 +157,31 @@ func fillChannelInfo(ci *channelInfo, seg *ring.Segment) {
 		return
 	}
 	ci.ReaderList = ci.ReaderList[:0]
+	// A live producer frees a reader's entry the moment its connection
+	// ends: its roster is the truth. Once it is gone (or closed the
+	// channel), the readers' presence locks are all there is.
+	rosterTrue := ci.State == stateOpen
 	for _, r := range recs {
-		ri := readerFromRecord(r, ci.Published)
+		ri := readerFromRecord(r, ci.Published, rosterTrue)
 		switch {
-		case ri.Alive && (r.State == ring.ReaderActive || r.State == ring.ReaderJoining || r.State == ring.ReaderEvicted):
+		case ri.Alive && (r.State == ring.ReaderActive || r.State == ring.ReaderEvicted):
 			ci.Readers++
-		case !ri.Alive && (r.State == ring.ReaderActive || r.State == ring.ReaderJoining):
+		case !ri.Alive && r.State == ring.ReaderActive:
 			ci.DeadRecords++
 		}
 		ci.ReaderList = append(ci.ReaderList, ri)
 	}
 }
 
-// readerFromRecord converts a raw record; lag is computed against
+// readerFromRecord converts a raw roster entry; lag is computed against
 // published, clamped like the producer clamps (a cursor is untrusted).
-func readerFromRecord(r ring.RecordLive, published uint64) readerInfo {
-	ri := readerInfo{Index: r.Index, Pid: r.Pid, State: ring.StateName(r.State), Alive: r.Locked,
+// rosterTrue: the producer lives, and its claim word says who is attached.
+func readerFromRecord(r ring.RecordLive, published uint64, rosterTrue bool) readerInfo {
+	alive := r.Locked
+	if rosterTrue {
+		alive = r.State == ring.ReaderActive || r.State == ring.ReaderEvicted
+	}
+	ri := readerInfo{Index: r.Index, Pid: r.Pid, State: ring.StateName(r.State), Alive: alive,
 		Cursor: r.Cursor, Acquired: r.Acquired, Batches: r.Batches, WaitNs: r.WaitNs, startTime: r.StartTime}
 	if r.Cursor < published {
 		ri.Lag = published - r.Cursor

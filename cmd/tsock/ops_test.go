@@ -16,6 +16,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tsock/tsock/internal/testkit"
 	"github.com/tsock/tsock/producer"
@@ -40,15 +41,22 @@ func findChannel(res lsResult, name string) *channelInfo {
 	return nil
 }
 
-// TestLs lists a live channel with readers (one of them killed), a dead
-// channel, a foreign file and a planted symbolic link.
+// TestLs lists a live channel with readers (one of them killed: its live
+// producer frees its entry at once), a dead channel with readers (one of
+// them killed after the producer: its entry stays, shown dead), a foreign
+// file and a planted symbolic link.
 func TestLs(t *testing.T) {
 	live := chanName(t, "live")
-	prod := startChild(t, "producer", live, "8", "-1") // idle: nothing reclaims the killed reader's record
+	prod := startChild(t, "producer", live, "8", "-1")
 	r1 := startChild(t, "reader", live)
 	r2 := startChild(t, "reader", live)
 	startChild(t, "reader", live)
-	r2.kill() // its record stays ACTIVE until the producer needs it: "dead record"
+	r2.kill()
+	orphaned := chanName(t, "orphaned")
+	oprod := startChild(t, "producer", orphaned, "8", "-1")
+	o2 := startChild(t, "reader", orphaned)
+	oprod.kill()
+	o2.kill() // after its producer: nobody frees its entry any more
 	dead := deadChannel(t, "dead")
 	foreign := chanName(t, "foreign")
 	require.NoError(t, os.WriteFile(ring.ChannelPath(foreign), []byte("hello"), 0o600))
@@ -57,16 +65,24 @@ func TestLs(t *testing.T) {
 	require.NoError(t, os.WriteFile(target, []byte("do not touch"), 0o600))
 	require.NoError(t, os.Symlink(target, ring.ChannelPath(link)))
 
-	res, rc := lsJSON(t, live, dead, foreign, link)
-	require.Equal(t, exitOK, rc)
-	require.Len(t, res.Channels, 4)
-
-	c := findChannel(res, live)
-	require.NotNil(t, c)
+	var res lsResult
+	var c, o *channelInfo
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		var rc int
+		res, rc = lsJSON(t, live, orphaned, dead, foreign, link)
+		require.Equal(t, exitOK, rc)
+		require.Len(t, res.Channels, 5)
+		c, o = findChannel(res, live), findChannel(res, orphaned)
+		require.NotNil(t, c)
+		require.NotNil(t, o)
+		if (c.Readers == 2 && len(c.ReaderList) == 2 && o.DeadRecords == 1) || time.Now().After(deadline) {
+			break
+		}
+	}
 	assert.Equal(t, stateOpen, c.State)
 	assert.Equal(t, int32(prod.pid()), c.ProducerPid)
 	assert.Equal(t, 2, c.Readers)
-	assert.Equal(t, 1, c.DeadRecords)
+	assert.Equal(t, 0, c.DeadRecords)
 	assert.Equal(t, uint32(8), c.Slots)
 	assert.Equal(t, uint32(8), c.ReaderCapacity)
 	assert.Equal(t, uint64(60<<10), c.SlotBytes) // batchgen.MaxPayload in pages
@@ -76,9 +92,19 @@ func TestLs(t *testing.T) {
 		pids[r.Pid] = r.Alive
 	}
 	assert.True(t, pids[int32(r1.pid())], "live reader shown alive")
-	alive, listed := pids[int32(r2.pid())]
-	assert.True(t, listed, "killed reader's record listed")
-	assert.False(t, alive, "killed reader shown dead")
+	_, listed := pids[int32(r2.pid())]
+	assert.False(t, listed, "killed reader's entry freed by its producer")
+
+	assert.Equal(t, stateDead, o.State)
+	assert.Equal(t, 0, o.Readers)
+	assert.Equal(t, 1, o.DeadRecords)
+	pids = map[int32]bool{}
+	for _, r := range o.ReaderList {
+		pids[r.Pid] = r.Alive
+	}
+	alive, listed := pids[int32(o2.pid())]
+	assert.True(t, listed, "the entry of a reader killed after its producer is listed")
+	assert.False(t, alive, "and shown dead")
 
 	d := findChannel(res, dead)
 	require.NotNil(t, d)
@@ -95,7 +121,7 @@ func TestLs(t *testing.T) {
 	// Table output and the full listing (the channels above are in it).
 	rc, out, _ := runInProcess(t, "ls", "--readers")
 	require.Equal(t, exitOK, rc)
-	for _, want := range []string{"NAME", live, dead, "open", "dead", "2 +1 dead", "60 KiB"} {
+	for _, want := range []string{"NAME", live, dead, "open", "dead", "0 +1 dead", "60 KiB"} {
 		assert.Contains(t, out, want)
 	}
 	rc, out, _ = runInProcess(t, "ls", "--match", "clitest-"+strconv.Itoa(os.Getpid())+"-dead-*")
@@ -142,17 +168,29 @@ func TestStat(t *testing.T) {
 	slow, err := reader.Attach(name, reader.Options{Start: reader.StartNow})
 	require.NoError(t, err)
 	defer slow.Detach()
-	time.Sleep(200 * time.Millisecond)
+	inProcess := func(s statSample) *statReader {
+		for i := range s.Readers {
+			if s.Readers[i].Pid == int32(os.Getpid()) {
+				return &s.Readers[i]
+			}
+		}
+		return nil
+	}
+	// Sample once the ring is full (the holding reader lags by all 8
+	// slots): from then on nothing is published, however long the
+	// producer took to fill it on a loaded machine.
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		s = statRun(t, name, 1)[0]
+		if sr := inProcess(s); sr != nil && sr.Lag == 8 {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "the ring never filled behind the holding reader: %+v", s)
+	}
 	samples = statRun(t, name, 2)
 	s = samples[len(samples)-1]
 	assert.Less(t, s.PublishRate, 20.0, "a full ring stops the producer")
 	assert.Greater(t, s.Backpressure, 0.5, "producer back-pressured")
-	var sr *statReader
-	for i := range s.Readers {
-		if s.Readers[i].Pid == int32(os.Getpid()) {
-			sr = &s.Readers[i]
-		}
-	}
+	sr := inProcess(s)
 	require.NotNil(t, sr, "in-process reader listed")
 	assert.Equal(t, uint64(8), sr.Lag, "the holding reader lags by the whole ring")
 	fr = statReaderByPid(t, s, fast.pid())
@@ -381,7 +419,14 @@ func TestGpusWithoutDriver(t *testing.T) {
 	}
 	rc, out, errs := runInProcess(t, "gpus")
 	assert.Equal(t, exitOK, rc, errs)
-	assert.Equal(t, msgNoDriver+"\n", out)
+	// The message, then the channels with a device pool that other
+	// processes (tests running beside this one) may have open right now.
+	first, rest, _ := strings.Cut(out, "\n")
+	assert.Equal(t, msgNoDriver, first)
+	for _, l := range strings.Split(strings.TrimSuffix(rest, "\n"), "\n") {
+		assert.True(t, l == "" || strings.HasPrefix(l, "channel ") || strings.HasPrefix(l, "  "),
+			"not a line of the channels' section: %q", l)
+	}
 	rc, out, _ = runInProcess(t, "gpus", "--json")
 	assert.Equal(t, exitOK, rc)
 	var rep gpuReport
@@ -490,21 +535,32 @@ func TestToolsAsOtherUser(t *testing.T) {
 }
 
 // TestGpusShowsPlacement: tsock gpus lists a channel's device pool and what
-// each live reader got (records patched as a producer with a pool and
-// readers on CUDA would write them; no GPU here).
+// each live reader got (the header patched as a producer with a pool would
+// write it; records written as readers on CUDA would write theirs, by
+// readers that speak the join protocol themselves; no GPU here).
 func TestGpusShowsPlacement(t *testing.T) {
 	name := chanName(t, "gpus")
 	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
 	require.NoError(t, err)
 	defer p.Close()
-	for i := 0; i < 4; i++ {
-		r, err := reader.Attach(name, reader.Options{Start: reader.StartNow})
-		require.NoError(t, err)
-		defer r.Detach()
-	}
 	gpu := [16]byte{0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd, 0xee, 0xff, 0x00}
 	mig := gpu
 	mig[15] = 0x01
+	le32 := func(v uint32) []byte { return binary.LittleEndian.AppendUint32(nil, v) }
+	placed := func(placement, ordinal uint32, uuid [16]byte) {
+		r, err := testkit.JoinRogue(name, uint32(reader.StartNow))
+		require.NoError(t, err)
+		t.Cleanup(r.Close)
+		copy(r.Rec.Bytes()[ring.RecordOffPlacement:], le32(placement))
+		copy(r.Rec.Bytes()[ring.RecordOffCUDAOrdinal:], le32(ordinal))
+		copy(r.Rec.Bytes()[ring.RecordOffGPUUUID:], uuid[:])
+	}
+	placed(ring.PlacementDevice, 0, gpu)
+	placed(ring.PlacementPinned, 1, mig)
+	r, err := reader.Attach(name, reader.Options{Start: reader.StartNow})
+	require.NoError(t, err)
+	defer r.Detach()
+	placed(9, 0, [16]byte{}) // garbage a reader could write
 	f, err := os.OpenFile(ring.ChannelPath(name), os.O_RDWR, 0)
 	require.NoError(t, err)
 	defer f.Close()
@@ -512,23 +568,17 @@ func TestGpusShowsPlacement(t *testing.T) {
 		_, err := f.WriteAt(b, int64(off))
 		require.NoError(t, err)
 	}
-	le32 := func(v uint32) []byte { return binary.LittleEndian.AppendUint32(nil, v) }
 	put(ring.HeaderOffGPUPool, le32(1))
 	put(ring.HeaderOffGPUOrdinal, le32(0))
 	put(ring.HeaderOffGPUPoolBytes, binary.LittleEndian.AppendUint64(nil, 2*4096))
 	put(ring.HeaderOffGPUUUID, gpu[:])
-	g, ok := ring.ComputeGeometry(2, producer.DefaultMaxReaders, 4096)
-	require.True(t, ok)
-	record := func(i int) uintptr {
-		return uintptr(g.ReadersOffset) + ring.ReaderSharedSize + uintptr(i)*ring.ReaderRecordSize
+	// The producer mirrors records into the roster, which tools read.
+	seg, err := ring.OpenSegment(name)
+	require.NoError(t, err)
+	defer seg.Close()
+	for deadline := time.Now().Add(10 * time.Second); seg.Snapshot(3).Placement != 9; time.Sleep(time.Millisecond) {
+		require.True(t, time.Now().Before(deadline), "records never mirrored")
 	}
-	put(record(0)+ring.RecordOffPlacement, le32(ring.PlacementDevice))
-	put(record(0)+ring.RecordOffCUDAOrdinal, le32(0))
-	put(record(0)+ring.RecordOffGPUUUID, gpu[:])
-	put(record(1)+ring.RecordOffPlacement, le32(ring.PlacementPinned))
-	put(record(1)+ring.RecordOffCUDAOrdinal, le32(1))
-	put(record(1)+ring.RecordOffGPUUUID, mig[:])
-	put(record(3)+ring.RecordOffPlacement, le32(9)) // garbage a reader could write
 
 	saved := gpuQuery
 	t.Cleanup(func() { gpuQuery = saved })
@@ -575,4 +625,29 @@ func TestGpusShowsPlacement(t *testing.T) {
 	assert.Contains(t, out, "PLACEMENT")
 	assert.Contains(t, out, "device")
 
+}
+
+// TestRmIgnoresReadLockOnProducerByte: any reader of a channel may take a
+// read lock on the producer's byte; on a dead channel that keeps a new
+// producer of the name from taking the write lock. The lock is no
+// producer: Create says what holds the name, and tsock rm removes it.
+// Before: rm took any lock there for a live producer and refused.
+func TestRmIgnoresReadLockOnProducerByte(t *testing.T) {
+	name := deadChannel(t, "rdlock")
+	f, err := os.Open(ring.ChannelPath(name))
+	require.NoError(t, err)
+	defer f.Close()
+	fl := unix.Flock_t{Type: unix.F_RDLCK, Start: ring.LockProducer, Len: 1}
+	require.NoError(t, unix.FcntlFlock(f.Fd(), unix.F_OFD_SETLK, &fl))
+
+	_, err = producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.ErrorIs(t, err, producer.ErrExist)
+	assert.Contains(t, err.Error(), "read lock")
+
+	rc, out, errs := runInProcess(t, "rm", name)
+	require.Equal(t, exitOK, rc, "%s%s", out, errs)
+	assert.Contains(t, out, "removed "+name)
+	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 4096})
+	require.NoError(t, err, "the name is free again")
+	require.NoError(t, p.Close())
 }

@@ -179,7 +179,10 @@ func removeChannel(name string, force bool) (string, error) {
 		return "", err
 	}
 	defer f.Close()
-	locked, err := ring.ByteLocked(f, ring.LockProducer)
+	// Only a write lock is a producer's: a reader may hold a read lock on
+	// that byte (of a dead channel, to keep its name taken), which does not
+	// keep the channel.
+	locked, err := ring.ByteWriteLocked(f, ring.LockProducer)
 	if err != nil {
 		return "", fmt.Errorf("read the producer lock of %s: %w", path, err)
 	}

@@ -42,7 +42,6 @@ import multiprocessing as mp
 import os
 import queue
 import resource
-import shutil
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tsock
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 
@@ -88,9 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-baseline", action="store_true", help="skip measuring one separate loader epoch")
     ap.add_argument(
         "--progress",
-        choices=["auto", "tqdm", "lines", "log"],
+        choices=["auto", "tqdm", "log"],
         default="auto",
-        help="auto: tqdm bars or one status line per process on a terminal, epoch lines otherwise",
+        help="auto: tqdm bars (one per process) on a terminal, epoch lines otherwise",
     )
     ap.add_argument("--json", type=Path, help="also write the results to this file")
     ap.add_argument(
@@ -391,43 +391,24 @@ def trainer_main(idx: int, hp: dict, args, q, ppid: int) -> None:
 # ---- progress display ----------------------------------------------------------------------------------------
 
 
-def _bar(frac: float, width: int = 16) -> str:
-    n = max(0, min(width, int(frac * width + 0.5)))
-    return "[" + "#" * n + "." * (width - n) + "]"
-
-
 class Display:
-    """Progress of the producer and of each trainer. 'lines' redraws one
-    status line per process in place (a terminal), 'tqdm' uses one tqdm bar
-    per process, 'log' prints only finished epochs (pipes, CI)."""
+    """Progress of the producer and of each trainer: one tqdm bar per
+    process on a terminal ('tqdm'), only finished epochs and events
+    otherwise ('log': pipes, CI)."""
 
     def __init__(self, args, mode: str):
-        self.args = args
-        self.k = args.trainers
         if mode == "auto":
-            if not sys.stdout.isatty():
-                mode = "log"
-            else:
-                try:
-                    import tqdm  # noqa: F401
-
-                    mode = "tqdm"
-                except ImportError:
-                    mode = "lines"
+            mode = "tqdm" if sys.stdout.isatty() else "log"
         self.mode = mode
-        self.status = ["producer: starting"] + [f"trainer {i}: starting" for i in range(self.k)]
-        self.drawn = 0
         self.last_draw = 0.0
         self.bars = None
         self.closed = False
         self.acc = {}  # last validation accuracy per trainer
         if mode == "tqdm":
-            from tqdm import tqdm
-
             fmt = "{desc} {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt}{postfix}"
             total = args.epochs * (args.train_size + args.val_size)
             self.bars = [tqdm(total=total, position=0, desc="producer ", bar_format=fmt, unit="img", leave=True)]
-            for i in range(self.k):
+            for i in range(args.trainers):
                 hp = CONFIGS[i]
                 self.bars.append(
                     tqdm(
@@ -441,41 +422,23 @@ class Display:
                 )
 
     def log(self, line: str) -> None:
-        if self.mode == "tqdm":
+        if self.bars is not None:
             self.bars[0].write(line)
-            return
-        self._erase()
-        print(line, flush=True)
-        self._draw()
+        else:
+            print(line, flush=True)
 
-    def set(self, row: int, text: str, done: int | None = None, postfix: str = "") -> None:
-        """row 0 is the producer, row i+1 trainer i."""
-        self.status[row] = text
-        if self.bars is not None and done is not None:
-            bar = self.bars[row]
-            bar.n = min(done, bar.total)
-            bar.set_postfix_str(postfix, refresh=False)
+    def set(self, row: int, done: int, postfix: str = "") -> None:
+        """Row 0 is the producer, row i+1 trainer i: `done` images so far."""
+        if self.bars is None:
+            return
+        bar = self.bars[row]
+        bar.n = min(done, bar.total)
+        bar.set_postfix_str(postfix, refresh=False)
         now = time.monotonic()
         if now - self.last_draw >= 0.2:
             self.last_draw = now
-            if self.mode == "lines":
-                self._erase()
-                self._draw()
-            elif self.bars is not None:
-                for b in self.bars:
-                    b.refresh()
-
-    def _erase(self) -> None:
-        if self.mode == "lines" and self.drawn:
-            sys.stdout.write(f"\x1b[{self.drawn}F\x1b[J")
-            self.drawn = 0
-
-    def _draw(self) -> None:
-        if self.mode == "lines":
-            cols = shutil.get_terminal_size((120, 20)).columns
-            sys.stdout.write("".join(s[: cols - 1] + "\n" for s in self.status))
-            sys.stdout.flush()
-            self.drawn = len(self.status)
+            for b in self.bars:
+                b.refresh()
 
     def close(self) -> None:
         if self.closed:
@@ -487,10 +450,6 @@ class Display:
                 b.close()
             self.bars = None
             print()
-        elif self.mode == "lines":
-            self._erase()
-            self._draw()
-            self.drawn = 0
 
 
 # ---- the sweep -------------------------------------------------------------------------------------------------
@@ -668,26 +627,19 @@ def handle(msg, args, display, results, failures):
     kind = msg[0]
     if kind == "producer":
         s = msg[1]
-        done = s["samples"]
-        text = (
-            f"producer   epoch {s['epoch'] + 1}/{args.epochs} {s['phase']:<5} {_bar(s['done'] / s['total'])} "
-            f"{s['done']:>3}/{s['total']:<3} | {s['rate']:4.0f} img/s | {s['readers']} readers | "
-            f"waited {s['waited']:.1f} s"
+        display.set(
+            0,
+            s["samples"],
+            f"epoch {s['epoch'] + 1}/{args.epochs} {s['phase']}, {s['rate']:.0f} img/s, "
+            f"{s['readers']} readers, waited {s['waited']:.1f} s",
         )
-        display.set(0, text, done, f"{s['rate']:.0f} img/s, waited {s['waited']:.1f} s")
     elif kind == "progress":
         i, s = msg[1], msg[2]
-        hp = CONFIGS[i]
-        total = args.train_size if s["phase"] == "train" else args.val_size
-        rate = f" | {s['rate']:4.0f} img/s" if "rate" in s else ""
-        acc = display.acc.get(i)
-        acc = f" | val acc {100 * acc:4.1f}%" if acc is not None else ""
-        text = (
-            f"trainer {i}  lr {hp['lr']:<5g} width {hp['width']:<2} | epoch {s['epoch'] + 1}/{args.epochs} "
-            f"{s['phase']:<5} {_bar(s['samples'] / total)}{rate}{acc}"
-        )
         done = s["epoch"] * args.train_size + (s["samples"] if s["phase"] == "train" else args.train_size)
-        display.set(i + 1, text, done, f"epoch {s['epoch'] + 1}/{args.epochs} {s['phase']}")
+        rate = f", {s['rate']:.0f} img/s" if "rate" in s else ""
+        acc = display.acc.get(i)
+        acc = f", val acc {100 * acc:.1f}%" if acc is not None else ""
+        display.set(i + 1, done, f"epoch {s['epoch'] + 1}/{args.epochs} {s['phase']}{rate}{acc}")
     elif kind == "epoch":
         i, s = msg[1], msg[2]
         hp = CONFIGS[i]
@@ -697,7 +649,7 @@ def handle(msg, args, display, results, failures):
         )
         display.acc[i] = s["acc"]
         display.log(text)
-        display.set(i + 1, text, (s["epoch"] + 1) * args.train_size, f"val acc {100 * s['acc']:.1f}%")
+        display.set(i + 1, (s["epoch"] + 1) * args.train_size, f"val acc {100 * s['acc']:.1f}%")
     elif kind == "done":
         results[msg[1]] = msg[2]
     elif kind == "failed":
@@ -709,9 +661,8 @@ def handle(msg, args, display, results, failures):
     elif kind == "producer_done":
         display.set(
             0,
-            f"producer   done: {msg[1]['published']} batches published in {msg[1]['wall']:.1f} s",
             args.epochs * (args.train_size + args.val_size),
-            "done",
+            f"done: {msg[1]['published']} batches published in {msg[1]['wall']:.1f} s",
         )
         return msg[1]
     return None

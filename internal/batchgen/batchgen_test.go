@@ -2,7 +2,14 @@ package batchgen
 
 import (
 	"encoding/binary"
+	"encoding/hex"
+	"fmt"
 	"hash/fnv"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -125,4 +132,50 @@ func TestParseLine(t *testing.T) {
 	assert.Error(t, err)
 	_, err = ParseLine("check_reader batches=x markers=1 first=0 last=2 fold=1")
 	assert.Error(t, err)
+}
+
+// TestCWriterMatchesGo: batchgen_write (batchgen.h), with which the C soak
+// producer publishes, writes byte for byte the payload, tensors and
+// metadata that Write does (testdata/cwrite.c prints them).
+func TestCWriterMatchesGo(t *testing.T) {
+	cc := os.Getenv("CC")
+	if cc == "" {
+		cc = "cc"
+	}
+	if _, err := exec.LookPath(cc); err != nil {
+		t.Skipf("no C compiler: %v", err)
+	}
+	exe := filepath.Join(t.TempDir(), "cwrite")
+	out, err := exec.Command(cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I../../include",
+		"testdata/cwrite.c", "-o", exe).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	is := []uint64{0, 1, 2, 7, 8, 255, 256, 7577, 9999, 1 << 40, 1<<40 + 12345, 3<<40 + 59999}
+	args := make([]string, len(is))
+	for k, i := range is {
+		args[k] = strconv.FormatUint(i, 10)
+	}
+	out, err = exec.Command(exe, args...).Output()
+	require.NoError(t, err)
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	require.Len(t, lines, len(is))
+	buf := make([]byte, MaxPayload)
+	for k, i := range is {
+		for j := range buf {
+			buf[j] = 0xee
+		}
+		ts, meta := Write(buf, i)
+		want := fmt.Sprintf("i=%d", i)
+		for n, x := range ts {
+			nbytes := uint64(ring.DtypeSize(x.Dtype)) * uint64(x.Shape[0])
+			want += fmt.Sprintf(" t%d=%d,1,%d,1,%d,%d", n, x.Dtype, x.Shape[0], x.Offset, nbytes)
+		}
+		want += " meta=" + hex.EncodeToString(meta) + " payload=" + hex.EncodeToString(buf[:PayloadBytes(i)])
+		if lines[k] != want {
+			n := 0
+			for n < len(want) && n < len(lines[k]) && want[n] == lines[k][n] {
+				n++
+			}
+			t.Fatalf("batch %d: C and Go differ from character %d:\nC:  %.200s\nGo: %.200s", i, n, lines[k][n:], want[n:])
+		}
+	}
 }

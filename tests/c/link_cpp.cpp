@@ -103,12 +103,32 @@ static void roundtrip() {
     if (b->epoch_end()) {
       markers++;
       EXPECT(b->index() == 3 && b->size() == 0);
+      try {  // an epoch-end marker has no tensor 0
+        (void)b->data<float>(0);
+        EXPECT(false);
+      } catch (const tsock::Error &e) {
+        EXPECT(e.status() == TSOCK_EINVAL);
+      }
     } else {
       EXPECT(b->size() == 2 && b->index() == uint64_t(k));
       EXPECT((*b)[0].shape[0] == 2 && (*b)[0].shape[1] == 3);
       for (int j = 0; j < 6; j++) seen.push_back(b->data<float>(0)[j]);
       EXPECT(*b->data<int64_t>(1) == 100 + k);
       EXPECT(b->meta_size() == 4 && std::memcmp(b->meta(), "meta", 4) == 0);
+      for (std::size_t past : {std::size_t(2), std::size_t(16), std::size_t(-1)}) {
+        try {  // no tensor there: an error, never a read past the batch
+          (void)(*b)[past];
+          EXPECT(false);
+        } catch (const tsock::Error &e) {
+          EXPECT(e.status() == TSOCK_EINVAL && std::strstr(e.what(), "of a batch of 2") != nullptr);
+        }
+        try {
+          (void)b->data<int64_t>(past);
+          EXPECT(false);
+        } catch (const tsock::Error &e) {
+          EXPECT(e.status() == TSOCK_EINVAL);
+        }
+      }
       try {  // no device pool: no device copy
         b->cuda_use(0);
         EXPECT(false);

@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 
 #include "fake_cuda.h"
+#include "fake_join.h"
 #include "layout.h"
 #include "test_util.h"
 
@@ -30,6 +31,7 @@ typedef struct seg {
   int fd;
   uint8_t *map;
   tsock_header *h;
+  fake_join join; /* readers join here */
 } seg;
 
 static int seg_open(seg *s, const char *name) {
@@ -48,18 +50,18 @@ static int seg_open(seg *s, const char *name) {
   h->magic = TSOCK_MAGIC;
   h->header_size = sizeof(tsock_header);
   h->slot_size = sizeof(tsock_slot);
-  h->reader_record_size = sizeof(tsock_reader_record);
+  h->roster_entry_size = sizeof(tsock_roster_entry);
   h->slot_count = 4;
   h->reader_capacity = 4;
   h->slot_payload_bytes = g.slot_payload_bytes;
-  h->readers_offset = g.readers_offset;
+  h->roster_offset = g.roster_offset;
   h->slots_offset = g.slots_offset;
   h->payload_offset = g.payload_offset;
   h->total_bytes = g.total_bytes;
   h->producer_pid = (int32_t)getpid();
   h->state = TSOCK_STATE_OPEN;
   __atomic_store_n(&h->layout_version, TSOCK_LAYOUT_VERSION, __ATOMIC_RELEASE);
-  return 0;
+  return fake_join_start(&s->join, s->map);
 }
 
 /* Publishes batch `seq`: one uint8 [16] tensor. */
@@ -287,5 +289,6 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: %s fake|noinit|missing|none\n", argv[0]);
     return 2;
   }
+  fake_join_stop(&sg.join);
   return test_report("test_cuda");
 }

@@ -384,7 +384,10 @@ static void test_dlpack_keeps_pool_after_detach(void) {
 /* A batch released with queued GPU work is waited for at detach. */
 static void test_detach_waits(void) {
   const char *name = test_name("tdev", "detach");
-  pid_t pid = spawn_producer(name, 1, 2);
+  /* Two batches in two slots: the epoch-end marker waits for our release of
+   * batch 0, so the producer cannot close (and refuse the device path)
+   * before we have opened it. */
+  pid_t pid = spawn_producer(name, 2, 2);
   void *stream = NULL;
   tsock_reader_t *r = attach_device(name, &stream);
   if (r == NULL) return;
@@ -484,6 +487,15 @@ static void test_detach_with_unconfirmed_fence(void) {
   CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK); /* batch 1 */
   /* 2 is never published; both slots held (max_held = ring), one unconfirmed */
   CHECK_RC(tsock_reader_acquire(r, &b, 100000000ll), TSOCK_ESYS);
+  /* The fake's read runs here, while the pool is mapped: detach drops this
+   * process's mapping of it (the fence stays unconfirmable all the same).
+   * A read left queued would later hash unmapped memory (or whatever the
+   * next pool mapped there). */
+  for (int w = 0; w < 400 && sum == 0; w++) {
+    usleep(5000);
+    run_due();
+  }
+  CHECK(sum != 0);
   CHECK_RC(tsock_reader_detach(r), TSOCK_ESYS);
   CHECK(strstr(tsock_last_error(), "stay held") != NULL);
   unsetenv("FAKE_CUDA_FAIL");
@@ -610,9 +622,14 @@ static void test_sync_mode(void) {
   const tsock_batch_t *b;
   /* first batch on a stream: the stream's work now ends after the copy */
   CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  /* Waiting for the copy would return after it ends (publish + 0.5 s, to
+   * the 1 ms of the check below): called before that, cuda_use must
+   * return before it. (Not "within 250 ms": a loaded machine can stall
+   * this thread that long without any waiting in cuda_use.) */
+  uint64_t copy_end = b->publish_ns + 500000000ull - 1000000ull;
   uint64_t t = mono_ns();
   CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
-  CHECK(mono_ns() - t < 250000000ull);                 /* did not block */
+  CHECK(t >= copy_end || mono_ns() < copy_end);        /* did not block */
   CHECK(stream_end(stream) + 1000000ull >= b->publish_ns + 500000000ull); /* but ordered */
   CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
   /* second batch, SYNC: this thread waits for the copy */
@@ -808,7 +825,7 @@ static void test_killed_peers(void) {
 /* The same GPU seen under another ordinal is still found by UUID. */
 static void test_reordered_devices(void) {
   const char *name = test_name("tdev", "reorder");
-  pid_t pid = spawn_producer(name, 1, 2); /* pool on ordinal 0 = UUID 0 */
+  pid_t pid = spawn_producer(name, 2, 2); /* pool on ordinal 0 = UUID 0; open till our release */
   setenv("FAKE_CUDA_UUIDS", "1,0", 1);    /* here that GPU is ordinal 1 */
   tsock_reader_t *r = attach(name);
   int32_t ordinal = -1;

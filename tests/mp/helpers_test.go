@@ -92,7 +92,8 @@ func needCheckReader(t *testing.T) string {
 		out, err := exec.Command(cc, "-O2", "-std=c11", "-Wall", "-Werror",
 			"-I"+filepath.Join(repoRoot, "include"), "-I"+filepath.Join(repoRoot, "ring"), src,
 			filepath.Join(repoRoot, "reader", "status.c"), filepath.Join(repoRoot, "reader", "platform.c"),
-			filepath.Join(repoRoot, "reader", "reader.c"), filepath.Join(repoRoot, "reader", "lease.c"),
+			filepath.Join(repoRoot, "reader", "reader.c"), filepath.Join(repoRoot, "reader", "join.c"),
+			filepath.Join(repoRoot, "reader", "lease.c"),
 			"-lpthread", "-o", exe).CombinedOutput()
 		checkBuildMs = time.Since(start)
 		if err != nil {
@@ -115,6 +116,7 @@ type proc struct {
 	mu    sync.Mutex
 	out   bytes.Buffer
 	lines chan string // stdout lines as they come (buffered, may drop when full)
+	seen  []seenLine  // every stdout line and when it arrived, under mu
 	done  chan struct{}
 	err   error     // Wait's result, after done
 	ended time.Time // when Wait returned
@@ -130,10 +132,20 @@ func (p *proc) Output() string {
 // and in the test's cleanup.
 func start(t *testing.T, label string, env []string, name string, args ...string) *proc {
 	t.Helper()
+	return startAttr(t, label, env, &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}, name, args...)
+}
+
+// startAttr is start with the child's process attributes (another user:
+// testkit.AsUser, which also kills it with the test).
+func startAttr(t *testing.T, label string, env []string, attr *syscall.SysProcAttr, name string, args ...string) *proc {
+	t.Helper()
 	p := &proc{label: label, lines: make(chan string, 1024), done: make(chan struct{})}
 	p.cmd = exec.Command(name, args...)
 	p.cmd.Env = append(os.Environ(), env...)
-	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	p.cmd.SysProcAttr = attr
+	if attr.Credential != nil {
+		p.cmd.Dir = "/" // another user may not enter ours
+	}
 	stdout, err := p.cmd.StdoutPipe()
 	require.NoError(t, err)
 	p.cmd.Stderr = writerFunc(func(b []byte) (int, error) {
@@ -150,6 +162,7 @@ func start(t *testing.T, label string, env []string, name string, args ...string
 			line := sc.Text()
 			p.mu.Lock()
 			p.out.WriteString(line + "\n")
+			p.seen = append(p.seen, seenLine{time.Now(), line})
 			p.mu.Unlock()
 			select {
 			case p.lines <- line:
@@ -176,6 +189,25 @@ func start(t *testing.T, label string, env []string, name string, args ...string
 		}
 	})
 	return p
+}
+
+// seenLine is a stdout line of a child and when the test read it.
+type seenLine struct {
+	at   time.Time
+	line string
+}
+
+// lineAt is when the child's first stdout line with the given prefix
+// arrived (zero if none did).
+func (p *proc) lineAt(prefix string) time.Time {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, l := range p.seen {
+		if strings.HasPrefix(l.line, prefix) {
+			return l.at
+		}
+	}
+	return time.Time{}
 }
 
 type writerFunc func([]byte) (int, error)

@@ -19,7 +19,9 @@ def test_missing_channel_fails_at_once_with_timeout_zero(channel):
     t0 = time.monotonic()
     with pytest.raises(tsock.ChannelNotFound, match=channel) as err:
         tsock.Consumer(channel, timeout=0)
-    assert time.monotonic() - t0 < 0.5
+    # At once, not after the default 30 s wait: the bound only tells the two
+    # apart (loading the library on a loaded machine can take a while).
+    assert time.monotonic() - t0 < 5
     assert err.value.status == _capi.ENOENT
     assert "producer running" in str(err.value)
 
@@ -28,7 +30,7 @@ def test_missing_channel_fails_after_the_timeout(channel):
     t0 = time.monotonic()
     with pytest.raises(tsock.ChannelNotFound, match="after waiting 0.3 s"):
         tsock.Consumer(channel, timeout=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 2
+    assert 0.3 <= time.monotonic() - t0 < 10  # the 0.3 s, not the default 30 s
 
 
 def test_consumer_waits_for_a_channel_that_appears(channel):
@@ -188,7 +190,7 @@ def test_producer_timeout_when_a_reader_holds_the_ring(channel):
         with pytest.raises(tsock.TsockError, match="timed out") as err:
             p.publish((np.zeros(2),))
         assert err.value.status == _capi.ETIMEDOUT
-        assert 0.2 <= time.monotonic() - t0 < 2
+        assert 0.2 <= time.monotonic() - t0 < 10  # the 0.2 s, not the default: for ever
         next(c)
         next(c)  # reading frees the ring
         p.publish((np.zeros(2),))

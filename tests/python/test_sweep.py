@@ -18,6 +18,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "examples" / "python" / "sweep.py"
+# Generous bounds: each sweep starts six processes that import PyPI's
+# PyTorch (its CUDA build: some seconds each on a quiet 2-CPU machine, half
+# a minute on a loaded one) before the first batch moves.
+FIRST_EPOCH_S = 300
+pytestmark = pytest.mark.timeout(900)
 
 
 def sweep_env() -> dict:
@@ -39,7 +44,7 @@ def test_quick_sweep_trains_every_trainer(tmp_path):
         env=sweep_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     took = time.monotonic() - t0
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -83,7 +88,7 @@ class Sweep:
             self._q.put(line.rstrip("\n"))
         self._q.put(None)
 
-    def wait_for(self, text: str, timeout: float = 120) -> str:
+    def wait_for(self, text: str, timeout: float = FIRST_EPOCH_S) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -169,7 +174,7 @@ def test_killed_trainer_does_not_stop_the_others():
     pids = s.pids()
     s.wait_for("trainer 1  lr")
     os.kill(pids["trainer 1"], signal.SIGKILL)
-    rc = s.finish(timeout=180)
+    rc = s.finish(timeout=600)
     out = s.output
     assert rc == 1, out
     assert "trainer 1: died" in out, out
@@ -206,7 +211,7 @@ def test_device_without_gpu_is_one_clear_line():
         env=sweep_env(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
     )
     assert p.returncode == 2, p.stdout + p.stderr
     assert "--device cuda:0: PyTorch" in p.stderr and "sees no CUDA GPU" in p.stderr

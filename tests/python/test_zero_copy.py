@@ -48,7 +48,28 @@ def test_batches_lie_inside_the_mapping(channel, run_producer, output):
         assert n == 6
 
 
-@pytest.mark.parametrize("output", ["numpy", "torch", "jax"])
+def _jax_after_0_4_30() -> bool:
+    import jax
+
+    return tuple(int(p) for p in jax.__version__.split(".")[:3]) > (0, 4, 30)
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        "numpy",
+        "torch",
+        pytest.param(
+            "jax",
+            marks=pytest.mark.xfail(
+                _jax_after_0_4_30(),
+                reason="issue 12 item 3 (consumer, not the stack): JAX newer than 0.4.30 copies a DLPack import "
+                "whose data does not start on a 64-byte boundary, so re-batched slices at such offsets are copies",
+                strict=True,
+            ),
+        ),
+    ],
+)
 def test_rebatched_slices_are_zero_copy_and_straddling_batches_are_copies(channel, run_producer, output):
     # Producer batches of 8 rows, consumer batches of 3: [0:3] [3:6] inside
     # batch 0, [6:9] straddles batches 0 and 1.

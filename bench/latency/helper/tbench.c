@@ -50,7 +50,9 @@
 #include <unistd.h>
 
 #include "tsock.h"
-#ifdef TBENCH_ZMQ
+#if defined(TBENCH_ZMQ_SUBSET)
+#include "zmq_subset.h" /* pyzmq's bundled libzmq, no headers installed */
+#elif defined(TBENCH_ZMQ)
 #include <zmq.h>
 #endif
 

@@ -6,11 +6,15 @@
  *
  * Built by the soak with:
  *   cc -O2 -std=c11 -Iinclude -Iring bench/soak/creader/soak_reader.c \
- *      reader/{status,platform,reader,dlpack}.c cuda/{driver,host,device}.c -ldl -lpthread
+ *      reader/{status,platform,reader,join,lease,dlpack}.c cuda/{driver,host,device}.c -ldl -lpthread
  *
- * Usage: soak_reader NAME SLOW_US [device]
+ * Usage: soak_reader NAME SLOW_US [device] [fork=EVERY_MS:LIFE_MS]
  *   Attaches with TSOCK_START_NOW (waiting up to 30 s for the channel) and
- *   holds each batch SLOW_US microseconds. With "device" it also reads each
+ *   holds each batch SLOW_US microseconds. With "fork=", right after each
+ *   attach and then every EVERY_MS while attached it forks a child that
+ *   sleeps LIFE_MS without exec and exits (a trainer's helper): the child
+ *   inherits the reader's mapping, and must not keep the reader "alive"
+ *   once the soak kills the reader. With "device" it also reads each
  *   batch on the device path: the device copy (copied back with
  *   cuMemcpyDtoH) must equal the host copy, and on the fake driver a 200 us
  *   read of it is queued on the GPU before the release and must see the
@@ -22,8 +26,11 @@
  * + 1, and i + 1 for data batches); a new attachment must come from a later
  * incarnation than the last one. Output lines (stdout):
  *   attached
+ *   forked pid=<child>
  *   progress n=<data batches verified by this process> [dev=<device copies> reads=<GPU reads>]
- *   gone inc=<K or -1> last_seq=<last seq acquired in the attachment or -1>
+ *   gone inc=<K or -1> last_seq=<last seq acquired in the attachment or -1> mono=<CLOCK_MONOTONIC ns
+ *        when acquire returned TSOCK_EPRODUCER_GONE> drained=<CLOCK_MONOTONIC ns when the last batch
+ *        was released, or of the attach>
  *   closed n=<N>      (the channel was closed; exit 0)
  *   detached n=<N>    (SIGTERM; exit 0)
  *   MISMATCH ...      (exit 2)
@@ -31,12 +38,15 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "tsock.h"
 #include "../../../internal/batchgen/batchgen.h"
@@ -146,6 +156,46 @@ static int device_verify(const tsock_batch_t *b) {
   return device_check_reads();
 }
 
+/* ---- forked children (with "fork=") ---- */
+
+static struct {
+  int on;
+  uint64_t every_ns, life_ns, next;
+} forks;
+
+/* In the child: what a helper that never calls tsock would do, plus one
+ * check that the parent's reader handle refuses to work here. Nothing that
+ * takes a lock (the fake CUDA driver has threads). */
+static void child_sleeps(tsock_reader_t *r) {
+  const tsock_batch_t *b;
+  if (tsock_reader_acquire(r, &b, 0) != TSOCK_EFORKED) {
+    static const char msg[] = "error forked child: the parent's reader handle did not return EFORKED\n";
+    (void)!write(1, msg, sizeof msg - 1);
+  }
+  /* Let go of the soak's pipes: only the mapping tsock leaves us remains. */
+  int devnull = open("/dev/null", O_RDWR);
+  for (int fd = 0; fd < 3; fd++) dup2(devnull, fd);
+  struct timespec ts = {(time_t)(forks.life_ns / 1000000000ull), (long)(forks.life_ns % 1000000000ull)};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+  _exit(0);
+}
+
+/* Forks a sleeping child when one is due. */
+static int maybe_fork(tsock_reader_t *r, uint64_t now) {
+  if (!forks.on || now < forks.next) return 0;
+  forks.next = now + forks.every_ns;
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid < 0) {
+    printf("error fork: %s\n", strerror(errno));
+    return 1;
+  }
+  if (pid == 0) child_sleeps(r);
+  printf("forked pid=%d\n", (int)pid);
+  return 0;
+}
+
 static int mismatch(uint64_t seq, const char *what) {
   printf("MISMATCH batch seq=%" PRIu64 ": %s\n", seq, what);
   fflush(stdout);
@@ -160,11 +210,23 @@ static int verify(const tsock_batch_t *b, uint64_t *i_out) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 3 && !(argc == 4 && strcmp(argv[3], "device") == 0)) {
-    fprintf(stderr, "usage: %s NAME SLOW_US [device]\n", argv[0]);
+  int bad = argc < 3;
+  for (int k = 3; k < argc && !bad; k++) {
+    unsigned long every_ms, life_ms;
+    if (strcmp(argv[k], "device") == 0) {
+      dev.on = 1;
+    } else if (sscanf(argv[k], "fork=%lu:%lu", &every_ms, &life_ms) == 2 && every_ms > 0) {
+      forks.on = 1;
+      forks.every_ns = every_ms * 1000000ull;
+      forks.life_ns = life_ms * 1000000ull;
+    } else {
+      bad = 1;
+    }
+  }
+  if (bad) {
+    fprintf(stderr, "usage: %s NAME SLOW_US [device] [fork=EVERY_MS:LIFE_MS]\n", argv[0]);
     return 1;
   }
-  dev.on = argc == 4;
   const char *name = argv[1];
   long slow_us = strtol(argv[2], NULL, 10);
   struct sigaction sa;
@@ -188,6 +250,7 @@ int main(int argc, char **argv) {
       return 1;
     }
     printf("attached\n");
+    forks.next = 0; /* the first child right after each attach */
     if (dev.on) {
       int32_t ordinal = -1;
       rc = tsock_reader_open_device(r, &ordinal);
@@ -197,7 +260,7 @@ int main(int argc, char **argv) {
       }
     }
     int have_seq = 0, have_i = 0;
-    uint64_t last_seq = 0, last_i = 0;
+    uint64_t last_seq = 0, last_i = 0, gone_at = 0, drained_at = now_ns();
     for (;;) {
       if (term) {
         tsock_reader_detach(r);
@@ -205,6 +268,7 @@ int main(int argc, char **argv) {
         return 0;
       }
       uint64_t now = now_ns();
+      if (maybe_fork(r, now) != 0) return 1;
       if (now - last_progress >= 250000000ull) {
         last_progress = now;
         if (dev.on)
@@ -216,7 +280,10 @@ int main(int argc, char **argv) {
       const tsock_batch_t *b;
       rc = tsock_reader_acquire(r, &b, 100000000LL);
       if (rc == TSOCK_EAGAIN) continue;
-      if (rc == TSOCK_EPRODUCER_GONE) break;
+      if (rc == TSOCK_EPRODUCER_GONE) {
+        gone_at = now_ns();
+        break;
+      }
       if (rc == TSOCK_ECLOSED) {
         tsock_reader_detach(r);
         printf("closed n=%" PRIu64 " dev=%" PRIu64 " reads=%" PRIu64 "\n", n, dev.verified, dev.reads);
@@ -262,10 +329,12 @@ int main(int argc, char **argv) {
         printf("error release: %s: %s\n", tsock_status_str(rc), tsock_last_error());
         return 1;
       }
+      drained_at = now_ns();
     }
     /* Producer gone: everything it published was read. Report, attach again. */
     int64_t inc = have_i ? (int64_t)(last_i >> 40) : -1;
-    printf("gone inc=%" PRId64 " last_seq=%" PRId64 "\n", inc, have_seq ? (int64_t)last_seq : -1);
+    printf("gone inc=%" PRId64 " last_seq=%" PRId64 " mono=%" PRIu64 " drained=%" PRIu64 "\n", inc,
+           have_seq ? (int64_t)last_seq : -1, gone_at, drained_at);
     if (inc >= 0) prev_inc = inc;
     tsock_reader_detach(r);
   }

@@ -7,17 +7,24 @@ that replaces it).
 Run by the soak with the project's venv python, PYTHONPATH=python and
 TSOCK_LIBRARY_DIR=<folder of libtsock_reader.so>.
 
-Usage: soak_reader.py NAME SLOW_US
+Usage: soak_reader.py NAME SLOW_US [fork=EVERY_MS:LIFE_MS]
   Attaches with TSOCK_START_NOW (waiting up to 30 s for the channel) and
-  holds each batch SLOW_US microseconds.
+  holds each batch SLOW_US microseconds. With "fork=", right after each
+  attach and then every EVERY_MS while attached it forks a child that sleeps
+  LIFE_MS without exec and exits (as a DataLoader worker or a helper does):
+  the child inherits the reader's mapping and must not keep the reader
+  "alive" once the soak kills the reader.
 
 The producer of incarnation K publishes data batches i = K<<40, K<<40+1, ...
 Within one attachment every batch must follow the previous one (seq + 1, and
 i + 1 for data batches); a new attachment must come from a later incarnation
 than the last one. Output lines (stdout), as the C reader's:
   attached
+  forked pid=<child>
   progress n=<data batches verified by this process>
-  gone inc=<K or -1> last_seq=<last seq acquired in the attachment or -1>
+  gone inc=<K or -1> last_seq=<last seq acquired in the attachment or -1> mono=<CLOCK_MONOTONIC ns
+       when acquire returned TSOCK_EPRODUCER_GONE> drained=<CLOCK_MONOTONIC ns when the last batch was
+       released, or of the attach>
   closed n=<N>      (the channel was closed; exit 0)
   detached n=<N>    (SIGTERM; exit 0)
   MISMATCH ...      (exit 2)
@@ -27,6 +34,7 @@ than the last one. Output lines (stdout), as the C reader's:
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 import time
@@ -100,12 +108,40 @@ def verify(b: C.Batch) -> int:
     return i
 
 
+def child_sleeps(lib: ctypes.CDLL, r: ctypes.c_void_p, life_s: float) -> None:
+    """In a forked child: what a helper that never calls tsock does, plus one
+    check that the parent's reader handle refuses to work here."""
+    try:
+        bp = ctypes.POINTER(C.Batch)()
+        if lib.tsock_reader_acquire(r, ctypes.byref(bp), 0) != C.EFORKED:
+            os.write(1, b"error forked child: the parent's reader handle did not return EFORKED\n")
+        # Let go of the soak's pipes: only the mapping tsock leaves us remains.
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        time.sleep(life_s)
+    finally:
+        os._exit(0)
+
+
+def parse_fork(arg: str) -> tuple[float, float]:
+    """fork=EVERY_MS:LIFE_MS -> (every, life) in seconds."""
+    every, life = arg.removeprefix("fork=").split(":")
+    if not arg.startswith("fork=") or int(every) <= 0 or int(life) < 0:
+        raise ValueError(arg)
+    return int(every) / 1e3, int(life) / 1e3
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
-        print(f"usage: {argv[0]} NAME SLOW_US", file=sys.stderr)
+    try:
+        if len(argv) not in (3, 4):
+            raise ValueError("arguments")
+        fork_every, fork_life = parse_fork(argv[3]) if len(argv) == 4 else (0.0, 0.0)
+        name = argv[1].encode()
+        slow_s = int(argv[2]) / 1e6
+    except ValueError:
+        print(f"usage: {argv[0]} NAME SLOW_US [fork=EVERY_MS:LIFE_MS]", file=sys.stderr)
         return 1
-    name = argv[1].encode()
-    slow_s = int(argv[2]) / 1e6
     signal.signal(signal.SIGTERM, _on_term)
     try:
         lib = C.load(reader_only=True)
@@ -131,6 +167,8 @@ def main(argv: list[str]) -> int:
         if rc != C.OK:
             return err("attach", rc)
         out("attached")
+        next_fork = time.monotonic()  # the first child right after each attach
+        drained_at = time.monotonic_ns()
         last_seq = last_i = None
         bp = ctypes.POINTER(C.Batch)()
         while True:
@@ -138,6 +176,13 @@ def main(argv: list[str]) -> int:
                 lib.tsock_reader_detach(r)
                 out(f"detached n={n}")
                 return 0
+            if fork_every > 0 and time.monotonic() >= next_fork:
+                next_fork = time.monotonic() + fork_every
+                sys.stdout.flush()
+                pid = os.fork()
+                if pid == 0:
+                    child_sleeps(lib, r, fork_life)
+                out(f"forked pid={pid}")
             now = time.monotonic_ns()
             if now - last_progress >= 250_000_000:
                 last_progress = now
@@ -146,6 +191,7 @@ def main(argv: list[str]) -> int:
             if rc == C.EAGAIN:
                 continue
             if rc == C.EPRODUCER_GONE:
+                gone_at = time.monotonic_ns()  # CLOCK_MONOTONIC, as the soak's clock
                 break
             if rc == C.ECLOSED:
                 lib.tsock_reader_detach(r)
@@ -177,9 +223,10 @@ def main(argv: list[str]) -> int:
             rc = lib.tsock_reader_release(r, bp)
             if rc != C.OK:
                 return err("release", rc)
+            drained_at = time.monotonic_ns()
         # Producer gone: everything it published was read. Report, attach again.
         inc = last_i >> 40 if last_i is not None else -1
-        out(f"gone inc={inc} last_seq={last_seq if last_seq is not None else -1}")
+        out(f"gone inc={inc} last_seq={last_seq if last_seq is not None else -1} mono={gone_at} drained={drained_at}")
         if inc >= 0:
             prev_inc = inc
         lib.tsock_reader_detach(r)

@@ -12,11 +12,15 @@
  *       create NAME, publish 3 batches, fork() a child that does not exec
  *       and lives CHILD_SECONDS, print "ready CHILD_PID" and wait to be
  *       killed. The child inherits the producer's mapping, never its lock.
- *   abi_producer forkstorm NAME SECONDS
+ *   abi_producer forkstorm NAME SECONDS MIN_FORKS MIN_CREATES
  *       a thread creates and closes producer NAME in a loop while the main
- *       thread forks children for SECONDS; each child looks for an open
+ *       thread forks children for SECONDS, and longer (up to 60 s) until
+ *       there were MIN_FORKS forks and MIN_CREATES creates (a loaded
+ *       machine gets fewer done in SECONDS); each child looks for an open
  *       file description with an OFD lock among its descriptors
- *       (/proc/self/fdinfo "lock:" lines) and exits 7 if it finds one.
+ *       (/proc/self/fdinfo "lock:" lines), a socket or a reader record's
+ *       memfd, and exits 7 if it finds one. The other thread also attaches
+ *       and detaches a reader to each producer it creates.
  *       Prints "forks N leaks K creates C".
  */
 #define _GNU_SOURCE
@@ -153,13 +157,20 @@ static void *create_loop(void *arg) {
       return NULL;
     }
     atomic_fetch_add(&creates, 1);
+    /* A reader too: the producer accepts its connection and makes its
+     * record, the reader keeps its own end. */
+    tsock_reader_t *r = NULL;
+    if (tsock_reader_attach(name, NULL, &r) == TSOCK_OK) tsock_reader_detach(r);
     tsock_producer_close(p);
   }
   return NULL;
 }
 
-/* In the child: only system calls (the parent has other threads). */
-static int child_holds_lock(void) {
+/* In the child: only system calls (the parent has other threads). 1 if
+ * the child holds a descriptor that tsock must not leave it: an open file
+ * description with an OFD lock, a socket (the producer's join socket, a
+ * reader's connection, either end) or a reader record's memfd. */
+static int child_holds_tsock_fd(void) {
   char path[64], buf[4096];
   for (int fd = 0; fd < 1024; fd++) {
     if (fcntl(fd, F_GETFD) < 0) continue;
@@ -182,26 +193,35 @@ static int child_holds_lock(void) {
     if (got <= 0) continue;
     buf[got] = 0;
     if (strstr(buf, "OFDLCK") != NULL) return 1;
+    memcpy(path, "/proc/self/fd/", 14);
+    memmove(path + 14, path + sizeof pre - 1, strlen(path + sizeof pre - 1) + 1);
+    got = readlink(path, buf, sizeof buf - 1);
+    if (got <= 0) continue;
+    buf[got] = 0;
+    if (strncmp(buf, "socket:", 7) == 0 || strstr(buf, "memfd:tsock") != NULL) return 1;
   }
   return 0;
 }
 
-static int forkstorm(const char *name, int seconds) {
+static int forkstorm(const char *name, int seconds, long min_forks, long min_creates) {
   pthread_t th;
   pthread_create(&th, NULL, create_loop, (void *)name);
   struct timespec t0, now;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   long forks = 0, leaks = 0;
-  do {
+  for (;;) {
     pid_t c = fork();
     if (c < 0) break;
-    if (c == 0) _exit(child_holds_lock() ? 7 : 0);
+    if (c == 0) _exit(child_holds_tsock_fd() ? 7 : 0);
     int ws = 0;
     waitpid(c, &ws, 0);
     forks++;
     if (WIFEXITED(ws) && WEXITSTATUS(ws) == 7) leaks++;
     clock_gettime(CLOCK_MONOTONIC, &now);
-  } while (now.tv_sec - t0.tv_sec < seconds);
+    long elapsed = now.tv_sec - t0.tv_sec;
+    int enough = forks >= min_forks && atomic_load(&creates) >= min_creates;
+    if (elapsed >= 60 || (elapsed >= seconds && enough)) break;
+  }
   atomic_store(&stop_threads, 1);
   pthread_join(th, NULL);
   printf("forks %ld leaks %ld creates %ld\n", forks, leaks, atomic_load(&creates));
@@ -211,7 +231,9 @@ static int forkstorm(const char *name, int seconds) {
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "race") == 0) return race(argv[2], atoi(argv[3]));
   if (argc == 4 && strcmp(argv[1], "fork") == 0) return fork_child(argv[2], atoi(argv[3]));
-  if (argc == 4 && strcmp(argv[1], "forkstorm") == 0) return forkstorm(argv[2], atoi(argv[3]));
-  fprintf(stderr, "usage: abi_producer race NAME ITERS | fork NAME CHILD_SECONDS | forkstorm NAME SECONDS\n");
+  if (argc == 6 && strcmp(argv[1], "forkstorm") == 0)
+    return forkstorm(argv[2], atoi(argv[3]), atol(argv[4]), atol(argv[5]));
+  fprintf(stderr, "usage: abi_producer race NAME ITERS | fork NAME CHILD_SECONDS | "
+                  "forkstorm NAME SECONDS MIN_FORKS MIN_CREATES\n");
   return 2;
 }
