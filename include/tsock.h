@@ -469,9 +469,12 @@ int tsock_batch_keep(tsock_reader_t *r, const tsock_batch_t *batch, uint32_t ten
                      const tsock_batch_t **kept);
 
 /* Frees a batch returned by tsock_batch_keep; its memory stays while pins
- * and DLPack descriptors of it live. Anything else (NULL, a batch of
- * tsock_reader_acquire, one already freed) returns TSOCK_EHANDLE and
- * changes nothing. Thread-safe. */
+ * and DLPack descriptors of it live. Free each kept batch once (it may be
+ * freed after tsock_reader_detach, and in a forked child, which frees only
+ * its own copy). Anything else (NULL, a batch of tsock_reader_acquire, one
+ * already freed) returns TSOCK_EHANDLE and changes nothing; like free(),
+ * a second free is told apart only while no later tsock_batch_keep has
+ * returned the same address. Thread-safe. */
 int tsock_batch_free(const tsock_batch_t *kept);
 
 /* Keeps the memory a held batch's tensors lie in (its slot's mapping,

@@ -84,7 +84,7 @@ class Lease:
     releases it, unless it was kept first; exporters refuse to hand out a
     released batch."""
 
-    __slots__ = ("held", "batch", "valid", "seq", "kept", "__weakref__")
+    __slots__ = ("held", "batch", "valid", "seq", "kept", "free", "__weakref__")
 
     def __init__(self, batch: int, seq: int):
         self.held = batch  # address of the reader's tsock_batch_t (for release)
@@ -92,6 +92,7 @@ class Lease:
         self.seq = seq
         self.valid = True
         self.kept = False  # tsock_batch_keep: valid after its release
+        self.free = None  # frees the kept batch (a weakref.finalize, called once)
 
 
 def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool = False, rows=None, device=False):

@@ -28,6 +28,7 @@ what the caller kept of it may then change. No bookkeeping at all.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from . import _capi
@@ -128,6 +129,7 @@ class Referenced:
         self._referenced = REFERENCED[output]
         # Device memory (output="dlpack" with a device) cannot be kept.
         self._device = device
+        self._pid = os.getpid()
 
     def _set_limit(self, raw: Raw) -> int:
         # At most half the ring (at least 2, at most HOLD_MAX, never more
@@ -160,7 +162,7 @@ class Referenced:
         for raw in held:
             if not raw.done:
                 break
-            if referenced(raw):
+            if not raw.lease.kept and referenced(raw):  # kept: its memory is private already
                 if left < limit:
                     break
                 self._keep(raw)
@@ -184,9 +186,13 @@ class Referenced:
         """Before detaching: keeps every held batch something still refers
         to (its memory then outlives the consumer, unchanged). Tries them
         all, then raises the first error."""
+        if self._device or os.getpid() != self._pid:
+            # A forked child cannot keep: the reader and its slots are the
+            # parent's (batches kept before the fork are its own copies).
+            return
         error = None
         for raw in list(self.reader.held):
-            if self._device or not _by_both(raw):
+            if raw.lease.kept or not _by_both(raw):
                 continue
             try:
                 self._keep(raw)

@@ -262,7 +262,7 @@ class Reader:
         kept copies only, and later batches of the slot lie elsewhere."""
         lib = self.lib
         kept = ctypes.c_void_p()
-        rc = lib.keep(self.handle, raw.lease.batch, mask, ctypes.byref(kept))
+        rc = lib.keep(self.handle, raw.lease.held, mask, ctypes.byref(kept))
         if rc:
             check(lib, rc, "keep a batch")
         if not kept.value:
@@ -273,13 +273,14 @@ class Reader:
             if self.on_retired is not None:
                 self.on_retired(mem.base, mem.length)
         lease = raw.lease
-        if lease.kept:
-            lib.free(lease.batch)  # kept again: the newer kept batch describes it as well
+        if lease.free is not None:
+            lease.free()  # kept again: the newer kept batch describes it as well
         lease.batch = kept.value
         lease.kept = True
         # The kept batch (for DLPack exports after the release) goes with
-        # the lease, when the Raw and every DLPackTensor of it are gone.
-        weakref.finalize(lease, lib.free, kept.value)
+        # the lease, when the Raw and every DLPackTensor of it are gone:
+        # freed once, by whichever comes first of that and a later keep.
+        lease.free = weakref.finalize(lease, lib.free, kept.value)
 
     def _map_held(self, addr: int):
         """Read views of a held batch's struct, its tensor descriptors and its

@@ -3,6 +3,7 @@
  * files, and a valid segment whose "producer" is this test. */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -1042,6 +1043,118 @@ static void test_kept_batches(void) {
   fake_close(&f, name);
 }
 
+/* 1 when every mapping and descriptor of this process of channel `name`
+ * but the fake producer's (at `skip`, and fd `skip_fd`) is read-only
+ * (keeping maps slots again, and opens the segment again). */
+static int segment_read_only(const char *name, const void *skip, int skip_fd) {
+  char path[128], line[512];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  FILE *maps = fopen("/proc/self/maps", "r");
+  int mapped = 0, writable = 0;
+  while (maps != NULL && fgets(line, sizeof line, maps) != NULL) {
+    char perms[8] = "";
+    uintptr_t from = 0;
+    if (sscanf(line, "%" SCNxPTR "-%*s %7s", &from, perms) != 2 || strstr(line, path) == NULL ||
+        from == (uintptr_t)skip)
+      continue;
+    mapped++;
+    writable += strchr(perms, 'w') != NULL;
+  }
+  if (maps != NULL) fclose(maps);
+  int rw_fds = 0;
+  for (int fd = 0; fd < 1024; fd++) {
+    char link[64], target[256];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    int fl = fcntl(fd, F_GETFL);
+    rw_fds += fd != skip_fd && strcmp(target, path) == 0 && (fl < 0 || (fl & O_ACCMODE) != O_RDONLY);
+  }
+  return mapped >= 1 && writable == 0 && rw_fds == 0;
+}
+
+/* Descriptors of channel `name` open in this process but skip_fd. */
+static int segment_fds(const char *name, int skip_fd) {
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  int fds = 0;
+  for (int fd = 0; fd < 1024; fd++) {
+    char link[64], target[256];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    fds += fd != skip_fd && strcmp(target, path) == 0;
+  }
+  return fds;
+}
+
+/* A reader forks after keeping a batch (a DataLoader worker started
+ * mid-epoch). The child reads the kept bytes (its own copy of the private
+ * pages), holds no descriptor of the segment (the keep's second open is
+ * fork-guarded like the others), cannot keep or pin with the parent's
+ * handle, and may free its copy of the kept batch; none of it touches the
+ * parent's kept batch. Then the producer dies with batches kept and held:
+ * a held batch can still be kept, and every kept byte stays. */
+static void test_fork_and_producer_death_after_keep(void) {
+  const char *name = test_name("tseg", "keepfork");
+  fake f;
+  if (fake_open_bytes(&f, name, 2, 1, KEEP_PAGES * 4096) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_OK);
+  if (r == NULL) return;
+  fake_publish_xy(&f, 0);
+  const tsock_batch_t *b = NULL, *k0 = NULL, *k1 = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b == NULL) return;
+  CHECK_RC(tsock_batch_keep(r, b, 3, &k0), TSOCK_OK);
+  if (k0 == NULL) return;
+  const uint8_t *x0 = b->tensors[0].data, *y0 = b->tensors[1].data;
+  CHECK(segment_read_only(name, f.map, f.fd)); /* the slot's new mapping and second open too */
+  CHECK(segment_fds(name, f.fd) == 2);         /* the locked one and the keep's */
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int bad = 0;
+    bad |= !x_is(x0, 0) || !y_is(y0, 0);
+    bad |= (segment_fds(name, f.fd) != 0) << 1;
+    bad |= (tsock_batch_keep(r, b, 1, NULL) != TSOCK_EFORKED) << 2;
+    void *pin = NULL;
+    bad |= (tsock_batch_pin(r, b, &pin) != TSOCK_EFORKED) << 3;
+    bad |= (tsock_batch_free(k0) != TSOCK_OK) << 4;
+    bad |= (!x_is(x0, 0) || !y_is(y0, 0)) << 5; /* the held batch still maps it */
+    if (bad) fprintf(stderr, "forked child of a keeping reader: failures 0x%x\n", bad);
+    _exit(bad);
+  }
+  int status = -1;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  fake_publish_xy(&f, 1);
+  fake_publish_xy(&f, 2); /* slot 0 again */
+  CHECK(x_is(x0, 0) && y_is(y0, 0));
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK); /* batch 1, held */
+  const uint8_t *y1 = b->tensors[1].data;
+  /* The producer dies (its lock, its join socket, its mapping and the
+   * file's name go): the held batch can still be kept. */
+  fake_close(&f, name);
+  CHECK_RC(tsock_batch_keep(r, b, 1u << 1, &k1), TSOCK_OK);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK); /* batch 2 was published */
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_EPRODUCER_GONE);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(x_is(x0, 0) && y_is(y0, 0) && y_is(y1, 1));
+  CHECK_RC(tsock_batch_free(k0), TSOCK_OK); /* the parent's: the child freed only its copy */
+  CHECK_RC(tsock_batch_free(k1), TSOCK_OK);
+  CHECK(resident_pages(y0, Y_BYTES) == -1 && resident_pages(y1, Y_BYTES) == -1);
+}
+
 int main(void) {
   test_foreign();
   test_truncated();
@@ -1051,6 +1164,7 @@ int main(void) {
   test_fake_producer();
   test_pin_tokens();
   test_kept_batches();
+  test_fork_and_producer_death_after_keep();
   test_reader_holds_segment_read_only();
   test_forked_child_outlives_reader();
   test_fork_after_300_attaches();
