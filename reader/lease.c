@@ -44,6 +44,8 @@
 
 #include "internal.h"
 
+#define TSOCK_MADV_POPULATE_WRITE 23 /* MADV_POPULATE_WRITE, Linux 5.14; older C headers lack it */
+
 struct tsock_carve {
   uint64_t payload_offset; /* in the whole mapping */
   uint64_t slot_bytes;
@@ -197,6 +199,32 @@ static uint64_t file_offset(const tsock_leases *t, uint32_t slot) {
   return t->payload_offset + (uint64_t)slot * t->slot_bytes;
 }
 
+/* Copies the pages of the tensors of `mask` of slot `slot` into the
+ * same offsets of `dst`, with pread from the file: the slot's bytes as the
+ * held batch has them (a read past the end of a file cut short is an
+ * error, not a SIGBUS), never faulting the source pages into this process.
+ * The destination pages are faulted in first, in one call (older kernels:
+ * EINVAL, then one by one as the copy writes). */
+static int copy_pages(tsock_leases *t, uint8_t *dst, uint32_t slot, const tsock_held_batch *hb,
+                      uint32_t mask) {
+  uint64_t pages[TSOCK_MAX_TENSORS][2];
+  int n = kept_pages(hb, mask, (uint64_t)sysconf(_SC_PAGESIZE), pages);
+  for (int j = 0; j < n; j++) {
+    uint64_t done = 0, len = pages[j][1] - pages[j][0];
+    madvise(dst + pages[j][0], len, TSOCK_MADV_POPULATE_WRITE);
+    while (done < len) {
+      ssize_t got = pread(t->map_fd, dst + pages[j][0] + done, len - done,
+                          (off_t)(file_offset(t, slot) + pages[j][0] + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0)
+        return tsock__fail_errno(TSOCK_ESYS, got < 0 ? errno : EIO,
+                                 "tsock_batch_keep: reading slot %u", slot);
+      done += (uint64_t)got;
+    }
+  }
+  return TSOCK_OK;
+}
+
 /* Retires l (not yet retired): its range becomes a private copy of the
  * pages of `want`, and the slot gets a fresh lease. Nothing changes on
  * failure. */
@@ -219,10 +247,13 @@ static int swap_pages(tsock_leases *t, tsock_lease *l, const tsock_held_batch *h
                              "memory map entry: see vm.max_map_count)",
                              l->len);
   }
-  uint64_t pages[TSOCK_MAX_TENSORS][2];
-  int n = kept_pages(hb, want, (uint64_t)sysconf(_SC_PAGESIZE), pages);
-  for (int j = 0; j < n; j++)
-    memcpy((uint8_t *)copy + pages[j][0], l->addr + pages[j][0], pages[j][1] - pages[j][0]);
+  rc = copy_pages(t, copy, l->slot, hb, want);
+  if (rc != TSOCK_OK) {
+    munmap(copy, l->len);
+    munmap(at, l->len);
+    free(fresh);
+    return rc;
+  }
   if (mremap(copy, l->len, l->len, MREMAP_MAYMOVE | MREMAP_FIXED, l->addr) == MAP_FAILED) {
     int err = errno;
     /* The kernel may have unmapped the target before failing: map the
@@ -251,21 +282,7 @@ static int swap_pages(tsock_leases *t, tsock_lease *l, const tsock_held_batch *h
 /* l is retired and the batch still held, so the slot's file range still
  * holds its bytes: reads the pages of `more` from there into the copy. */
 static int add_pages(tsock_leases *t, tsock_lease *l, const tsock_held_batch *hb, uint32_t more) {
-  uint64_t pages[TSOCK_MAX_TENSORS][2];
-  int n = kept_pages(hb, more, (uint64_t)sysconf(_SC_PAGESIZE), pages);
-  for (int j = 0; j < n; j++) {
-    uint64_t done = 0, len = pages[j][1] - pages[j][0];
-    while (done < len) {
-      ssize_t got = pread(t->map_fd, l->addr + pages[j][0] + done, len - done,
-                          (off_t)(file_offset(t, l->slot) + pages[j][0] + done));
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0)
-        return tsock__fail_errno(TSOCK_ESYS, got < 0 ? errno : EIO,
-                                 "tsock_batch_keep: reading slot %u", l->slot);
-      done += (uint64_t)got;
-    }
-  }
-  return TSOCK_OK;
+  return copy_pages(t, l->addr, l->slot, hb, more);
 }
 
 /* A kept batch: a held batch of its own (so tsock_batch_dlpack takes it),
