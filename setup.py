@@ -37,6 +37,7 @@ READER_SOURCES = [
     "reader/platform.c",
     "reader/reader.c",
     "reader/join.c",
+    "reader/lease.c",
     "reader/dlpack.c",
     "cuda/driver.c",
     "cuda/host.c",

@@ -1,4 +1,5 @@
-"""Python consumer cost per batch, against iterating an in-process list.
+"""Python consumer cost per batch, against iterating an in-process list,
+and the cost of batch lifetimes.
 
 A producer process publishes small batches (by default 2 float32 tensors of
 256 elements) as fast as it can into a deep ring. This process reads them
@@ -7,8 +8,21 @@ until the producer has filled the ring, then times draining it, so the figure
 is the consumer's own cost per batch (acquire, descriptors, zero-copy arrays
 or DLPack, release), not the producer's speed. The baseline iterates a Python
 list holding the same arrays (numpy arrays, torch tensors, JAX arrays), in the
-same run. A last line gives the streaming rate with producer and consumer
-running flat out together (bounded by the Python producer on small batches).
+same run.
+
+Two consumers read the same ring side by side, one with the default
+lifetime="referenced" (a batch stays valid while referenced), one with
+lifetime="step" (valid until the next batch, no bookkeeping: the old
+contract), and the rounds alternate between them, so that their ratio is the
+cost of the default in the common loop (nothing kept), measured under the
+same load.
+
+The cost of keeping a batch: the same drain, with every batch kept in a
+list, against the plain loop, for a small batch and a large one; the extra
+time divided by the batches kept (copied out) is what one keep costs.
+
+A last line gives the streaming rate with producer and consumer running flat
+out together (bounded by the Python producer on small batches).
 
     python bench/python_consumer.py [--quick] [--tensors 2] [--elems 256]
 """
@@ -76,23 +90,97 @@ def _time_iter(make, n: int, repeat: int) -> list[float]:
     return out
 
 
-def _time_consumer(c: tsock.Consumer, per_round: int, rounds: int, settle: float) -> list[float]:
-    """Seconds per batch to drain a ring the producer has just filled; one value per round."""
-    it = iter(c)
-    out = []
-    for _ in range(rounds):
-        time.sleep(settle)  # let the producer fill the ring
-        n = 0
-        t0 = time.perf_counter()
-        while n < per_round:
-            try:
-                batch = next(it)
-            except StopIteration:
-                continue
-            a, b = batch[0], batch[-1]  # noqa: F841
-            n += 1
-        out.append((time.perf_counter() - t0) / per_round)
-    return out
+def _drain(it, n: int, keep: list | None = None) -> tuple[float, float]:
+    """Seconds per batch to take n batches from `it` (a consumer's
+    iterator), unpacking each: elapsed, and this thread's CPU time (which a
+    loaded machine's waits for a CPU do not inflate: the ring is full, the
+    consumer never sleeps). keep: a list every batch is appended to."""
+    got = 0
+    t0, c0 = time.perf_counter(), time.thread_time()
+    while got < n:
+        try:
+            batch = next(it)
+        except StopIteration:
+            continue
+        a, b = batch[0], batch[-1]  # noqa: F841
+        if keep is not None:
+            keep.append(batch)
+        got += 1
+    return (time.perf_counter() - t0) / n, (time.thread_time() - c0) / n
+
+
+def _time_lifetimes(name: str, output: str, per_round: int, rounds: int, settle: float) -> dict:
+    """Seconds per batch (elapsed, CPU) for the default lifetime and for
+    lifetime="step", one pair each per round: both consumers read the ring
+    the producer has just filled (it waits for the slower one), in turn,
+    the order swapped every round."""
+    with (
+        tsock.Consumer(name, output=output, start="now", timeout=30) as ref,
+        tsock.Consumer(name, output=output, start="now", timeout=30, lifetime="step") as step,
+    ):
+        its = {"referenced": iter(ref), "step": iter(step)}
+        for it in its.values():
+            next(it)  # attached and warmed up
+        # Start both at the same batch: the one attached first skips ahead.
+        while True:
+            seqs = {k: c._reader.held[-1].lease.seq for k, c in (("referenced", ref), ("step", step))}
+            if seqs["referenced"] == seqs["step"]:
+                break
+            behind = min(seqs, key=seqs.get)
+            next(its[behind])
+        times = {"referenced": [], "step": []}
+        for r in range(rounds):
+            time.sleep(settle)  # let the producer fill the ring
+            order = ("referenced", "step") if r % 2 == 0 else ("step", "referenced")
+            for k in order:
+                times[k].append(_drain(its[k], per_round))
+        assert ref._life.kept == 0, "the plain loop copied a batch"
+    return times
+
+
+def _keep_cost(name: str, slots: int, rounds: int, settle: float) -> dict:
+    """Per round, the CPU seconds to drain `slots` batches keeping each, and
+    not keeping any, and the batches copied out; medians, and the cost of
+    one keep: (kept time - plain time) / keeps. (The copy is CPU work in
+    this thread: its memcpy and page faults.)"""
+    keep_t, plain_t, keeps = [], [], []
+    with tsock.Consumer(name, start="now", timeout=30) as c:
+        it = iter(c)
+        next(it)
+        for r in range(rounds):
+            for keeping in (r % 2 == 0, r % 2 != 0):
+                time.sleep(settle)
+                kept = [] if keeping else None
+                before = c._life.kept
+                t = _drain(it, slots, kept)[1] * slots
+                if keeping:
+                    keep_t.append(t)
+                    keeps.append(c._life.kept - before)
+                    del kept  # the batches go back (or their copies are freed) at the next settle
+                else:
+                    plain_t.append(t)
+    per_keep = [(k - p) / n for k, p, n in zip(keep_t, plain_t, keeps) if n]
+    return {
+        "keep_round_s": statistics.median(keep_t),
+        "plain_round_s": statistics.median(plain_t),
+        "keeps_per_round": statistics.median(keeps),
+        "per_keep_s": statistics.median(per_keep),
+    }
+
+
+def _producer(name: str, slots: int, tensors: int, elems: int, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(slots), str(tensors), str(elems)], env=env)
+
+
+def _stop(prod: subprocess.Popen, name: str) -> None:
+    # Ctrl-C lets the producer close (and remove) its channel.
+    prod.send_signal(signal.SIGINT)
+    try:
+        prod.wait(10)
+    except subprocess.TimeoutExpired:
+        prod.kill()
+        prod.wait()
+    Path(f"/dev/shm/tsock.{name}").unlink(missing_ok=True)
 
 
 def _streaming(c: tsock.Consumer, seconds: float) -> float:
@@ -108,6 +196,13 @@ def _streaming(c: tsock.Consumer, seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
+# The cost of keeping a batch, for these sizes (tensors x float32 elements):
+# a small batch (two tensors of 256 elements) and a large one (one tensor of
+# 8 MiB, as a batch of images: 64 x 3 x 112 x 112 bytes is 2.4 MiB, ImageNet's
+# 256 x 3 x 224 x 224 is 37 MiB).
+KEEP_SIZES = {"small": (2, 256), "large": (1, 2 * 1024 * 1024)}
+
+
 def measure(quick: bool = False, tensors: int = 2, elems: int = 256, outputs: str = "numpy,torch,jax") -> dict:
     """Runs the benchmark; every figure is the median over the rounds (seconds per batch)."""
     slots = 1024 if quick else 4096
@@ -116,7 +211,7 @@ def measure(quick: bool = False, tensors: int = 2, elems: int = 256, outputs: st
     name = f"bench-py-{os.getpid()}"
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + env.get("PYTHONPATH", "")
-    prod = subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(slots), str(tensors), str(elems)], env=env)
+    prod = _producer(name, slots, tensors, elems, env)
     rows = []
     try:
         arrays = [tuple(np.full(elems, i, np.float32) for _ in range(tensors)) for i in range(per_round)]
@@ -132,15 +227,22 @@ def measure(quick: bool = False, tensors: int = 2, elems: int = 256, outputs: st
 
                 items = [tuple(jnp.asarray(a) for a in b) for b in arrays]
             base = _time_list(items, rounds)
-            with tsock.Consumer(name, output=output, start="now", timeout=30) as c:
-                next(iter(c))  # attached and warmed up
-                per = _time_consumer(c, per_round, rounds, settle=0.3 if quick else 0.5)
+            t = _time_lifetimes(name, output, per_round, rounds, settle=0.3 if quick else 0.5)
+            per, step = [w for w, _ in t["referenced"]], [w for w, _ in t["step"]]
+            per_cpu, step_cpu = [c for _, c in t["referenced"]], [c for _, c in t["step"]]
             rows.append(
                 {
                     "output": output,
                     "tsock_s": statistics.median(per),
+                    "step_s": statistics.median(step),
+                    "tsock_cpu_s": statistics.median(per_cpu),
+                    "step_cpu_s": statistics.median(step_cpu),
+                    # per round, then the median: the two ran side by side
+                    "lifetime_ratio": statistics.median(a / b for a, b in zip(per_cpu, step_cpu)),
+                    "lifetime_ratio_elapsed": statistics.median(a / b for a, b in zip(per, step)),
                     "list_s": statistics.median(base),
                     "tsock_rounds": per,
+                    "step_rounds": step,
                     "list_rounds": base,
                 }
             )
@@ -155,14 +257,17 @@ def measure(quick: bool = False, tensors: int = 2, elems: int = 256, outputs: st
             items = [tuple(sys.modules["torch"].from_numpy(a) for a in b) for b in arrays]
             loader = statistics.median(_time_iter(lambda: DataLoader(items, batch_size=None), len(items), rounds))
     finally:
-        # Ctrl-C lets the producer close (and remove) its channel.
-        prod.send_signal(signal.SIGINT)
+        _stop(prod, name)
+    keep = {}
+    for size, (n, count) in KEEP_SIZES.items():
+        kname = f"{name}-keep-{size}"
+        keep_slots = 64 if size == "small" else 8
+        prod = _producer(kname, keep_slots, n, count, env)
         try:
-            prod.wait(10)
-        except subprocess.TimeoutExpired:
-            prod.kill()
-            prod.wait()
-        Path(f"/dev/shm/tsock.{name}").unlink(missing_ok=True)
+            r = _keep_cost(kname, keep_slots, 3 if quick else 10, settle=0.3 if quick else 0.5)
+        finally:
+            _stop(prod, kname)
+        keep[size] = dict(r, tensors=n, elems=count, batch_bytes=n * count * 4, slots=keep_slots)
     import platform
 
     versions = {"python": platform.python_version(), "numpy": np.__version__}
@@ -178,6 +283,7 @@ def measure(quick: bool = False, tensors: int = 2, elems: int = 256, outputs: st
         "rows": rows,
         "dataloader_s": loader,
         "streaming_per_s": stream,
+        "keep": keep,
         "versions": versions,
     }
 
@@ -197,6 +303,22 @@ def main() -> None:
     for row in r["rows"]:
         per, base = row["tsock_s"], row["list_s"]
         print(f"{row['output']:8} {per * 1e6:15.2f} {1 / per:16,.0f} {base * 1e6:14.3f} {per / base:7.0f}x")
+    print("batch lifetimes, same rounds: default (valid while referenced) against lifetime='step' (the old contract)")
+    print(f"{'output':8} {'default CPU us':>15} {'step CPU us':>12} {'default/step':>13} {'elapsed ratio':>14}")
+    for row in r["rows"]:
+        print(
+            f"{row['output']:8} {row['tsock_cpu_s'] * 1e6:15.2f} {row['step_cpu_s'] * 1e6:12.2f}"
+            f" {row['lifetime_ratio']:12.3f}x {row['lifetime_ratio_elapsed']:13.3f}x"
+        )
+    for size, k in r["keep"].items():
+        mib = k["batch_bytes"] / 2**20
+        gbs = k["batch_bytes"] / k["per_keep_s"] / 1e9
+        print(
+            f"keeping a {size} batch ({k['tensors']} x float32[{k['elems']}], {mib:.3g} MiB): "
+            f"{k['per_keep_s'] * 1e6:.1f} us of CPU per batch kept ({gbs:.2f} GB/s); a round of {k['slots']} "
+            f"batches: {k['plain_round_s'] * 1e3:.2f} ms plain, {k['keep_round_s'] * 1e3:.2f} ms keeping each "
+            f"({k['keeps_per_round']:.0f} copied out)"
+        )
     if r["dataloader_s"] is not None:
         print(
             "for scale, torch DataLoader(list of batches, batch_size=None), in-process: "

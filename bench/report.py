@@ -706,6 +706,47 @@ def python_md(p: dict) -> list[str]:
         _table(["output", "tsock µs/batch", "tsock batches/s", "list µs/batch", "list batches/s", "tsock / list"], rows)
     )
     L += [""]
+    if p["rows"] and "step_s" in p["rows"][0]:
+        L += [
+            "Batch lifetimes: the same ring read side by side by a consumer with the default lifetime (a batch "
+            'stays valid while referenced; the figures above) and one with `lifetime="step"` (valid until the '
+            "next batch, no bookkeeping: the old contract), rounds alternating; CPU time of the consumer's thread "
+            "(the ring is full, it never waits), median of the per-round ratios.",
+            "",
+            _table(
+                ["output", "default CPU µs/batch", "step CPU µs/batch", "default / step", "elapsed default / step"],
+                [
+                    [
+                        r["output"],
+                        _f(r["tsock_cpu_s"] * 1e6),
+                        _f(r["step_cpu_s"] * 1e6),
+                        f"{r['lifetime_ratio']:.3f}x",
+                        f"{r['lifetime_ratio_elapsed']:.3f}x",
+                    ]
+                    for r in p["rows"]
+                ],
+            ),
+            "",
+        ]
+    if p.get("keep"):
+        L += [
+            "The cost of keeping a batch (copying out a referenced batch the ring needs back): rounds that keep "
+            "every batch in a list against rounds that keep none, CPU time, (kept - plain) / batches copied out.",
+            "",
+            _table(
+                ["batch", "bytes", "µs per batch kept", "GB/s"],
+                [
+                    [
+                        f"{k['tensors']} x float32[{k['elems']}]",
+                        _f(k["batch_bytes"]),
+                        _f(k["per_keep_s"] * 1e6),
+                        _f(k["batch_bytes"] / k["per_keep_s"] / 1e9),
+                    ]
+                    for k in p["keep"].values()
+                ],
+            ),
+            "",
+        ]
     if p.get("dataloader_s"):
         L += [
             f"For scale, same run: a torch `DataLoader` over the same list (no workers, no collate) costs "

@@ -74,6 +74,8 @@ def test_quick_benchmark_writes_the_document(tmp_path):
     assert "tsock.Pipeline, batches/s" in doc
     # every figure comes with its baseline from the same run
     assert all(r["list_s"] > 0 for r in res["python"]["rows"])
+    assert all(r["step_s"] > 0 and r["lifetime_ratio"] > 0 for r in res["python"]["rows"])
+    assert set(res["python"]["keep"]) == {"small", "large"} and "default / step" in doc
     assert all(m["memcpy_gb_per_s"] > 0 for m in t["memcpy"])
     # No GPU here: the GPU section says why instead of figures.
     assert "skipped" in res["gpu"] and "## GPU" in doc and "Not run:" in doc

@@ -459,7 +459,7 @@ int tsock_batch_dlpack_cuda(const tsock_batch_t *b, uint32_t i, int versioned, v
   __atomic_add_fetch(&g->refs, 1, __ATOMIC_RELAXED);
   enum { DL_CUDA = 2 };
   st = tsock__dlpack_make(b, i, versioned, (void *)(uintptr_t)ptr, DL_CUDA, g->ordinal,
-                          device_unref, g, out);
+                          ((tsock_held_batch *)b)->lease, device_unref, g, out);
   if (st != TSOCK_OK) device_unref(g);
   return st;
 }

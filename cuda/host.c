@@ -48,6 +48,10 @@ int tsock_reader_register_host(tsock_reader_t *h) {
   int st = tsock__reader_map(h, &m, &base, &len);
   if (st != TSOCK_OK) return st;
   if (m->cuda != NULL) return TSOCK_OK; /* once per reader (per mapping) */
+  if (m->carve != NULL)
+    return tsock__fail(TSOCK_ESTATE, "tsock_reader_register_host: a batch of this reader was kept "
+                                     "(tsock_batch_keep), so its payload is no longer one mapping; "
+                                     "register before keeping any");
   const tsock_cuda_driver *d;
   st = tsock__cuda_driver(&d);
   if (st != TSOCK_OK) return st;

@@ -289,8 +289,9 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
 #define TSOCK_BATCH_EPOCH_END 0x1u /* epoch-end marker: no tensors */
 
 /* A batch as a reader sees it. Owned by the reader; valid until it is
- * released or the reader is detached. Fields may be appended in later
- * versions; never allocate or copy this struct by value. */
+ * released or the reader is detached (a kept batch: until
+ * tsock_batch_free). Fields may be appended in later versions; never
+ * allocate or copy this struct by value. */
 typedef struct tsock_batch {
   uint64_t seq;       /* position in the stream, from 0 */
   uint64_t epoch;     /* epoch number, from 0 */
@@ -302,6 +303,17 @@ typedef struct tsock_batch {
   uint32_t meta_len;
   uint32_t reserved;
   uint64_t publish_ns; /* CLOCK_MONOTONIC time of publication */
+  /* Since 0.2. Where the tensors lie in this process: the batch's slot as
+   * mapped here, tensors[i].data == payload + tensors[i].offset. Later
+   * batches of the same slot lie at the same address, unless a batch of it
+   * was kept (tsock_batch_keep), which moves the slot elsewhere. */
+  const void *payload;
+  uint64_t payload_capacity; /* its length: the channel's payload bytes per slot */
+  /* TSOCK_MAX_TENSORS + 1 counters: the DLPack descriptors of each tensor
+   * of this batch still alive (tsock_batch_dlpack, _cuda), then their sum.
+   * Read them atomically: deleters decrement them on any thread. Valid
+   * while the batch is held (or kept). */
+  const uint32_t *dlpack_live;
 } tsock_batch_t;
 
 /* Takes the next batch. Returns 0 and sets *batch; TSOCK_EAGAIN when none
@@ -436,11 +448,68 @@ int tsock_batch_dlpack_cuda(const tsock_batch_t *batch, uint32_t i, int versione
  * a legacy DLManagedTensor. Device kDLCPU (pinned host memory is kDLCPU
  * too). The struct is allocated by the library; its deleter only frees it,
  * never needs the GIL and may run on any thread. It does not extend the
- * batch's lifetime: the data stay valid until the batch is released; it
- * does keep the memory mapped (even after the reader is detached), so a
- * late access reads stale bytes instead of faulting.
+ * batch's lifetime: the data stay valid until the batch is released
+ * (unless it is kept: tsock_batch_keep keeps every tensor with a live
+ * descriptor); it does keep the memory mapped (even after the reader is
+ * detached), so a late access reads stale bytes instead of faulting. The
+ * batch's dlpack_live counts it while it lives.
  * Booleans are kDLBool, 8 bits. Thread-safe. */
 int tsock_batch_dlpack(const tsock_batch_t *batch, uint32_t i, int versioned, void **out);
+
+/* ---- Kept batches (both libraries) --------------------------------------- */
+
+/* Keeps tensors of a held batch valid past its release, at their addresses:
+ * those in tensor_mask (bit i: tensor i) and every tensor with a live
+ * DLPack descriptor (tsock_batch_dlpack). Their bytes are copied into
+ * private memory that replaces the slot's pages under the same addresses
+ * in one step (mremap), so a thread reading them meanwhile sees the same
+ * bytes throughout; the slot itself moves to a new address for later
+ * batches, and once the batch is released (tsock_reader_release, as usual)
+ * the producer may rewrite it without changing the kept tensors. Pages of
+ * the batch that hold no kept tensor are given up: they read as zeros and
+ * cost no memory. The kept memory is private to this process and is freed
+ * when the last of *kept (see below), the pins (tsock_batch_pin) and the
+ * DLPack descriptors of it is gone; it survives tsock_reader_detach.
+ *
+ * On success *kept (when kept is not NULL) is a batch of its own that
+ * describes the kept batch (same fields, tensors at the same addresses):
+ * valid until tsock_batch_free(*kept), after the release and after detach;
+ * tsock_batch_dlpack works on it. NULL when nothing was to be kept (mask 0
+ * and no live descriptor): then nothing was copied. Keeping a batch again
+ * copies the tensors not yet kept and returns another kept batch.
+ *
+ * Cost: a copy of the kept tensors' pages (4 KiB granules) and a few
+ * system calls (mmap, mremap); the slot's new mapping and each kept batch
+ * take one memory map entry of the process (vm.max_map_count) while they
+ * live. TSOCK_ESTATE when the batch is not held by r (released, or never
+ * handed out), when r's mapping is registered with CUDA
+ * (tsock_reader_register_host: the driver pinned its pages), when r has
+ * opened the device path (device memory cannot be kept: copy it), or when
+ * the system's page size does not divide the channel's slots; TSOCK_EINVAL
+ * for a mask naming tensors the batch does not have; TSOCK_ENOMEM or
+ * TSOCK_ESYS when memory or a mapping could not be had (nothing changed
+ * then). TSOCK_EEVICTED when the reader was evicted: the slot may have been
+ * rewritten while it was copied. One thread at a time per reader. */
+int tsock_batch_keep(tsock_reader_t *r, const tsock_batch_t *batch, uint32_t tensor_mask,
+                     const tsock_batch_t **kept);
+
+/* Frees a batch returned by tsock_batch_keep; its memory stays while pins
+ * and DLPack descriptors of it live. Free each kept batch once (it may be
+ * freed after tsock_reader_detach, and in a forked child, which frees only
+ * its own copy). Anything else (NULL, a batch of tsock_reader_acquire, one
+ * already freed) returns TSOCK_EHANDLE and changes nothing; like free(),
+ * a second free is told apart only while no later tsock_batch_keep has
+ * returned the same address. Thread-safe. */
+int tsock_batch_free(const tsock_batch_t *kept);
+
+/* Keeps the memory a held batch's tensors lie in (its slot's mapping,
+ * `payload`) mapped at its address until tsock_mapping_unpin(token), even
+ * after the batch is released and the reader detached, so that memory a
+ * caller still points into never becomes unmapped. Its contents change
+ * once the batch is released, unless it was kept (tsock_batch_keep).
+ * TSOCK_ESTATE when the batch is not held by r. One thread at a time per
+ * reader. */
+int tsock_batch_pin(tsock_reader_t *r, const tsock_batch_t *batch, void **token);
 
 /* Releases everything, frees the reader record and the handle. Thread-safe
  * against other readers; a second detach returns TSOCK_EHANDLE. The

@@ -108,6 +108,36 @@ class BatchView {
   const tsock_batch_t *b_;
 };
 
+/* A batch kept past its release (Reader::keep, tsock_batch_keep): its kept
+ * tensors stay valid, at their addresses, while this object lives (and
+ * while DLPack descriptors of them do), after the release and after the
+ * reader is gone. Empty when nothing was to be kept. Move-only. */
+class KeptBatch {
+ public:
+  KeptBatch() noexcept = default;
+  explicit KeptBatch(const tsock_batch_t *b) noexcept : b_(b) {}
+  KeptBatch(KeptBatch &&o) noexcept : b_(std::exchange(o.b_, nullptr)) {}
+  KeptBatch &operator=(KeptBatch &&o) noexcept {
+    if (this != &o) {
+      reset();
+      b_ = std::exchange(o.b_, nullptr);
+    }
+    return *this;
+  }
+  KeptBatch(const KeptBatch &) = delete;
+  KeptBatch &operator=(const KeptBatch &) = delete;
+  ~KeptBatch() { reset(); }
+
+  BatchView view() const noexcept { return BatchView(b_); }
+  explicit operator bool() const noexcept { return b_ != nullptr; }
+
+ private:
+  void reset() noexcept {
+    if (b_ != nullptr) tsock_batch_free(std::exchange(b_, nullptr));
+  }
+  const tsock_batch_t *b_ = nullptr;
+};
+
 class Reader {
  public:
   /* Defaults of tsock_reader_options_init(), to change before attaching. */
@@ -157,6 +187,16 @@ class Reader {
   }
 
   bool closed() const noexcept { return closed_; }
+
+  /* Keeps the tensors of a held batch named in tensor_mask (bit i: tensor
+   * i), and those with live DLPack descriptors, valid past its release, at
+   * their addresses (tsock_batch_keep: a copy of their pages). Release the
+   * batch as usual afterwards. */
+  KeptBatch keep(const BatchView &b, uint32_t tensor_mask) {
+    const tsock_batch_t *kept = nullptr;
+    detail::check(tsock_batch_keep(r_, b.get(), tensor_mask, &kept), "tsock_batch_keep");
+    return KeptBatch(kept);
+  }
 
   /* Opens the producer's device pool: true (and the device's ordinal in
    * *cuda_ordinal) when this process can read batches on the GPU

@@ -45,18 +45,25 @@ typedef struct {
   union { dl_managed legacy; dl_managed_versioned versioned; } m;
   int64_t shape[TSOCK_MAX_DIMS];
   int64_t strides[TSOCK_MAX_DIMS];
-  /* keeps the data mapped (host mapping or device pool) while it lives */
+  /* Counted in lease->live[tensor] and keeps the lease (the host mapping)
+   * while it lives; `ref`, if any, keeps the device pool mapped. */
+  tsock_lease *lease;
+  uint32_t tensor;
   void (*unref)(void *);
   void *ref;
 } dl_block;
 
+/* May run on any thread, without the GIL, after the reader is gone. */
 static void delete_block(void *self) {
   dl_block *blk = self;
+  if (blk->lease != NULL) {
+    __atomic_sub_fetch(&blk->lease->live[blk->tensor], 1, __ATOMIC_RELEASE);
+    __atomic_sub_fetch(&blk->lease->live[TSOCK_LIVE_TOTAL], 1, __ATOMIC_RELEASE);
+    tsock__lease_unref(blk->lease);
+  }
   if (blk->ref != NULL) blk->unref(blk->ref);
   free(blk);
 }
-
-static void map_unref(void *m) { tsock__map_unref(m); }
 static void delete_legacy(dl_managed *self) { delete_block(self); }
 static void delete_versioned(dl_managed_versioned *self) { delete_block(self); }
 
@@ -80,8 +87,8 @@ static int dl_dtype_of(int32_t dtype, dl_dtype *out) {
 }
 
 int tsock__dlpack_make(const tsock_batch_t *b, uint32_t i, int versioned, void *data,
-                       int32_t device_type, int32_t device_id, void (*unref)(void *), void *ref,
-                       void **out) {
+                       int32_t device_type, int32_t device_id, tsock_lease *lease,
+                       void (*unref)(void *), void *ref, void **out) {
   const tsock_tensor_t *t = &b->tensors[i];
   dl_dtype dt;
   if (dl_dtype_of(t->dtype, &dt) != TSOCK_OK)
@@ -90,6 +97,13 @@ int tsock__dlpack_make(const tsock_batch_t *b, uint32_t i, int versioned, void *
   if (blk == NULL) return tsock__fail(TSOCK_ENOMEM, "tsock_batch_dlpack: out of memory");
   blk->unref = unref;
   blk->ref = ref;
+  if (lease != NULL) {
+    tsock__lease_ref(lease);
+    __atomic_add_fetch(&lease->live[i], 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&lease->live[TSOCK_LIVE_TOTAL], 1, __ATOMIC_RELAXED);
+    blk->lease = lease;
+    blk->tensor = i;
+  }
   memcpy(blk->shape, t->shape, sizeof blk->shape);
   memcpy(blk->strides, t->strides, sizeof blk->strides);
   dl_tensor dl = {
@@ -121,11 +135,9 @@ int tsock_batch_dlpack(const tsock_batch_t *b, uint32_t i, int versioned, void *
   if (i >= b->n_tensors)
     return tsock__fail(TSOCK_EINVAL, "tsock_batch_dlpack: tensor %u of a batch of %u", i,
                        b->n_tensors);
-  /* The batch came from tsock_reader_acquire, so it heads a held batch. */
-  tsock_map_ref *map = ((const tsock_held_batch *)b)->map;
-  if (map != NULL) tsock__map_ref(map);
-  int rc = tsock__dlpack_make(b, i, versioned, (void *)b->tensors[i].data, DL_CPU, 0, map_unref,
-                              map, out);
-  if (rc != TSOCK_OK && map != NULL) tsock__map_unref(map);
-  return rc;
+  /* The batch came from tsock_reader_acquire or tsock_batch_keep, so it
+   * heads a held batch. */
+  tsock_lease *lease = ((const tsock_held_batch *)b)->lease;
+  return tsock__dlpack_make(b, i, versioned, (void *)b->tensors[i].data, DL_CPU, 0, lease, NULL,
+                            NULL, out);
 }

@@ -97,10 +97,55 @@ typedef struct tsock_map_ref {
    * host registration of cuda/host.c undoes itself there). */
   void (*on_unmap)(struct tsock_map_ref *m);
   void *cuda; /* owned by cuda/host.c */
+  /* Slot ranges handed over to kept batches (lease.c): NULL until the
+   * first; the final unmap leaves them to their new owners. */
+  struct tsock_carve *carve;
 } tsock_map_ref;
 
 TSOCK_INTERNAL void tsock__map_ref(tsock_map_ref *m);
 TSOCK_INTERNAL void tsock__map_unref(tsock_map_ref *m);
+
+/* ---- leases (lease.c) ----
+ * A lease is one slot's payload as this process maps it: an address range
+ * that batches of the slot are read at, with the references that keep it
+ * mapped (the reader's, while it is the slot's current lease; each held
+ * batch of it; each pin; each DLPack descriptor into it) and, per tensor
+ * of the batch it carries, the number of live DLPack descriptors.
+ * At attach a slot's lease is its range inside the reader's mapping of the
+ * whole segment (`parent`, which it holds a reference on). Keeping a batch
+ * (tsock_batch_keep) retires its lease: the range becomes private memory
+ * the lease owns (parent NULL) and unmaps at its last reference, and the
+ * slot gets a fresh lease, a mapping of its own at another address. */
+#define TSOCK_LIVE_TOTAL TSOCK_MAX_TENSORS /* live[] index of the sum */
+typedef struct tsock_lease {
+  uint32_t refs;
+  uint32_t slot;
+  uint8_t *addr;
+  size_t len;
+  tsock_map_ref *parent; /* the whole-segment mapping holding the range, or NULL: owned */
+  uint32_t retired;      /* kept: the range holds private copies */
+  uint32_t kept;         /* mask of the tensors copied (retired leases) */
+  uint32_t live[TSOCK_MAX_TENSORS + 1]; /* atomic: DLPack descriptors alive, then the sum */
+} tsock_lease;
+
+typedef struct tsock_leases tsock_leases; /* a reader's current lease of each slot */
+
+TSOCK_INTERNAL void tsock__lease_ref(tsock_lease *l);
+TSOCK_INTERNAL void tsock__lease_unref(tsock_lease *l);
+/* Makes *held (a reference, or NULL) refer to l, moving the reference. */
+TSOCK_INTERNAL void tsock__lease_hold(tsock_lease **held, tsock_lease *l);
+/* The table of a reader whose mapping is m, payload at `payload` (file
+ * offset payload_offset), and whose segment descriptor is fd; NULL when out
+ * of memory. Each lease holds a reference on m. */
+TSOCK_INTERNAL tsock_leases *tsock__leases_open(tsock_map_ref *m, const uint8_t *payload,
+                                                uint64_t payload_offset, uint32_t slot_count,
+                                                uint64_t slot_bytes, int fd);
+TSOCK_INTERNAL void tsock__leases_close(tsock_leases *t);
+/* munmap of a whole-segment mapping at its last reference, leaving out the
+ * slot ranges retired leases own. */
+TSOCK_INTERNAL void tsock__map_unmap(tsock_map_ref *m);
+/* The slot's current lease (the table's reference: take one to keep it). */
+TSOCK_INTERNAL tsock_lease *tsock__leases_current(const tsock_leases *t, uint32_t slot);
 
 /* The mapping and payload range of an open reader handle (fails like any
  * call on a bad handle). For cuda/host.c; keeps reader.c free of CUDA, so
@@ -116,7 +161,7 @@ typedef struct tsock_held_batch {
   uint8_t meta[TSOCK_META_MAX];
   int handed;        /* handed out to the caller (not skipped or rejected) */
   int user_released; /* the caller released it (GPU work may still read it) */
-  tsock_map_ref *map;
+  tsock_lease *lease; /* where its tensors lie (a reference), NULL before the first batch */
   uint32_t slot;         /* slot index of the batch */
   uint32_t payload_kind; /* TSOCK_PAYLOAD_*, checked */
   /* GPU use, owned by cuda/device.c; reader.c only resets them. */
@@ -163,11 +208,30 @@ TSOCK_INTERNAL int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v);
 TSOCK_INTERNAL int tsock__reader_set_device(tsock_reader_t *h, void *device,
                                             const tsock_device_hooks *hooks);
 
+/* The held batch behind b when it is a batch of reader h that was handed
+ * out and not released (TSOCK_ESTATE otherwise), and the reader's leases;
+ * fails like any call on a bad handle, or TSOCK_EEVICTED once the reader
+ * was evicted. For lease.c. */
+TSOCK_INTERNAL int tsock__reader_held(tsock_reader_t *h, const tsock_batch_t *b, const char *fn,
+                                      tsock_held_batch **hb, tsock_leases **leases);
+/* TSOCK_OK while the reader's record is still its own (not evicted). */
+TSOCK_INTERNAL int tsock__reader_claimed(tsock_reader_t *h);
+
+/* Pin table (reader.c): tokens are handles. tsock__pin_add registers
+ * `obj`, dropped by drop(obj) at tsock_mapping_unpin(token) (token may be
+ * NULL: then only tsock__pin_take finds it); tsock__pin_take removes the
+ * entry of obj with that drop and returns 1, or 0 if there is none (the
+ * caller then must not touch obj). */
+TSOCK_INTERNAL int tsock__pin_add(void (*drop)(void *), void *obj, void **token);
+TSOCK_INTERNAL int tsock__pin_take(const void *obj, void (*drop)(void *));
+
 /* A DLPack descriptor of tensor i of b with the given data address and
- * device; the descriptor holds `ref` (taken by the caller) and calls
- * unref(ref) when it is deleted. dlpack.c. */
+ * device. It holds a reference on `lease` (when not NULL), counted in its
+ * live[] while it lives, and `ref` (taken by the caller, may be NULL),
+ * dropped by unref(ref) when it is deleted. dlpack.c. */
 TSOCK_INTERNAL int tsock__dlpack_make(const tsock_batch_t *b, uint32_t i, int versioned,
                                       void *data, int32_t device_type, int32_t device_id,
-                                      void (*unref)(void *), void *ref, void **out);
+                                      tsock_lease *lease, void (*unref)(void *), void *ref,
+                                      void **out);
 
 #endif

@@ -36,6 +36,7 @@ struct reader_impl {
   const uint8_t *map; /* whole segment, read-only */
   size_t map_len;
   tsock_map_ref *map_ref; /* owns `map` once attached */
+  tsock_leases *leases; /* the current mapping of each slot's payload (lease.c) */
   int send_fd; /* the mapping's descriptor, sent as the join's proof, then closed */
   int sock;    /* connection to the producer (join.c), open while attached */
   /* The header as validated at attach, private: every value the reader
@@ -185,7 +186,7 @@ void tsock__map_ref(tsock_map_ref *m) { __atomic_add_fetch(&m->refs, 1, __ATOMIC
 void tsock__map_unref(tsock_map_ref *m) {
   if (m != NULL && __atomic_sub_fetch(&m->refs, 1, __ATOMIC_ACQ_REL) == 0) {
     if (m->on_unmap != NULL) m->on_unmap(m);
-    munmap(m->addr, m->len);
+    tsock__map_unmap(m); /* all but the ranges kept batches own (lease.c) */
     free(m);
   }
 }
@@ -194,6 +195,9 @@ static void impl_unmap(struct reader_impl *r) {
   tsock_join j = {.sock = r->sock, .rec = r->rec};
   tsock__join_leave(&j); /* the producer sees our connection end */
   tsock__fork_close(r->send_fd);
+  for (uint32_t i = 0; r->held != NULL && i < r->max_held; i++)
+    tsock__lease_hold(&r->held[i].lease, NULL);
+  if (r->leases != NULL) tsock__leases_close(r->leases);
   if (r->map_ref != NULL)
     tsock__map_unref(r->map_ref);
   else if (r->map != NULL)
@@ -378,10 +382,10 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
       r->max_held_asked = o.max_held;
       r->spin_ns = o.spin_ns;
       r->held = calloc(r->max_held, sizeof *r->held);
-      /* Every held batch points into the same mapping, for DLPack's refs. */
-      for (uint32_t i = 0; r->held != NULL && i < r->max_held; i++) r->held[i].map = r->map_ref;
-      rc = r->held ? join_channel(r, &st, name, o.start)
-                   : tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
+      r->leases = tsock__leases_open(r->map_ref, r->payload, r->h.payload_offset,
+                                     (uint32_t)(r->mask + 1), r->slot_payload_bytes, r->fd);
+      rc = r->held && r->leases ? join_channel(r, &st, name, o.start)
+                                : tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
       tsock__fork_close(r->send_fd); /* the mapping keeps the file */
       r->send_fd = -1;
     }
@@ -480,15 +484,20 @@ static int copy_slot(struct reader_impl *r, uint64_t seq, held_batch *hb) {
                                         (unsigned long long)seq);
   }
   /* Validate the private copy: the producer is not trusted. */
+  tsock_lease *lease = tsock__leases_current(r->leases, hb->slot);
   for (uint32_t i = 0; i < b->n_tensors; i++) {
     tsock_tensor_t *t = &hb->tensors[i];
     if (tsock_layout_check_tensor(t->dtype, t->ndim, t->shape, t->strides, t->offset, t->nbytes,
                                   used) != 0)
       goto corrupt;
-    t->data = r->payload + (seq & r->mask) * r->slot_payload_bytes + t->offset;
+    t->data = lease->addr + t->offset;
   }
+  tsock__lease_hold(&hb->lease, lease);
   b->tensors = hb->tensors;
   b->meta = hb->meta;
+  b->payload = lease->addr;
+  b->payload_capacity = r->slot_payload_bytes;
+  b->dlpack_live = lease->live;
   return TSOCK_OK;
 corrupt:
   return tsock__fail(TSOCK_ECORRUPT, "batch %llu: invalid descriptor written by the producer",
@@ -709,6 +718,33 @@ int tsock__reader_map(tsock_reader_t *h, tsock_map_ref **m, const void **base, u
   return TSOCK_OK;
 }
 
+int tsock__reader_held(tsock_reader_t *h, const tsock_batch_t *b, const char *fn,
+                       tsock_held_batch **out, tsock_leases **leases) {
+  int rc;
+  struct reader_impl *r = handle_get(h, &rc);
+  if (r == NULL) return rc;
+  if (b == NULL) return tsock__fail(TSOCK_EINVAL, "%s: batch is NULL", fn);
+  /* By address first: b may be anything, and is read only once it is ours. */
+  held_batch *hb = NULL;
+  for (uint32_t i = 0; i < r->max_held && hb == NULL; i++)
+    if (b == &r->held[i].batch) hb = &r->held[i];
+  if (hb == NULL || b->seq < r->released || b->seq >= r->next || !hb->handed ||
+      hb->user_released)
+    return tsock__fail(TSOCK_ESTATE, "%s: batch is not held by this reader (released, or not "
+                                     "one of its batches)", fn);
+  rc = check_claim(r);
+  if (rc != TSOCK_OK) return rc;
+  *out = hb;
+  *leases = r->leases;
+  return TSOCK_OK;
+}
+
+int tsock__reader_claimed(tsock_reader_t *h) {
+  int rc;
+  struct reader_impl *r = handle_get(h, &rc);
+  return r == NULL ? rc : check_claim(r);
+}
+
 int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v) {
   int rc;
   struct reader_impl *r = handle_get(h, &rc);
@@ -740,57 +776,80 @@ int tsock__reader_set_device(tsock_reader_t *h, void *device, const tsock_device
 #define PIN_INDEX_BITS 24u
 #define PIN_MAX ((1u << PIN_INDEX_BITS) - 1u)
 static struct pin_entry {
-  tsock_map_ref *map; /* NULL: free */
+  void *obj; /* NULL: free */
+  void (*drop)(void *);
   uint64_t gen;
 } *pins;
 static uint32_t pin_cap;
+
+int tsock__pin_add(void (*drop)(void *), void *obj, void **token) {
+  pthread_mutex_lock(&pin_mu);
+  uint32_t i = 0;
+  while (i < pin_cap && pins[i].obj != NULL) i++;
+  if (i == pin_cap) {
+    uint32_t cap = pin_cap == 0 ? 16 : pin_cap * 2;
+    struct pin_entry *grown = cap <= PIN_MAX ? realloc(pins, cap * sizeof *pins) : NULL;
+    if (grown == NULL) {
+      pthread_mutex_unlock(&pin_mu);
+      return tsock__fail(TSOCK_ENOMEM, "pin: out of memory (%u pins)", pin_cap);
+    }
+    memset(grown + pin_cap, 0, (cap - pin_cap) * sizeof *pins);
+    pins = grown;
+    pin_cap = cap;
+  }
+  pins[i].obj = obj;
+  pins[i].drop = drop;
+  pins[i].gen = (pins[i].gen + 1) & ((1ull << (64 - PIN_INDEX_BITS)) - 1);
+  if (pins[i].gen == 0) pins[i].gen = 1;
+  if (token != NULL) *token = (void *)(uintptr_t)((pins[i].gen << PIN_INDEX_BITS) | (i + 1));
+  pthread_mutex_unlock(&pin_mu);
+  return TSOCK_OK;
+}
+
+int tsock__pin_take(const void *obj, void (*drop)(void *)) {
+  int found = 0;
+  pthread_mutex_lock(&pin_mu);
+  for (uint32_t i = 0; obj != NULL && i < pin_cap && !found; i++) {
+    if (pins[i].obj == obj && pins[i].drop == drop) {
+      pins[i].obj = NULL;
+      found = 1;
+    }
+  }
+  pthread_mutex_unlock(&pin_mu);
+  return found;
+}
+
+static void drop_map(void *m) { tsock__map_unref(m); }
 
 int tsock_reader_pin_mapping(tsock_reader_t *h, void **token) {
   int rc;
   struct reader_impl *r = handle_get(h, &rc);
   if (r == NULL) return rc;
   if (token == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_pin_mapping: token is NULL");
-  pthread_mutex_lock(&pin_mu);
-  uint32_t i = 0;
-  while (i < pin_cap && pins[i].map != NULL) i++;
-  if (i == pin_cap) {
-    uint32_t cap = pin_cap == 0 ? 16 : pin_cap * 2;
-    struct pin_entry *grown = cap <= PIN_MAX ? realloc(pins, cap * sizeof *pins) : NULL;
-    if (grown == NULL) {
-      pthread_mutex_unlock(&pin_mu);
-      return tsock__fail(TSOCK_ENOMEM, "tsock_reader_pin_mapping: out of memory (%u pins)", pin_cap);
-    }
-    memset(grown + pin_cap, 0, (cap - pin_cap) * sizeof *pins);
-    pins = grown;
-    pin_cap = cap;
-  }
   tsock__map_ref(r->map_ref);
-  pins[i].map = r->map_ref;
-  pins[i].gen = (pins[i].gen + 1) & ((1ull << (64 - PIN_INDEX_BITS)) - 1);
-  if (pins[i].gen == 0) pins[i].gen = 1;
-  *token = (void *)(uintptr_t)((pins[i].gen << PIN_INDEX_BITS) | (i + 1));
-  pthread_mutex_unlock(&pin_mu);
-  return TSOCK_OK;
+  rc = tsock__pin_add(drop_map, r->map_ref, token);
+  if (rc != TSOCK_OK) tsock__map_unref(r->map_ref);
+  return rc;
 }
 
 int tsock_mapping_unpin(void *token) {
   tsock__clear_error();
   uint64_t v = (uint64_t)(uintptr_t)token;
   uint64_t idx = v & ((1ull << PIN_INDEX_BITS) - 1);
-  tsock_map_ref *m = NULL;
+  struct pin_entry e = {0};
   pthread_mutex_lock(&pin_mu);
-  if (idx != 0 && idx <= pin_cap && pins[idx - 1].map != NULL &&
+  if (idx != 0 && idx <= pin_cap && pins[idx - 1].obj != NULL &&
       pins[idx - 1].gen == v >> PIN_INDEX_BITS) {
-    m = pins[idx - 1].map;
-    pins[idx - 1].map = NULL;
+    e = pins[idx - 1];
+    pins[idx - 1].obj = NULL;
   }
   pthread_mutex_unlock(&pin_mu);
-  if (m == NULL)
+  if (e.obj == NULL)
     return tsock__fail(TSOCK_EHANDLE, "tsock_mapping_unpin: %p is not a pin token in use "
                                       "(already unpinned, or never returned by "
-                                      "tsock_reader_pin_mapping)",
+                                      "tsock_reader_pin_mapping or tsock_batch_pin)",
                        token);
-  tsock__map_unref(m); /* outside the lock: it may unmap and call CUDA */
+  e.drop(e.obj); /* outside the lock: it may unmap and call CUDA */
   return TSOCK_OK;
 }
 

@@ -41,6 +41,16 @@ static inline int rd_detach(uintptr_t r, char **msg) {
 	rd_msg(rc, msg);
 	return rc;
 }
+static inline int rd_keep(uintptr_t r, const tsock_batch_t *b, uint32_t mask, const tsock_batch_t **kept, char **msg) {
+	int rc = tsock_batch_keep((tsock_reader_t *)r, b, mask, kept);
+	rd_msg(rc, msg);
+	return rc;
+}
+static inline int rd_free(const tsock_batch_t *b, char **msg) {
+	int rc = tsock_batch_free(b);
+	rd_msg(rc, msg);
+	return rc;
+}
 static inline const tsock_tensor_t *rd_tensor(const tsock_batch_t *b, uint32_t i) { return &b->tensors[i]; }
 static inline int rd_open_device(uintptr_t r, int32_t *ordinal, char **msg) {
 	int rc = tsock_reader_open_device((tsock_reader_t *)r, ordinal);
@@ -191,7 +201,11 @@ func (r *Reader) Acquire(timeout time.Duration) (*Batch, error) {
 	if rc != 0 {
 		return nil, lastError(rc, out.msg)
 	}
-	cb := out.cb
+	return fromC(out.cb), nil
+}
+
+// fromC is the Go view of a batch of the C reader.
+func fromC(cb *C.tsock_batch_t) *Batch {
 	b := &Batch{Seq: uint64(cb.seq), Epoch: uint64(cb.epoch), Index: uint64(cb.index),
 		Flags: uint32(cb.flags), PublishNs: uint64(cb.publish_ns), c: cb}
 	if cb.meta_len > 0 {
@@ -212,7 +226,7 @@ func (r *Reader) Acquire(timeout time.Duration) (*Batch, error) {
 			bt.Data = unsafe.Slice((*byte)(t.data), int(t.nbytes))
 		}
 	}
-	return b, nil
+	return b
 }
 
 // Release gives back b and every batch acquired before it.
@@ -222,6 +236,40 @@ func (r *Reader) Release(b *Batch) error {
 	}
 	var msg *C.char
 	if rc := C.rd_release(C.uintptr_t(r.h), b.c, &msg); rc != 0 {
+		return lastError(rc, msg)
+	}
+	return nil
+}
+
+// Keep keeps the tensors of held batch b named in mask (bit i: tensor i),
+// and those with live DLPack descriptors, valid past b's release, at their
+// addresses (tsock_batch_keep: their pages are copied into private memory
+// swapped in under the same addresses). It returns the kept batch, whose
+// Data stay valid (and unchanged) until its Free, after the release and
+// after Detach; nil when nothing was to be kept. Release b as usual.
+func (r *Reader) Keep(b *Batch, mask uint32) (*Batch, error) {
+	if b == nil || b.c == nil {
+		return nil, ring.Errorf(ring.StatusInval, "keep of a nil batch")
+	}
+	var kept *C.tsock_batch_t
+	var msg *C.char
+	if rc := C.rd_keep(C.uintptr_t(r.h), b.c, C.uint32_t(mask), &kept, &msg); rc != 0 {
+		return nil, lastError(rc, msg)
+	}
+	if kept == nil {
+		return nil, nil
+	}
+	return fromC(kept), nil
+}
+
+// Free frees a batch returned by Keep; its Data must not be used afterwards.
+// Any other batch, or a second Free, returns an error (ErrHandle status).
+func (b *Batch) Free() error {
+	if b == nil || b.c == nil {
+		return ring.Errorf(ring.StatusInval, "free of a nil batch")
+	}
+	var msg *C.char
+	if rc := C.rd_free(b.c, &msg); rc != 0 {
 		return lastError(rc, msg)
 	}
 	return nil

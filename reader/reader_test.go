@@ -202,6 +202,40 @@ func TestAcquireContents(t *testing.T) {
 	assert.Equal(t, ring.StatusState, ring.StatusOf(other.Release(b)), "a batch of another reader")
 }
 
+// A kept batch stays whole after its release, while the producer rewrites
+// its slot (2 slots: batch 2 goes where batch 0 was).
+func TestKeep(t *testing.T) {
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 64 << 10})
+	r := testkit.Attach(t, name, reader.Options{})
+	publish(t, p, 7)
+	b, err := r.Acquire(time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	none, err := r.Keep(b, 0)
+	require.NoError(t, err)
+	assert.Nil(t, none, "nothing to keep")
+	kept, err := r.Keep(b, 1<<uint(len(b.Tensors))-1)
+	require.NoError(t, err)
+	require.NotNil(t, kept)
+	require.NoError(t, r.Release(b))
+	_, err = r.Keep(b, 1)
+	assert.Equal(t, ring.StatusState, ring.StatusOf(err), "released")
+	for i := uint64(8); i < 10; i++ {
+		publish(t, p, i)
+		nb, err := r.Acquire(time.Second)
+		require.NoError(t, err)
+		require.NotNil(t, nb)
+		require.NoError(t, r.Release(nb))
+	}
+	i, _, err := batchgen.Check(tensors(kept), kept.Meta)
+	require.NoError(t, err)
+	assert.Equal(t, uint64(7), i)
+	require.NoError(t, kept.Free())
+	assert.Equal(t, ring.StatusHandle, ring.StatusOf(kept.Free()))
+	assert.Equal(t, ring.StatusHandle, ring.StatusOf(b.Free()), "not a kept batch")
+}
+
 func TestMaxHeld(t *testing.T) {
 	name := testkit.Channel(t)
 	p := testkit.Create(t, name, producer.Options{Slots: 16, SlotBytes: 64 << 10})

@@ -37,7 +37,8 @@ func buildHelper(repo, dir string) (string, bool, error) {
 		"-I" + filepath.Join(repo, "include"), "-I" + filepath.Join(repo, "ring"),
 		filepath.Join(repo, "bench", "latency", "helper", "tbench.c"),
 		filepath.Join(repo, "reader", "status.c"), filepath.Join(repo, "reader", "platform.c"),
-		filepath.Join(repo, "reader", "reader.c"), filepath.Join(repo, "reader", "join.c"), "-lpthread", "-o", exe}
+		filepath.Join(repo, "reader", "reader.c"), filepath.Join(repo, "reader", "join.c"),
+		filepath.Join(repo, "reader", "lease.c"), "-lpthread", "-o", exe}
 	withZmq := false
 	if lib := os.Getenv("TBENCH_LIBZMQ"); lib != "" {
 		args = append(args, "-DTBENCH_ZMQ", "-DTBENCH_ZMQ_SUBSET", lib, "-Wl,-rpath,"+filepath.Dir(lib))

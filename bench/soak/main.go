@@ -540,7 +540,7 @@ func (s *soak) setupPython() string {
 		}
 		args := []string{"-shared", "-fPIC", "-O2", "-std=c11", "-I" + filepath.Join(repo, "include"),
 			"-I" + filepath.Join(repo, "ring")}
-		for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/join.c", "reader/dlpack.c",
+		for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/join.c", "reader/lease.c", "reader/dlpack.c",
 			"cuda/driver.c", "cuda/host.c"} {
 			args = append(args, filepath.Join(repo, f))
 		}
@@ -590,7 +590,7 @@ func (s *soak) buildCReader() (string, error) {
 	exe := filepath.Join(s.tmpDir, "soak_reader")
 	args := []string{"-O2", "-std=c11", "-Wall", "-Werror", "-I" + filepath.Join(repo, "include"),
 		"-I" + filepath.Join(repo, "ring"), src}
-	for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/join.c", "reader/dlpack.c",
+	for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/join.c", "reader/lease.c", "reader/dlpack.c",
 		"cuda/driver.c", "cuda/host.c", "cuda/device.c"} {
 		args = append(args, filepath.Join(repo, f))
 	}

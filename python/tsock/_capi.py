@@ -87,6 +87,9 @@ class Batch(ctypes.Structure):
         ("meta_len", ctypes.c_uint32),
         ("reserved", ctypes.c_uint32),
         ("publish_ns", ctypes.c_uint64),
+        ("payload", ctypes.c_void_p),
+        ("payload_capacity", ctypes.c_uint64),
+        ("dlpack_live", ctypes.POINTER(ctypes.c_uint32)),
     ]
 
 
@@ -165,6 +168,9 @@ _COMMON = {
     "tsock_batch_cuda_ptr": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)]),
     "tsock_batch_cuda_use": (_I, [ctypes.POINTER(Batch), ctypes.c_size_t, ctypes.c_uint32]),
     "tsock_batch_dlpack_cuda": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, _I, ctypes.POINTER(_P)]),
+    "tsock_batch_keep": (_I, [_P, ctypes.POINTER(Batch), ctypes.c_uint32, ctypes.POINTER(ctypes.POINTER(Batch))]),
+    "tsock_batch_free": (_I, [ctypes.POINTER(Batch)]),
+    "tsock_batch_pin": (_I, [_P, ctypes.POINTER(Batch), ctypes.POINTER(_P)]),
 }
 
 _PRODUCER = {

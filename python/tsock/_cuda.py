@@ -281,7 +281,7 @@ class JaxCopyOutput:
         from ._output import CODE, numpy_view
 
         leaf = raw.leaves[i]
-        arr = numpy_view(reader, leaf, numpy_dtype(leaf[CODE]), start, stop)
+        arr = numpy_view(raw.mem, leaf, numpy_dtype(leaf[CODE]), start, stop)
         return self._backend.owned(self._host, arr, leaf[CODE]).block_until_ready()
 
     def owned(self, arr, code: int):
@@ -348,7 +348,7 @@ class DirectOutput:
         from ._output import CODE, numpy_view
 
         code = raw.leaves[i][CODE]
-        arr = np.array(numpy_view(reader, raw.leaves[i], self._host.storage_dtype(code), start, stop))
+        arr = np.array(numpy_view(raw.mem, raw.leaves[i], self._host.storage_dtype(code), start, stop))
         return self._backend.owned(self._host, arr, code)
 
 

@@ -3,9 +3,11 @@ made with ctypes (no compiled extension).
 
 A DLPackTensor is the object a framework's from_dlpack() takes: it hands out
 a capsule named "dltensor_versioned" (DLPack 1.0, read-only flag set) to
-consumers that ask with max_version >= (1, 0), else a legacy "dltensor". The
-capsule does not extend the batch's lifetime: the data stay valid until the
-reader releases the batch (when the next batch is taken).
+consumers that ask with max_version >= (1, 0), else a legacy "dltensor".
+Each descriptor is counted by the C library while it lives (the batch's
+dlpack_live): with the default lifetime a batch with live descriptors is
+kept, so the data stay valid as long as the tensor made from it; with
+lifetime="step" they stay valid until the batch is released.
 """
 
 from __future__ import annotations
@@ -71,16 +73,26 @@ _DESTROY_LEGACY = _destructor(LEGACY, _LEGACY_DELETER)
 _DESTROY_VERSIONED = _destructor(VERSIONED, _VERSIONED_DELETER)
 
 
+_RELEASED = (
+    "this tsock batch was released (the next batch was taken, and Consumer(lifetime='step') releases the one "
+    "before); use copy=True, or the default lifetime, to keep batches"
+)
+
+
 class Lease:
     """One acquired batch of a reader. `valid` turns False when the reader
-    releases it; exporters refuse to hand out a released batch."""
+    releases it, unless it was kept first; exporters refuse to hand out a
+    released batch."""
 
-    __slots__ = ("batch", "valid", "seq")
+    __slots__ = ("held", "batch", "valid", "seq", "kept", "free", "__weakref__")
 
     def __init__(self, batch: int, seq: int):
-        self.batch = batch  # address of the reader's tsock_batch_t
+        self.held = batch  # address of the reader's tsock_batch_t (for release)
+        self.batch = batch  # the one exports read: the held batch, or the kept one
         self.seq = seq
         self.valid = True
+        self.kept = False  # tsock_batch_keep: valid after its release
+        self.free = None  # frees the kept batch (a weakref.finalize, called once)
 
 
 def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool = False, rows=None, device=False):
@@ -92,7 +104,7 @@ def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool 
     stop) narrows the tensor to those rows of its first dimension, still
     without a copy."""
     if not lease.valid:
-        raise BufferError("this tsock batch was released (the next batch was taken); use copy=True to keep batches")
+        raise BufferError(_RELEASED)
     out = ctypes.c_void_p()
     export = lib.dlpack_cuda if device else lib.dlpack
     rc = export(lease.batch, index, 1 if versioned else 0, ctypes.byref(out))
@@ -123,7 +135,7 @@ def use(lib, lease: Lease, stream, host_wait_without_stream: bool = False) -> No
     for a consumer whose None does not mean the legacy default stream (JAX
     computes on streams of its own), wait on the host instead."""
     if not lease.valid:
-        raise BufferError("this tsock batch was released (the next batch was taken); use copy=True to keep batches")
+        raise BufferError(_RELEASED)
     flags = 0
     if stream is None and host_wait_without_stream:
         stream, flags = 0, 1
@@ -139,8 +151,9 @@ def use(lib, lease: Lease, stream, host_wait_without_stream: bool = False) -> No
 class DLPackTensor:
     """Tensor `index` of a held batch, as a DLPack producer (the Python array
     API's __dlpack__ protocol): np.from_dlpack, torch.from_dlpack and
-    jax.dlpack.from_dlpack take it without a copy. Valid until the batch is
-    released, which happens when the consumer takes its next batch."""
+    jax.dlpack.from_dlpack take it without a copy. Valid while it is
+    referenced (the default lifetime keeps its batch), or until the batch
+    is released (lifetime="step": when the consumer takes its next batch)."""
 
     __slots__ = ("_lib", "_lease", "_index", "_rows", "_cuda", "_host_wait")
 
@@ -170,6 +183,11 @@ class DLPackTensor:
             use(self._lib, self._lease, stream, self._host_wait)
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
         return capsule(self._lib, self._lease, self._index, versioned, rows=self._rows, device=self._cuda is not None)
+
+    @property
+    def leaf(self) -> int:
+        """The index of the tensor in its batch."""
+        return self._index
 
     def __dlpack_device__(self):
         """(kDLCPU, 0) for host memory, (kDLCUDA, ordinal) for the device copy."""

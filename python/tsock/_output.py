@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _capi, _dtypes
 from ._dlpack import DLPackTensor, capsule
-from ._reader import CODE, DATA, SHAPE, STRIDES
+from ._reader import CODE, DATA, NBYTES, SHAPE, STRIDES
 
 _NUMPY = _dtypes.TO_NUMPY  # wire code -> numpy dtype, for the hot path
 
@@ -42,10 +42,14 @@ def _contiguous_count(shape: tuple, strides: tuple) -> int:
     return count
 
 
-def numpy_view(reader, leaf, dtype: np.dtype, start=None, stop=None) -> np.ndarray:
-    """A read-only numpy array over rows [start, stop) of a leaf, in place.
-    Its base is a read-only buffer, so flags.writeable cannot be set."""
-    offset = leaf[DATA] - reader.base
+def numpy_view(mem, leaf, dtype: np.dtype, start=None, stop=None) -> np.ndarray:
+    """A read-only numpy array over rows [start, stop) of a leaf, in place,
+    over the memory it lies in (a Memory). Its base is a read-only buffer,
+    so flags.writeable cannot be set."""
+    return _array(mem.view, leaf[DATA] - mem.base, leaf, dtype, start, stop)
+
+
+def _array(buf, offset: int, leaf, dtype: np.dtype, start, stop) -> np.ndarray:
     shape = leaf[SHAPE]
     strides = leaf[STRIDES]
     if start is not None:
@@ -53,9 +57,48 @@ def numpy_view(reader, leaf, dtype: np.dtype, start=None, stop=None) -> np.ndarr
         shape = (stop - start,) + shape[1:]
     count = _contiguous_count(shape, strides)
     if count >= 0:
-        return np.frombuffer(reader.payload, dtype, count, offset).reshape(shape)
+        return np.frombuffer(buf, dtype, count, offset).reshape(shape)
     item = dtype.itemsize
-    return np.ndarray(shape, dtype, buffer=reader.payload_array, offset=offset, strides=[s * item for s in strides])
+    return np.ndarray(shape, dtype, buffer=buf, offset=offset, strides=[s * item for s in strides])
+
+
+def kept_view(raw, i: int, dtype: np.dtype, start=None, stop=None) -> np.ndarray:
+    """numpy_view for lifetime="referenced": the array is a view of a flat
+    array of leaf i (its exporter, made once per batch and kept in
+    raw.exporters), whose reference count then says whether any array of
+    the leaf is alive (see _lifetime): numpy's base chain of every view of
+    it ends there. As cheap as numpy_view: one frombuffer, one view."""
+    leaf = raw.leaves[i]
+    shape = leaf[SHAPE]
+    count = _contiguous_count(shape, leaf[STRIDES])
+    ex = raw.exporters
+    if ex is None:
+        ex = raw.exporters = [None] * len(raw.leaves)
+    e = ex[i]
+    if e is None:
+        mem = raw.mem
+        offset = leaf[DATA] - mem.base
+        if count >= 0:
+            e = np.frombuffer(mem.view, dtype, count, offset)
+        else:
+            e = np.frombuffer(mem.view, np.uint8, leaf[NBYTES], offset)
+        ex[i] = e
+    if count < 0:
+        return _array(e, 0, leaf, dtype, start, stop)
+    if start is None:
+        return e.reshape(shape)
+    row = count // shape[0]
+    return e[start * row : stop * row].reshape((stop - start,) + shape[1:])
+
+
+def handed_out(raw, obj):
+    """Records a DLPackTensor handed out (lifetime="referenced"): until it
+    is consumed, it refers to its leaf."""
+    ex = raw.exporters
+    if ex is None:
+        ex = raw.exporters = [None] * len(raw.leaves)
+    ex.append(obj)
+    return obj
 
 
 class NumpyOutput:
@@ -73,8 +116,41 @@ class NumpyOutput:
     def view(self, reader, raw, i: int, start=None, stop=None):
         leaf = raw.leaves[i]
         dtype = _NUMPY.get(leaf[CODE]) or _dtypes.numpy_dtype(leaf[CODE])
-        arr = numpy_view(reader, leaf, dtype, start, stop)
-        return arr.copy() if self.copy else arr
+        if self.copy:
+            return numpy_view(raw.mem, leaf, dtype, start, stop).copy()
+        if reader.keeping:
+            return kept_view(raw, i, dtype, start, stop)
+        return numpy_view(raw.mem, leaf, dtype, start, stop)
+
+    def views(self, reader, raw) -> list:
+        """Every leaf of a whole batch, as view() makes them, in one pass
+        (the hot path of the plain loop)."""
+        if self.copy:
+            return [self.view(reader, raw, i) for i in range(len(raw.leaves))]
+        mem = raw.mem
+        buf, base = mem.view, mem.base
+        ex = [] if reader.keeping else None
+        out = []
+        for leaf in raw.leaves:
+            dtype = _NUMPY.get(leaf[CODE]) or _dtypes.numpy_dtype(leaf[CODE])
+            shape = leaf[SHAPE]
+            count = _counts.get((shape, leaf[STRIDES]))
+            if count is None:
+                count = _contiguous_count(shape, leaf[STRIDES])
+            if count >= 0:
+                e = np.frombuffer(buf, dtype, count, leaf[DATA] - base)
+                out.append(e.reshape(shape))
+            elif ex is None:
+                out.append(_array(buf, leaf[DATA] - base, leaf, dtype, None, None))
+                continue
+            else:
+                e = np.frombuffer(buf, np.uint8, leaf[NBYTES], leaf[DATA] - base)
+                out.append(_array(e, 0, leaf, dtype, None, None))
+            if ex is not None:
+                ex.append(e)  # kept_view's exporter of the leaf
+        if ex is not None:
+            raw.exporters = ex
+        return out
 
     def owned(self, arr: np.ndarray, code: int):
         if not self.copy:
@@ -161,7 +237,7 @@ class JaxOutput:
     def view(self, reader, raw, i: int, start=None, stop=None):
         if self.copy:
             leaf = raw.leaves[i]
-            return self._jnp.array(numpy_view(reader, leaf, _dtypes.numpy_dtype(leaf[CODE]), start, stop))
+            return self._jnp.array(numpy_view(raw.mem, leaf, _dtypes.numpy_dtype(leaf[CODE]), start, stop))
         # The array API's protocol: JAX >= 0.7.2 takes no bare capsules.
         return self._from_dlpack(DLPackTensor(reader.lib, raw.lease, i, None if start is None else (start, stop)))
 
@@ -187,7 +263,8 @@ class DLPackOutput:
         return _dtypes.numpy_dtype(code)
 
     def view(self, reader, raw, i: int, start=None, stop=None):
-        return DLPackTensor(reader.lib, raw.lease, i, None if start is None else (start, stop), cuda=self.cuda)
+        obj = DLPackTensor(reader.lib, raw.lease, i, None if start is None else (start, stop), cuda=self.cuda)
+        return handed_out(raw, obj) if reader.keeping else obj
 
     def owned(self, arr: np.ndarray, code: int):
         if self.cuda is not None:

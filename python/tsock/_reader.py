@@ -11,9 +11,8 @@ import ctypes
 import struct
 import threading
 import time
+import weakref
 from collections import deque
-
-import numpy as np
 
 from . import _capi, _structure
 from ._dlpack import Lease
@@ -24,7 +23,8 @@ from .errors import TsockError, check, error_for
 # on when a C call returns to Python.
 SLICE_NS = 100_000_000
 
-_BATCH = struct.Struct("<QQQIIQQIIQ")  # tsock_batch_t
+_BATCH = struct.Struct("<QQQIIQQIIQQQQ")  # tsock_batch_t
+LIVE_TOTAL = _capi.MAX_TENSORS  # dlpack_live[LIVE_TOTAL]: descriptors of the batch alive
 _TENSOR = struct.Struct("<ii8q8qQQQ")  # tsock_tensor_t
 assert _BATCH.size == ctypes.sizeof(_capi.Batch) and _TENSOR.size == ctypes.sizeof(_capi.Tensor)
 
@@ -45,6 +45,9 @@ class _Lib:
         self.dlpack = self._fn("tsock_batch_dlpack", [_P, ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(_P)])
         self.dlpack_cuda = self._fn("tsock_batch_dlpack_cuda", [_P, ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(_P)])
         self.cuda_use = self._fn("tsock_batch_cuda_use", [_P, ctypes.c_size_t, ctypes.c_uint32])
+        self.keep = self._fn("tsock_batch_keep", [_P, _P, ctypes.c_uint32, ctypes.POINTER(_P)])
+        self.free = self._fn("tsock_batch_free", [_P])
+        self.pin = self._fn("tsock_batch_pin", [_P, _P, ctypes.POINTER(_P)])
 
     def _fn(self, name, argtypes):
         fn = self.cdll._FuncPtr((name, self.cdll))
@@ -70,42 +73,72 @@ def library() -> _Lib:
 CODE, SHAPE, STRIDES, DATA, NBYTES = range(5)
 
 
+class Memory:
+    """Where tensors lie in this process: a read-only memoryview over an
+    address range (a byte-per-element view; numpy arrays are built over it
+    or over slices of it), its base address and length, and for a slot's
+    mapping the counters of live DLPack descriptors of the batch it
+    carries (dlpack_live, read without a call). The view pins the range:
+    it stays mapped while the view or any slice of it lives."""
+
+    __slots__ = ("view", "base", "length", "live")
+
+    def __init__(self, view: memoryview, base: int, length: int, live):
+        self.view = view
+        self.base = base
+        self.length = length
+        self.live = live
+
+
 class Raw:
-    """An acquired batch: its lease (for DLPack and release), its leaves and
-    its layout; or an epoch-end marker (no leaves, `end` True)."""
+    """An acquired batch: its lease (for DLPack and release), the memory its
+    tensors lie in, its leaves and its layout; or an epoch-end marker (no
+    leaves, `end` True). `exporters` (lifetime="referenced"): the objects
+    that whatever the caller was given holds on to, whose reference counts
+    tell whether a leaf is still referenced: at position i < len(leaves) the
+    memoryview numpy arrays of leaf i are built on (or None), after those
+    DLPackTensor objects handed out (their leaf in `leaf`)."""
 
-    __slots__ = ("lease", "epoch", "index", "end", "leaves", "layout", "rows")
+    __slots__ = ("lease", "mem", "epoch", "index", "end", "leaves", "layout", "rows", "exporters", "done")
 
-    def __init__(self, lease: Lease, epoch: int, index: int, end: bool, leaves: list, layout):
+    def __init__(self, lease: Lease, mem: Memory, epoch: int, index: int, end: bool, leaves: list, layout):
         self.lease = lease
+        self.mem = mem
         self.epoch = epoch
         self.index = index
         self.end = end
         self.leaves = leaves
         self.layout = layout
         self.rows = None  # shared first dimension, computed when re-batching
+        self.exporters = None
+        self.done = False  # the consumer has delivered all of it
 
 
-def _pinned_mapping(lib, handle, base: int, length: int):
-    """A ctypes array over the payload mapping that holds a pin on it
-    (tsock_reader_pin_mapping) until the array is garbage-collected."""
-    token = ctypes.c_void_p()
-    check(lib, lib.tsock_reader_pin_mapping(handle, ctypes.byref(token)), "pin mapping")
-    unpin = lib.tsock_mapping_unpin
+_pinned_types: dict[int, type] = {}
 
-    class PinnedMapping(ctypes.c_char * length):
-        def __del__(self):
-            unpin(self.token)
 
-    mapping = PinnedMapping.from_address(base)
+def _pinned_view(lib, token: ctypes.c_void_p, base: int, length: int) -> memoryview:
+    """A read-only byte view of [base, base + length) over a ctypes array
+    that drops `token` (tsock_mapping_unpin) when it is garbage-collected,
+    that is when the view and every slice of it are gone."""
+    cls = _pinned_types.get(length)
+    if cls is None:
+        unpin = lib.tsock_mapping_unpin
+
+        class Pinned(ctypes.c_char * length):
+            def __del__(self):
+                unpin(self.token)
+
+        cls = _pinned_types[length] = Pinned
+    mapping = cls.from_address(base)
     mapping.token = token
-    return mapping
+    return memoryview(mapping).cast("B").toreadonly()
 
 
 class Reader:
     """One attached reader handle. Not thread-safe: one thread at a time."""
 
-    def __init__(self, name: str, start: int, timeout: float | None, max_held: int):
+    def __init__(self, name: str, start: int, timeout: float | None, max_held: int, keeping: bool = False):
         lib = self.lib = library()
         opts = _capi.ReaderOptions()
         lib.tsock_reader_options_init(ctypes.byref(opts))
@@ -150,9 +183,20 @@ class Reader:
         # their writeable flag cannot be turned back on. The view pins the
         # mapping: an array kept after close() reads stale bytes instead of
         # faulting, and the mapping goes when the last array does.
-        self.payload = memoryview(_pinned_mapping(lib, handle, self.base, self.length)).cast("B").toreadonly()
-        self.payload_array = np.frombuffer(self.payload, np.uint8)
-        self.held: deque[Lease] = deque()
+        token = ctypes.c_void_p()
+        check(lib, lib.tsock_reader_pin_mapping(handle, ctypes.byref(token)), "pin mapping")
+        self.payload = _pinned_view(lib, token, self.base, self.length)
+        self.whole = Memory(self.payload, self.base, self.length, None)
+        # keeping (lifetime="referenced"): batches are read through their
+        # slot's mapping (a Memory per slot, made at its first batch), which
+        # moves elsewhere when a batch of it is kept.
+        self.keeping = keeping
+        self._slots: dict[int, Memory] = {}
+        # Called with (base, length) when a slot mapping outside the whole
+        # payload range appears, and when a slot mapping is retired (kept):
+        # the torch guard's ranges.
+        self.on_mapped = self.on_retired = None
+        self.held: deque[Raw] = deque()
         self._out = ctypes.c_void_p()
         self._out_ref = ctypes.byref(self._out)
         self._views: dict[int, tuple] = {}
@@ -175,25 +219,79 @@ class Reader:
         if views is None:
             views = self._views[addr] = self._map_held(addr)
         bview, tview, mview = views
-        seq, epoch, index, flags, n, _, _, mlen, _, _ = _BATCH.unpack_from(bview)
+        seq, epoch, index, flags, n, _, _, mlen, _, _, payload, capacity, live = _BATCH.unpack_from(bview)
         lease = Lease(addr, seq)
-        self.held.append(lease)
+        if self.keeping:
+            mem = self._slots.get(payload)
+            if mem is None:
+                mem = self._slot_memory(addr, payload, capacity, live)
+        else:
+            mem = self.whole
         if flags & _capi.BATCH_EPOCH_END:
-            return Raw(lease, epoch, index, True, [], None)
-        leaves = []
-        unpack = _TENSOR.unpack_from
-        for i in range(n):
-            f = unpack(tview, i * _TENSOR.size)
-            nd = f[1]
-            leaves.append((f[0], f[2 : 2 + nd], f[10 : 10 + nd], f[20], f[19]))
-        return Raw(lease, epoch, index, False, leaves, _structure.decode(bytes(mview[:mlen]), n))
+            raw = Raw(lease, mem, epoch, index, True, [], None)
+        else:
+            leaves = []
+            unpack = _TENSOR.unpack_from
+            for i in range(n):
+                f = unpack(tview, i * _TENSOR.size)
+                nd = f[1]
+                leaves.append((f[0], f[2 : 2 + nd], f[10 : 10 + nd], f[20], f[19]))
+            raw = Raw(lease, mem, epoch, index, False, leaves, _structure.decode(bytes(mview[:mlen]), n))
+        self.held.append(raw)
+        return raw
+
+    def _slot_memory(self, batch: int, payload: int, capacity: int, live: int) -> Memory:
+        """The Memory of a slot mapping met for the first time, pinned
+        (tsock_batch_pin) for as long as its view or a slice of it lives."""
+        lib = self.lib
+        token = ctypes.c_void_p()
+        check(lib, lib.pin(self.handle, batch, ctypes.byref(token)), "pin a slot")
+        view = _pinned_view(lib, token, payload, capacity)
+        counts = memoryview((ctypes.c_uint32 * (LIVE_TOTAL + 1)).from_address(live)).cast("B").cast("I")
+        mem = self._slots[payload] = Memory(view, payload, capacity, counts)
+        if self.on_mapped is not None and not self.base <= payload < self.base + self.length:
+            self.on_mapped(payload, capacity)
+        return mem
+
+    def slot_ranges(self) -> list[tuple[int, int]]:
+        """(base, length) of the slot mappings in use outside the whole
+        payload mapping (slots moved by a keep)."""
+        inside = range(self.base, self.base + self.length)
+        return [(m.base, m.length) for m in self._slots.values() if m.base not in inside]
+
+    def keep(self, raw: Raw, mask: int) -> None:
+        """Keeps the leaves of `raw` in `mask` and those with live DLPack
+        descriptors valid past its release, at their addresses
+        (tsock_batch_keep). Its slot mapping is then retired: it holds the
+        kept copies only, and later batches of the slot lie elsewhere."""
+        lib = self.lib
+        kept = ctypes.c_void_p()
+        rc = lib.keep(self.handle, raw.lease.held, mask, ctypes.byref(kept))
+        if rc:
+            check(lib, rc, "keep a batch")
+        if not kept.value:
+            return  # nothing was referenced after all: nothing copied
+        mem = raw.mem
+        if self._slots.get(mem.base) is mem:
+            del self._slots[mem.base]
+            if self.on_retired is not None:
+                self.on_retired(mem.base, mem.length)
+        lease = raw.lease
+        if lease.free is not None:
+            lease.free()  # kept again: the newer kept batch describes it as well
+        lease.batch = kept.value
+        lease.kept = True
+        # The kept batch (for DLPack exports after the release) goes with
+        # the lease, when the Raw and every DLPackTensor of it are gone:
+        # freed once, by whichever comes first of that and a later keep.
+        lease.free = weakref.finalize(lease, lib.free, kept.value)
 
     def _map_held(self, addr: int):
         """Read views of a held batch's struct, its tensor descriptors and its
         metadata. The reader keeps max_held of them at fixed addresses, so
         the views are made once per address."""
         bview = memoryview((ctypes.c_char * _BATCH.size).from_address(addr)).cast("B").toreadonly()
-        _, _, _, _, _, tptr, mptr, _, _, _ = _BATCH.unpack_from(bview)
+        tptr, mptr = _BATCH.unpack_from(bview)[5:7]
         tview = memoryview((ctypes.c_char * (_TENSOR.size * _capi.MAX_TENSORS)).from_address(tptr)).cast("B")
         mview = memoryview((ctypes.c_char * _capi.META_MAX).from_address(mptr)).cast("B")
         return bview, tview.toreadonly(), mview.toreadonly()
@@ -222,20 +320,20 @@ class Reader:
         )
         return base.value, length.value
 
-    def release(self, lease: Lease) -> None:
-        """Releases `lease` and every batch acquired before it."""
+    def release(self, raw: Raw) -> None:
+        """Releases `raw` and every batch acquired before it. Their leases
+        turn invalid, except kept ones (their memory stays)."""
         if self.on_release is not None:
             self.on_release()
-        rc = self.lib.release(self.handle, lease.batch)
+        lease = raw.lease
+        held = self.held
+        rc = self.lib.release(self.handle, lease.held)
         if rc:
             check(self.lib, rc, "release")
-        held = self.held
-        while held and held[0].seq <= lease.seq:
-            held.popleft().valid = False
-
-    def release_all(self) -> None:
-        if self.held:
-            self.release(self.held[-1])
+        while held and held[0].lease.seq <= lease.seq:
+            old = held.popleft().lease
+            if not old.kept:
+                old.valid = False
 
     def detach(self) -> None:
         if self.on_release is not None and self.handle is not None:
@@ -243,8 +341,9 @@ class Reader:
             # attached; the copies' sources keep the mapping alive anyway.
             with contextlib.suppress(Exception):
                 self.on_release()
-        for held in self.held:
-            held.valid = False
+        for raw in self.held:
+            if not raw.lease.kept:
+                raw.lease.valid = False
         self.held.clear()
         if self.handle is not None:
             rc = self.lib.tsock_reader_detach(self.handle)

@@ -13,6 +13,8 @@ Imported only when torch is used.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from . import _capi
@@ -49,32 +51,47 @@ def torch_dtype(code: int, names: dict) -> torch.dtype:
     return dt
 
 
-# [start, end) of the read-only payload mappings of this process's open
-# consumers: any tensor whose data lies there must never be written.
-_ranges: list[tuple[int, int]] = []
+# The read-only shared memory this process's consumers read batches from
+# (payload mappings, slot mappings moved by kept batches, device pools): any
+# tensor whose data lies there must never be written. Sorted, disjoint
+# [start, end) ranges, as two lists for bisect: a consumer may add one
+# range per moved slot, and the check runs on every torch operation.
+_starts: list[int] = []
+_ends: list[int] = []
 
 
 def add_range(start: int, length: int) -> None:
-    _ranges.append((start, start + length))
+    remove_range(start, length)  # ranges stay disjoint
+    i = bisect.bisect(_starts, start)
+    _starts.insert(i, start)
+    _ends.insert(i, start + length)
 
 
 def remove_range(start: int, length: int) -> None:
-    try:
-        _ranges.remove((start, start + length))
-    except ValueError:
-        pass
+    """Takes [start, start + length) out of the guarded ranges, cutting the
+    part of a larger range it covers (a kept batch's slot, retired from a
+    payload mapping: its memory is private to this process from then on)."""
+    end = start + length
+    i = max(0, bisect.bisect_right(_starts, start) - 1)
+    while i < len(_starts) and _starts[i] < end:
+        s, e = _starts[i], _ends[i]
+        if e <= start:
+            i += 1
+            continue
+        pieces = [(a, b) for a, b in ((s, start), (end, e)) if a < b]
+        _starts[i : i + 1] = [a for a, _ in pieces]
+        _ends[i : i + 1] = [b for _, b in pieces]
+        i += len(pieces)
 
 
 def _in_mapping(t: torch.Tensor) -> bool:
     p = t.data_ptr()
-    for start, end in _ranges:
-        if start <= p < end:
-            return True
-    return False
+    i = bisect.bisect_right(_starts, p) - 1
+    return i >= 0 and p < _ends[i]
 
 
 def _protected(t) -> bool:
-    return isinstance(t, ReadOnlyTensor) or (isinstance(t, torch.Tensor) and _ranges and _in_mapping(t))
+    return isinstance(t, ReadOnlyTensor) or (isinstance(t, torch.Tensor) and _starts and _in_mapping(t))
 
 
 # In-place operators whose names do not end in "_".
@@ -171,9 +188,9 @@ def _wrap(ret, args, cls):
 
 
 def _shares_protected(ret: torch.Tensor, args) -> bool:
-    if _ranges and _in_mapping(ret):
+    if _starts and _in_mapping(ret):
         return True
-    owned = [a for a in args if isinstance(a, ReadOnlyTensor) and not (_ranges and _in_mapping(a))]
+    owned = [a for a in args if isinstance(a, ReadOnlyTensor) and not (_starts and _in_mapping(a))]
     if not owned:
         return False
     p = _storage_ptr(ret)

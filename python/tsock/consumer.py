@@ -8,22 +8,55 @@ import weakref
 
 import numpy as np
 
-from . import _capi
-from ._output import numpy_view
+from . import _capi, _lifetime
+from ._output import NumpyOutput, numpy_view
 from ._reader import CODE, SHAPE, Raw, Reader
 from .errors import ChannelClosed, NoDevicePath, TsockError
 
 _START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW}
+LIFETIMES = ("referenced", "step")
 
 
-def _close_reader(reader: Reader, unprotect, undo: list) -> None:
+def _close_reader(reader: Reader, life, unprotect, undo: list) -> None:
     try:
-        reader.detach()
+        # Batches still referenced are kept before the reader lets go of
+        # their slots; then the reader detaches whatever happened.
+        life.close()
     finally:
-        if unprotect is not None:
-            unprotect(reader.base, reader.length)
-        for fn in undo:
-            fn()
+        try:
+            reader.detach()
+        finally:
+            if unprotect is not None:
+                unprotect(reader.base, reader.length)
+                for base, length in reader.slot_ranges():
+                    unprotect(base, length)
+            for fn in undo:
+                fn()
+
+
+class _Epoch:
+    """iter(consumer): one epoch of it, like a DataLoader's iterator. Spent at
+    the epoch's end, or once a newer iter() of the consumer started."""
+
+    __slots__ = ("_consumer", "_iteration", "_spent")
+
+    def __init__(self, consumer: Consumer, iteration: int):
+        self._consumer = consumer
+        self._iteration = iteration
+        self._spent = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        c = self._consumer
+        if self._spent or c._iterations != self._iteration:
+            raise StopIteration
+        try:
+            return c.__next__()
+        except StopIteration:
+            self._spent = True
+            raise
 
 
 def _closed_message(name: str, epochs: int) -> str:
@@ -49,21 +82,27 @@ class Consumer:
                 for x, y in c:
                     ...
 
-    A batch is a view of shared memory: it stays valid until the next batch
-    is taken (the next step of the loop), after which the producer may reuse
-    its memory. Keep nothing from it across steps, or pass copy=True to get
-    private copies. Batches are read-only: numpy arrays have
+    A batch is a view of shared memory, zero-copy, and stays what it was for
+    as long as anything refers to it, as a DataLoader's batches do: keep
+    batches in a list, across steps, past close(), or hand them to JAX's
+    asynchronous dispatch. A batch goes back to the producer once nothing
+    refers to it any more; one still referenced when the consumer needs its
+    slot (it holds at most half the ring) is copied out once, just the
+    tensors referenced, into private memory at the same addresses. The
+    plain loop, which keeps nothing, copies nothing. lifetime="step" gives
+    the old contract instead, without bookkeeping: a batch is valid until
+    the next one is taken. Batches are read-only: numpy arrays have
     flags.writeable False, torch tensors are ReadOnlyTensor and raise
     ReadOnlyBatchError on in-place writes; x.clone() (torch) or x.copy()
-    (numpy) gives a writable copy. JAX arrays are immutable anyway; with JAX's
-    asynchronous dispatch, make sure work on a batch is finished
-    (block_until_ready) before taking the next one, or use copy=True. After
-    close() (or once the Consumer is garbage-collected) the shared memory is
-    unmapped: batches must not be touched then at all.
+    (numpy) gives a writable copy; JAX arrays are immutable.
 
-    Each for-loop runs to the end of the current epoch; a loop that breaks
-    off early leaves the rest of that epoch to the next loop. One thread at
-    a time may use a Consumer.
+    Each for-loop (each iter()) is one epoch, as with a DataLoader: a loop
+    that breaks off early (a step limit, a debug break) drops the rest of
+    its epoch, and the next loop starts the next epoch. The dropped batches
+    are read and let go as the producer publishes them, since the producer
+    is shared with other trainers: the next loop's first batch comes when
+    the producer reaches the next epoch. next(consumer) goes on with the
+    epoch in progress. One thread at a time may use a Consumer.
 
     Args:
       name: the channel name.
@@ -77,6 +116,15 @@ class Consumer:
       output: "numpy", "torch" or "jax"; or "dlpack" for objects with
         __dlpack__ that any framework's from_dlpack() takes.
       copy: deliver private, writable copies instead of shared-memory views.
+      carry_over: False (default): iter() starts an epoch, dropping the rest of
+        one a loop broke off. True: the old behaviour, iter() returns the
+        consumer itself, and a loop that breaks off leaves the rest of its
+        epoch to the next loop.
+      lifetime: "referenced" (default): a batch stays valid while anything
+        refers to it (see above; on the device path, torch and JAX batches
+        are private copies on the GPU for that reason). "step": valid until
+        the next batch is taken, after which the producer may rewrite it
+        under anything kept; zero-copy device tensors on the device path.
       start: "epoch" (default): start with the producer's current epoch if
         this consumer attaches within the producer's join_window, else with
         the next epoch; "now": with the next batch published.
@@ -96,9 +144,12 @@ class Consumer:
         its copy started, with the caller's current stream made to wait for
         n's copy. CUDAUnavailable when PyTorch has no CUDA or sees no GPU.
         When the producer has a device pool on that same GPU
-        (Producer(device=...)), batches are instead its copy there, as
-        zero-copy read-only CUDA tensors ordered on the caller's current
-        stream (the device path; see `placement`).
+        (Producer(device=...)), batches are instead read from its copy
+        there (the device path; see `placement`): copied on the GPU into
+        tensors of the caller's (lifetime="referenced": device memory
+        cannot be swapped like host memory, and a batch kept in the pool
+        would stall the producer), or zero-copy read-only CUDA tensors
+        (lifetime="step"), ordered on the caller's current stream.
       device_path: with device, "auto" (default): the device path where it
         opens, else the pinned host path; "require": NoDevicePath where it
         does not open; "never": always copy (the pinned host path).
@@ -121,6 +172,8 @@ class Consumer:
         timeout: float | None = None,
         device=None,
         device_path: str = "auto",
+        lifetime: str = "referenced",
+        carry_over: bool = False,
     ):
         if not isinstance(name, str):
             raise TypeError(f"channel name must be str, got {type(name).__name__}")
@@ -134,6 +187,8 @@ class Consumer:
             raise ValueError(f"start must be 'epoch' or 'now', got {start!r}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        if lifetime not in LIFETIMES:
+            raise ValueError(f"lifetime must be one of {LIFETIMES}, got {lifetime!r}")
         from ._output import OUTPUTS
 
         if output not in OUTPUTS:
@@ -148,6 +203,13 @@ class Consumer:
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
         self.copy = bool(copy)
+        #: "referenced" or "step" (see the class's documentation)
+        self.lifetime = lifetime
+        #: iter() goes on where the last loop stopped (True) or starts an epoch
+        self.carry_over = bool(carry_over)
+        self._open = False  # a batch of the epoch in progress was delivered
+        self._skip = False  # drop the rest of it first (iter() after a break)
+        self._iterations = 0  # iter() calls: an older _Epoch iterator is spent
         self._out = OUTPUTS[output](self.copy)
         #: epochs completed by this consumer; during an epoch, its number (from 0)
         self.epoch = 0
@@ -162,18 +224,31 @@ class Consumer:
         self._closed_seen = False
         self._started = False  # a batch was taken
         self._closed = False
+        # What refers to shared memory is tracked where the caller gets
+        # views of it: host batches, and output="dlpack" on the device path
+        # (the only zero-copy device output by default). Copies need none.
+        keeping = lifetime == "referenced" and not self.copy and (device is None or output == "dlpack")
         # Re-batching holds the batch being cut and the next one at most; on
         # the device path released batches stay held while the GPU reads
-        # them, so it keeps a few more.
-        self._reader = Reader(name, _START[start], timeout, max_held=2 if device is None else 4)
+        # them, so it keeps a few more. Keeping, batches are held while
+        # referenced, up to half the ring (_lifetime.Referenced.limit; the C
+        # reader clamps HOLD_MAX to the ring).
+        max_held = _lifetime.HOLD_MAX if keeping else 2 if device is None else 4
+        self._reader = Reader(name, _START[start], timeout, max_held=max_held, keeping=keeping)
+        self._keeping = keeping
+        if keeping:
+            self._life = _lifetime.Referenced(self._reader, output, device is not None)
+        else:
+            self._life = _lifetime.Step(self._reader)
         unprotect = None
         if output == "torch":
             from . import _torch
 
             _torch.add_range(self._reader.base, self._reader.length)
-            unprotect = _torch.remove_range
+            self._reader.on_mapped = _torch.add_range
+            self._reader.on_retired = unprotect = _torch.remove_range
         self._undo: list = []  # more to undo at close (the device range guard)
-        self._finalizer = weakref.finalize(self, _close_reader, self._reader, unprotect, self._undo)
+        self._finalizer = weakref.finalize(self, _close_reader, self._reader, self._life, unprotect, self._undo)
         #: the CUDA device batches are delivered on, or None
         self.device = device
         #: where batches come from: "host" (shared memory), "pinned" (shared
@@ -203,8 +278,11 @@ class Consumer:
             return
         backend = _cuda.backend(device)
         if device_path != "never":
+            # The default lifetime gets copies on the GPU: a zero-copy batch
+            # kept in the pool would hold its slot for good.
+            copy = self.copy or self.lifetime == "referenced"
             direct, unguard, why = _cuda.open_direct(
-                self._reader, device, backend, self._out, self.copy, device_path == "require"
+                self._reader, device, backend, self._out, copy, device_path == "require"
             )
             if direct is not None:
                 self._out = direct
@@ -227,7 +305,9 @@ class Consumer:
 
     def close(self) -> None:
         """Detaches from the channel (the producer stops waiting for this
-        reader). Batches still referenced become invalid. Idempotent."""
+        reader). Batches still referenced stay valid (lifetime="referenced":
+        they are copied out first) or read stale bytes ("step"), never
+        fault. Idempotent."""
         self._closed = True
         self._pending = []
         self._cur = None
@@ -254,13 +334,24 @@ class Consumer:
     # ---- iteration ----
 
     def __iter__(self):
-        return self
+        """An iterator over one epoch, as a DataLoader's: if a loop broke off
+        in the middle of the epoch before, the rest of that epoch is dropped
+        and this one starts with the next epoch (with carry_over=True: the
+        consumer itself, which goes on where the last loop stopped)."""
+        if self.carry_over:
+            return self
+        if self._open:
+            self._skip = True
+        self._iterations += 1
+        return _Epoch(self, self._iterations)
 
     def __next__(self):
-        """The next batch of the current epoch; StopIteration at its end
+        """The next batch of the epoch in progress; StopIteration at its end
         (the following call starts the next epoch)."""
         if self._closed:
             raise TsockError("consumer is closed", _capi.EHANDLE)
+        if self._skip:
+            self._skip_rest()
         if self._gpu is None:
             batch = self._next_whole() if self.batch_size is None else self._next_rebatched()
         else:
@@ -268,8 +359,32 @@ class Consumer:
         if batch is None:
             self.epoch += 1
             self._rows_in_epoch = 0
+            self._open = False
             raise StopIteration
+        self._open = True
         return batch
+
+    def _skip_rest(self) -> None:
+        """Drops the rest of the epoch in progress (a new iter() after a loop
+        broke off). The producer is shared, so it does not skip them: its
+        batches up to the epoch's end are read and let go as they come."""
+        self._skip = False
+        end_seen = self._end_pending  # re-batching: read with the last, partial batch
+        self._end_pending = False
+        if self._gpu is not None:
+            # The batch staged (copied ahead) belongs to the dropped epoch.
+            staged, self._gpu.staged = self._gpu.staged, None
+            end_seen = end_seen or (staged is not None and staged.batch is None and staged.error is None)
+        self._release(self._cur)
+        self._cur, self._off = None, 0
+        while not end_seen:
+            raw = self._take(1)  # 1: a close without an epoch-end marker ends the epoch
+            if raw is None:
+                break
+            self._release(raw)
+        self.epoch += 1
+        self._rows_in_epoch = 0
+        self._open = False
 
     def _next_host(self):
         """The next batch of the epoch in the output's form, or None at its end."""
@@ -294,6 +409,8 @@ class Consumer:
 
     def _peek_layout(self):
         while True:
+            if self._keeping:
+                self._life.settle()
             raw = self._reader.acquire()
             self._pending.append(raw)
             if not raw.end:
@@ -301,13 +418,15 @@ class Consumer:
                 return raw.layout
             # A marker first (started with "now" at an epoch end): its lease
             # may go, the record of it stays pending.
-            self._reader.release(raw.lease)
+            self._release(raw)
 
     def _take(self, rows_so_far: int) -> Raw | None:
         """The next producer batch of this epoch, or None at its end."""
         if self._pending:
             raw = self._pending.pop(0)
         else:
+            if self._keeping:
+                self._life.settle()
             try:
                 raw = self._reader.acquire()
             except ChannelClosed as closed:
@@ -319,8 +438,7 @@ class Consumer:
                 return None
         self.producer_epoch = raw.epoch
         if raw.end:
-            if raw.lease.valid:
-                self._reader.release(raw.lease)
+            self._release(raw)
             if not self._started:
                 # Joined ("now") just before an epoch-end marker: the first
                 # epoch starts after it, not empty.
@@ -331,8 +449,12 @@ class Consumer:
         return raw
 
     def _release(self, raw: Raw | None) -> None:
-        if raw is not None and raw.lease.valid:
-            self._reader.release(raw.lease)
+        """The consumer is done with raw: its slot goes back now (Step), or
+        once nothing refers to it (Referenced.settle)."""
+        if raw is not None:
+            raw.done = True
+            if not self._keeping and raw.lease.valid:
+                self._reader.release(raw)
 
     def _next_whole(self):
         # The previous batch is the caller's no longer: free its slot first.
@@ -343,7 +465,10 @@ class Consumer:
             return None
         self._cur = raw
         out, reader = self._out, self._reader
-        leaves = [out.view(reader, raw, i) for i in range(len(raw.leaves))]
+        if type(out) is NumpyOutput:
+            leaves = out.views(reader, raw)
+        else:
+            leaves = [out.view(reader, raw, i) for i in range(len(raw.leaves))]
         self._rows_in_epoch += 1
         return raw.layout.build(leaves)
 
@@ -435,7 +560,6 @@ class Consumer:
         return layout.build([self._out.owned(b, leaf[CODE]) for b, leaf in zip(bufs, cur.leaves)])
 
     def _copy_rows(self, raw: Raw, start: int, stop: int, bufs: list, codes: list, at: int) -> None:
-        reader = self._reader
         for i, (leaf, buf, code) in enumerate(zip(raw.leaves, bufs, codes)):
             if leaf[CODE] != code:
                 raise ValueError(f"cannot re-batch tensor {i}: its dtype changes between producer batches")
@@ -444,5 +568,5 @@ class Consumer:
                     f"cannot re-batch tensor {i}: its rows have shape {tuple(leaf[SHAPE][1:])} in one producer batch "
                     f"and {buf.shape[1:]} in another"
                 )
-            src = numpy_view(reader, leaf, buf.dtype, start, stop)
+            src = numpy_view(raw.mem, leaf, buf.dtype, start, stop)
             buf[at : at + stop - start] = src

@@ -4,7 +4,8 @@
  *
  * Builds standalone, without CMake or Go:
  *   cc -O2 -std=c11 -Iinclude -Iring tests/c/check_reader.c \
- *      reader/status.c reader/platform.c reader/reader.c reader/join.c -lpthread -o check_reader
+ *      reader/status.c reader/platform.c reader/reader.c reader/join.c reader/lease.c \
+ *      -lpthread -o check_reader
  *
  * Usage: check_reader NAME EXPECTED_BATCHES [next|now] [slow_us]
  *   Attaches (waiting up to 10 s for the channel), reads until

@@ -90,10 +90,16 @@ static void roundtrip() {
 
   std::vector<float> seen;
   int markers = 0;
+  tsock::KeptBatch label0;
   for (int k = 0; k < 4; k++) {
     auto b = reader.acquire(1'000'000'000);
     EXPECT(b.has_value());
     if (!b) return;
+    if (k == 0) {
+      label0 = reader.keep(*b, 1u << 1);  // the label, past its release
+      EXPECT(label0 && label0.view().seq() == b->seq());
+      EXPECT(label0.view().data<int64_t>(1) == b->data<int64_t>(1));
+    }
     if (b->epoch_end()) {
       markers++;
       EXPECT(b->index() == 3 && b->size() == 0);
@@ -135,6 +141,7 @@ static void roundtrip() {
   int32_t ordinal = 99;
   EXPECT(!reader.open_device(&ordinal) && ordinal == 99);  // host memory only
   EXPECT(markers == 1 && seen.size() == 18 && seen[17] == 25.0f);
+  EXPECT(label0 && *label0.view().data<int64_t>(1) == 100);
   for (int i = 0; i < 3; i++) {
     producer.reserve(16, 0);
     producer.publish(nullptr, 0);

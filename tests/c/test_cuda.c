@@ -215,6 +215,36 @@ static void test_fake(seg *sg, const char *name) {
   CHECK(s.registers == 3 && s.unregisters == 3 && s.registered_now == 0);
   CHECK(s.primary_refs == 0 && s.release_underflows == 0 && s.calls_without_context == 0);
   CHECK(s.unregistered_after_unmap == 0 && s.init_calls == 1);
+
+  /* Kept batches and pinned memory exclude each other: the driver pinned
+   * the registered pages, which a keep would swap; and once a batch was
+   * kept the payload is no longer the one range there is to register. */
+  r = attach_now(name);
+  CHECK_RC(tsock_reader_register_host(r), TSOCK_OK);
+  seg_publish(sg, 1);
+  b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    const tsock_batch_t *kept = NULL;
+    CHECK_RC(tsock_batch_keep(r, b, 1, &kept), TSOCK_ESTATE);
+    CHECK(contains(tsock_last_error(), "registered with CUDA") && kept == NULL);
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  }
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  r = attach_now(name);
+  seg_publish(sg, 2);
+  b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b != NULL) {
+    const tsock_batch_t *kept = NULL;
+    CHECK_RC(tsock_batch_keep(r, b, 1, &kept), TSOCK_OK);
+    CHECK_RC(tsock_reader_register_host(r), TSOCK_ESTATE);
+    CHECK(contains(tsock_last_error(), "kept"));
+    CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+    CHECK_RC(tsock_batch_free(kept), TSOCK_OK);
+  }
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(now().registers == 4 && now().registered_now == 0);
 }
 
 /* ---- no driver ---- */

@@ -3,6 +3,7 @@
  * files, and a valid segment whose "producer" is this test. */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -163,9 +164,10 @@ typedef struct fake {
   fake_join join;
 } fake;
 
-static int fake_open(fake *f, const char *name, uint32_t slots, uint32_t readers) {
+static int fake_open_bytes(fake *f, const char *name, uint32_t slots, uint32_t readers,
+                           uint64_t slot_bytes) {
   tsock_header h;
-  make_header(&h, slots, readers, 4096);
+  make_header(&h, slots, readers, slot_bytes);
   f->fd = write_file(name, &h, sizeof h, h.total_bytes);
   struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = TSOCK_LOCK_PRODUCER, .l_len = 1};
   if (fcntl(f->fd, F_OFD_SETLK, &fl) != 0) return -1;
@@ -182,6 +184,10 @@ static void fake_close(fake *f, const char *name) {
   munmap(f->map, f->total);
   close(f->fd);
   remove_file(name);
+}
+
+static int fake_open(fake *f, const char *name, uint32_t slots, uint32_t readers) {
+  return fake_open_bytes(f, name, slots, readers, 4096);
 }
 
 /* Writes slot `seq`: a uint8 [n] tensor of bytes seq+j, then publishes it. */
@@ -829,6 +835,326 @@ static void test_attach_while_name_goes(void) {
   fake_close(&f, name);
 }
 
+
+/* ---- kept batches (tsock_batch_keep) ---- */
+
+#define KEEP_PAGES 4
+#define X_BYTES (3 * 4096) /* tensor 0: pages 0-2 of the slot */
+#define Y_OFFSET X_BYTES   /* tensor 1: 64 bytes on page 3 */
+#define Y_BYTES 64
+
+/* Writes slot `seq` by hand (the fake producer does not wait for readers):
+ * x = bytes (seq * 3 + j), y = bytes (seq + 100). */
+static void fake_publish_xy(fake *f, uint64_t seq) {
+  uint32_t k = (uint32_t)(seq % f->h->slot_count);
+  tsock_slot *s = (tsock_slot *)(f->map + f->h->slots_offset) + k;
+  uint8_t *payload = f->map + f->h->payload_offset + k * f->h->slot_payload_bytes;
+  __atomic_store_n(&s->stamp, 0, __ATOMIC_RELEASE);
+  memset((uint8_t *)s + 8, 0, sizeof *s - 8);
+  s->index = seq;
+  s->n_tensors = 2;
+  s->payload_bytes = Y_OFFSET + Y_BYTES;
+  s->payload_kind = TSOCK_PAYLOAD_HOST;
+  uint64_t sizes[2] = {X_BYTES, Y_BYTES}, offsets[2] = {0, Y_OFFSET};
+  for (int i = 0; i < 2; i++) {
+    tsock_shm_tensor *t = &s->tensors[i];
+    t->dtype = TSOCK_DTYPE_UINT8;
+    t->ndim = 1;
+    t->shape[0] = (int64_t)sizes[i];
+    t->strides[0] = 1;
+    t->offset = offsets[i];
+    t->nbytes = sizes[i];
+  }
+  for (uint32_t j = 0; j < X_BYTES; j++) payload[j] = (uint8_t)(seq * 3 + j);
+  memset(payload + Y_OFFSET, (int)(seq + 100), Y_BYTES);
+  __atomic_store_n(&s->stamp, seq + 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&f->h->published, seq + 1, __ATOMIC_SEQ_CST);
+}
+
+static int x_is(const uint8_t *x, uint64_t seq) {
+  for (uint32_t j = 0; j < X_BYTES; j++)
+    if (x[j] != (uint8_t)(seq * 3 + j)) return 0;
+  return 1;
+}
+
+static int y_is(const uint8_t *y, uint64_t seq) {
+  for (uint32_t j = 0; j < Y_BYTES; j++)
+    if (y[j] != (uint8_t)(seq + 100)) return 0;
+  return 1;
+}
+
+/* Pages of [p, p + len) resident in this process (mincore); -1 when some
+ * of the range is not mapped at all. */
+static int resident_pages(const void *p, size_t len) {
+  uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095;
+  size_t n = ((uintptr_t)p + len - a + 4095) / 4096;
+  unsigned char vec[64];
+  if (n > sizeof vec || mincore((void *)a, n * 4096, vec) != 0) return -1;
+  int in = 0;
+  for (size_t i = 0; i < n; i++) in += vec[i] & 1;
+  return in;
+}
+
+/* The DLPack descriptor's deleter (legacy struct: at byte 56). */
+static void dl_delete(void *dl) {
+  void (*deleter)(void *);
+  memcpy(&deleter, (uint8_t *)dl + 56, sizeof deleter);
+  deleter(dl);
+}
+
+typedef struct reader_thread {
+  const uint8_t *y;
+  uint64_t seq;
+  int stop, passes, bad;
+} reader_thread;
+
+/* Reads y over and over while the main thread keeps it (swaps its pages
+ * under it) and the producer rewrites the slot: it must never change. */
+static void *read_y(void *arg) {
+  reader_thread *rt = arg;
+  while (!__atomic_load_n(&rt->stop, __ATOMIC_ACQUIRE) || rt->passes < 1000) {
+    if (!y_is(rt->y, rt->seq)) rt->bad++;
+    rt->passes++;
+  }
+  return NULL;
+}
+
+static void test_kept_batches(void) {
+  const char *name = test_name("tseg", "keep");
+  fake f;
+  if (fake_open_bytes(&f, name, 2, 1, KEEP_PAGES * 4096) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_OK);
+  if (r == NULL) return;
+
+  /* Batch 0: keep y only, while another thread reads it. */
+  fake_publish_xy(&f, 0);
+  const tsock_batch_t *b = NULL, *k0 = NULL, *kept = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b == NULL) return;
+  const uint8_t *x0 = b->tensors[0].data, *y0 = b->tensors[1].data;
+  const void *slot0 = b->payload;
+  CHECK(b->payload_capacity == KEEP_PAGES * 4096 && x0 == slot0 && y0 == x0 + Y_OFFSET);
+  CHECK(b->dlpack_live != NULL && b->dlpack_live[TSOCK_MAX_TENSORS] == 0);
+  reader_thread rt = {.y = y0, .seq = 0};
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, read_y, &rt) == 0);
+  CHECK_RC(tsock_batch_keep(r, b, 1u << 1, &k0), TSOCK_OK);
+  CHECK(k0 != NULL && k0 != b);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  /* The producer rewrites slot 0 (batch 2); the reader gets its new bytes
+   * at another address, and the kept y is untouched. */
+  fake_publish_xy(&f, 1);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  fake_publish_xy(&f, 2);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  __atomic_store_n(&rt.stop, 1, __ATOMIC_RELEASE);
+  pthread_join(th, NULL);
+  CHECK(rt.bad == 0 && rt.passes >= 1000);
+  CHECK(b->seq == 2 && b->payload != slot0 && x_is(b->tensors[0].data, 2));
+  CHECK(y_is(b->tensors[1].data, 2));
+  CHECK(y_is(y0, 0));
+  /* Only y's page was copied: x's three pages are not retained (never
+   * faulted in: not resident) and read as zeros. */
+  CHECK(resident_pages(y0, Y_BYTES) == 1);
+  CHECK(resident_pages(x0, X_BYTES) == 0);
+  CHECK(x0[0] == 0 && x0[X_BYTES - 1] == 0);
+  /* The kept batch describes the kept tensors and exports them. */
+  if (k0 == NULL) return;
+  CHECK(k0->seq == 0 && k0->n_tensors == 2 && k0->tensors[1].data == y0);
+  void *dl = NULL;
+  CHECK_RC(tsock_batch_dlpack(k0, 1, 0, &dl), TSOCK_OK);
+  CHECK(dl != NULL && *(const uint8_t **)dl == y0 && k0->dlpack_live[1] == 1);
+  CHECK(k0->dlpack_live[TSOCK_MAX_TENSORS] == 1);
+
+  /* Batch 2: a live DLPack descriptor of x keeps x without a mask; keeping
+   * again adds y (a second kept batch), and again changes nothing. */
+  void *dlx = NULL;
+  CHECK_RC(tsock_batch_dlpack(b, 0, 0, &dlx), TSOCK_OK);
+  CHECK(b->dlpack_live[0] == 1 && b->dlpack_live[1] == 0 && b->dlpack_live[TSOCK_MAX_TENSORS] == 1);
+  const uint8_t *x2 = b->tensors[0].data, *y2 = b->tensors[1].data;
+  const tsock_batch_t *kx = NULL, *kxy = NULL, *kagain = NULL;
+  CHECK_RC(tsock_batch_keep(r, b, 0, &kx), TSOCK_OK);
+  CHECK(resident_pages(y2, Y_BYTES) == 0); /* x's pages only */
+  CHECK_RC(tsock_batch_keep(r, b, 1u << 1, &kxy), TSOCK_OK);
+  CHECK_RC(tsock_batch_keep(r, b, 3, &kagain), TSOCK_OK);
+  CHECK(kx != NULL && kxy != NULL && kagain != NULL && kx != kxy);
+  CHECK_RC(tsock_batch_keep(r, b, 1u << 2, NULL), TSOCK_EINVAL); /* no tensor 2 */
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_batch_keep(r, b, 1, NULL), TSOCK_ESTATE); /* released */
+  CHECK(strstr(tsock_last_error(), "not held") != NULL);
+  fake_publish_xy(&f, 3);
+  fake_publish_xy(&f, 4);
+  CHECK(x_is(x2, 2) && y_is(y2, 2) && y_is(y0, 0));
+  dl_delete(dlx);
+
+  /* Nothing referenced: nothing copied, the slot stays where it is. */
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK); /* batch 3 */
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK); /* batch 4, slot 0 */
+  const void *slot4 = b->payload;
+  kept = (const tsock_batch_t *)1;
+  CHECK_RC(tsock_batch_keep(r, b, 0, &kept), TSOCK_OK);
+  CHECK(kept == NULL);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  fake_publish_xy(&f, 5);
+  fake_publish_xy(&f, 6);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK); /* batch 5 */
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK); /* batch 6, slot 0 */
+  CHECK(b->payload == slot4);
+
+  /* Arguments. */
+  CHECK_RC(tsock_batch_keep(r, NULL, 1, NULL), TSOCK_EINVAL);
+  tsock_batch_t foreign;
+  memset(&foreign, 0, sizeof foreign);
+  CHECK_RC(tsock_batch_keep(r, &foreign, 1, NULL), TSOCK_ESTATE);
+  CHECK_RC(tsock_batch_keep(NULL, b, 1, NULL), TSOCK_EHANDLE);
+  CHECK_RC(tsock_batch_free(b), TSOCK_EHANDLE); /* not a kept batch */
+  CHECK_RC(tsock_batch_free(NULL), TSOCK_EHANDLE);
+  void *pin = NULL;
+  CHECK_RC(tsock_batch_pin(r, b, &pin), TSOCK_OK);
+  const uint8_t *x6 = b->tensors[0].data;
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_batch_pin(r, b, &pin), TSOCK_ESTATE);
+
+  /* Kept memory outlives detach, and goes with its last holder. */
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(y_is(y0, 0) && x_is(x2, 2) && y_is(y2, 2));
+  CHECK(resident_pages(x6, X_BYTES) >= 0); /* pinned: still mapped */
+  CHECK_RC(tsock_mapping_unpin(pin), TSOCK_OK);
+  CHECK(resident_pages(x6, X_BYTES) == -1); /* the whole mapping went with the pin */
+  CHECK(resident_pages(x0, X_BYTES) >= 0);
+  CHECK_RC(tsock_batch_free(k0), TSOCK_OK);
+  CHECK(y_is(y0, 0)); /* the DLPack descriptor keeps it */
+  dl_delete(dl);
+  CHECK(resident_pages(y0, Y_BYTES) == -1); /* gone with its last holder */
+  CHECK_RC(tsock_batch_free(k0), TSOCK_EHANDLE); /* twice */
+  CHECK_RC(tsock_batch_free(kx), TSOCK_OK);
+  CHECK(x_is(x2, 2));
+  CHECK_RC(tsock_batch_free(kxy), TSOCK_OK);
+  CHECK_RC(tsock_batch_free(kagain), TSOCK_OK);
+  CHECK(resident_pages(x2, X_BYTES) == -1); /* batch 2's copy is gone */
+  fake_close(&f, name);
+}
+
+/* 1 when every mapping and descriptor of this process of channel `name`
+ * but the fake producer's (at `skip`, and fd `skip_fd`) is read-only
+ * (keeping maps slots again, and opens the segment again). */
+static int segment_read_only(const char *name, const void *skip, int skip_fd) {
+  char path[128], line[512];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  FILE *maps = fopen("/proc/self/maps", "r");
+  int mapped = 0, writable = 0;
+  while (maps != NULL && fgets(line, sizeof line, maps) != NULL) {
+    char perms[8] = "";
+    uintptr_t from = 0;
+    if (sscanf(line, "%" SCNxPTR "-%*s %7s", &from, perms) != 2 || strstr(line, path) == NULL ||
+        from == (uintptr_t)skip)
+      continue;
+    mapped++;
+    writable += strchr(perms, 'w') != NULL;
+  }
+  if (maps != NULL) fclose(maps);
+  int rw_fds = 0;
+  for (int fd = 0; fd < 1024; fd++) {
+    char link[64], target[256];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    int fl = fcntl(fd, F_GETFL);
+    rw_fds += fd != skip_fd && strcmp(target, path) == 0 && (fl < 0 || (fl & O_ACCMODE) != O_RDONLY);
+  }
+  return mapped >= 1 && writable == 0 && rw_fds == 0;
+}
+
+/* Descriptors of channel `name` open in this process but skip_fd. */
+static int segment_fds(const char *name, int skip_fd) {
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm/tsock.%s", name);
+  int fds = 0;
+  for (int fd = 0; fd < 1024; fd++) {
+    char link[64], target[256];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    fds += fd != skip_fd && strcmp(target, path) == 0;
+  }
+  return fds;
+}
+
+/* A reader forks after keeping a batch (a DataLoader worker started
+ * mid-epoch). The child reads the kept bytes (its own copy of the private
+ * pages), holds no descriptor of the segment (the keep's second open is
+ * fork-guarded like the others), cannot keep or pin with the parent's
+ * handle, and may free its copy of the kept batch; none of it touches the
+ * parent's kept batch. Then the producer dies with batches kept and held:
+ * a held batch can still be kept, and every kept byte stays. */
+static void test_fork_and_producer_death_after_keep(void) {
+  const char *name = test_name("tseg", "keepfork");
+  fake f;
+  if (fake_open_bytes(&f, name, 2, 1, KEEP_PAGES * 4096) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_OK);
+  if (r == NULL) return;
+  fake_publish_xy(&f, 0);
+  const tsock_batch_t *b = NULL, *k0 = NULL, *k1 = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (b == NULL) return;
+  CHECK_RC(tsock_batch_keep(r, b, 3, &k0), TSOCK_OK);
+  if (k0 == NULL) return;
+  const uint8_t *x0 = b->tensors[0].data, *y0 = b->tensors[1].data;
+  CHECK(segment_read_only(name, f.map, f.fd)); /* the slot's new mapping and second open too */
+  CHECK(segment_fds(name, f.fd) == 2);         /* the locked one and the keep's */
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int bad = 0;
+    bad |= !x_is(x0, 0) || !y_is(y0, 0);
+    bad |= (segment_fds(name, f.fd) != 0) << 1;
+    bad |= (tsock_batch_keep(r, b, 1, NULL) != TSOCK_EFORKED) << 2;
+    void *pin = NULL;
+    bad |= (tsock_batch_pin(r, b, &pin) != TSOCK_EFORKED) << 3;
+    bad |= (tsock_batch_free(k0) != TSOCK_OK) << 4;
+    bad |= (!x_is(x0, 0) || !y_is(y0, 0)) << 5; /* the held batch still maps it */
+    if (bad) fprintf(stderr, "forked child of a keeping reader: failures 0x%x\n", bad);
+    _exit(bad);
+  }
+  int status = -1;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  fake_publish_xy(&f, 1);
+  fake_publish_xy(&f, 2); /* slot 0 again */
+  CHECK(x_is(x0, 0) && y_is(y0, 0));
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK); /* batch 1, held */
+  const uint8_t *y1 = b->tensors[1].data;
+  /* The producer dies (its lock, its join socket, its mapping and the
+   * file's name go): the held batch can still be kept. */
+  fake_close(&f, name);
+  CHECK_RC(tsock_batch_keep(r, b, 1u << 1, &k1), TSOCK_OK);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK); /* batch 2 was published */
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_EPRODUCER_GONE);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK(x_is(x0, 0) && y_is(y0, 0) && y_is(y1, 1));
+  CHECK_RC(tsock_batch_free(k0), TSOCK_OK); /* the parent's: the child freed only its copy */
+  CHECK_RC(tsock_batch_free(k1), TSOCK_OK);
+  CHECK(resident_pages(y0, Y_BYTES) == -1 && resident_pages(y1, Y_BYTES) == -1);
+}
+
 int main(void) {
   test_foreign();
   test_truncated();
@@ -837,6 +1163,8 @@ int main(void) {
   test_no_producer();
   test_fake_producer();
   test_pin_tokens();
+  test_kept_batches();
+  test_fork_and_producer_death_after_keep();
   test_reader_holds_segment_read_only();
   test_forked_child_outlives_reader();
   test_fork_after_300_attaches();

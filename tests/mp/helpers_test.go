@@ -93,6 +93,7 @@ func needCheckReader(t *testing.T) string {
 			"-I"+filepath.Join(repoRoot, "include"), "-I"+filepath.Join(repoRoot, "ring"), src,
 			filepath.Join(repoRoot, "reader", "status.c"), filepath.Join(repoRoot, "reader", "platform.c"),
 			filepath.Join(repoRoot, "reader", "reader.c"), filepath.Join(repoRoot, "reader", "join.c"),
+			filepath.Join(repoRoot, "reader", "lease.c"),
 			"-lpthread", "-o", exe).CombinedOutput()
 		checkBuildMs = time.Since(start)
 		if err != nil {

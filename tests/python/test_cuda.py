@@ -87,7 +87,9 @@ def test_register_host_with_fake_driver(channel, spawn, monkeypatch):
         p = tsock.Producer([(np.arange(8),)] * 2, name, wait_readers=1)
         t = threading.Thread(target=p.run, daemon=True)
         t.start()
-        c = tsock.Consumer(name, timeout=10)
+        # Registered by hand, behind the consumer's back: batches could not be
+        # kept (the driver pinned the pages), so the old lifetime.
+        c = tsock.Consumer(name, timeout=10, lifetime="step")
         lib, r = c._reader.lib, c._reader
         assert lib.tsock_reader_register_host(r.handle) == 0, lib.tsock_last_error()
         assert lib.tsock_reader_register_host(r.handle) == 0

@@ -111,7 +111,7 @@ name = sys.argv[1]
 """
 
 
-def _run(tmp_path, consumer_code, n, slots, consumer_env=None, killed=False):
+def _run(tmp_path, consumer_code, n, slots, consumer_env=None, killed=False, consumer_args=()):
     env = child_env()
     env["TSOCK_LIBCUDA"] = str(FAKE)
     name = f"pt-dev-{tmp_path.name}"[:60]
@@ -125,7 +125,8 @@ def _run(tmp_path, consumer_code, n, slots, consumer_env=None, killed=False):
     cenv = dict(env, **(consumer_env or {}))
     try:
         consumer = subprocess.run(
-            [sys.executable, "-c", CONSUMER_PRELUDE + textwrap.dedent(consumer_code), name, str(producer.pid)],
+            [sys.executable, "-c", CONSUMER_PRELUDE + textwrap.dedent(consumer_code), name, str(producer.pid)]
+            + list(consumer_args),
             env=cenv,
             capture_output=True,
             text=True,
@@ -179,7 +180,8 @@ def test_queued_reads_keep_their_batch(tmp_path):
         tmp_path,
         """
         sums, want = [], []
-        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30) as c:
+        # Zero-copy device tensors (the default lifetime copies them).
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30, lifetime="step") as c:
             for x, _ in c:
                 s = ctypes.c_ulonglong(0)
                 sums.append(s)
@@ -390,7 +392,9 @@ def test_dlpack_capsule_keeps_the_pool_after_close(tmp_path):
         import glob, time
         _cuda.check_device, _cuda.backend = orig_check, orig_backend
         kept = None
-        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30) as c:
+        # The capsule outlives the batch: the old lifetime (the default would
+        # hold the batch while the capsule lives).
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30, lifetime="step") as c:
             for x, _ in c:
                 if kept is None:
                     kept = x.__dlpack__(stream=stream.value)
@@ -455,3 +459,62 @@ def test_per_thread_stream_of_another_thread_is_fenced(tmp_path):
         slots=2,
     )
     assert out.split() == ["ok", "8"]
+
+
+@needs_fake
+@pytest.mark.parametrize("lifetime", ["referenced", "step"])
+def test_kept_device_batches_stay_whole(tmp_path, lifetime):
+    # The default lifetime on the device path: torch batches are copies made
+    # on the device from the pool (device memory cannot be swapped like host
+    # memory), so batches kept in a list stay right with 2 slots. With
+    # lifetime="step" they are the pool itself, which the producer rewrites.
+    out = _run(
+        tmp_path,
+        """
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30, lifetime=sys.argv[3]) as c:
+            assert c.placement == "device"
+            kept = [x for x, _ in c]
+            base, length = dev.guarded
+            in_pool = [base <= x.ctypes.data < base + length for x in kept]
+            right = [bool((np.asarray(x) == np.arange(4096, dtype=np.int32) + 7 * i).all()) for i, x in enumerate(kept)]
+        print(len(kept), sum(in_pool), sum(right))
+        """,
+        n=8,
+        slots=2,
+        consumer_args=[lifetime],
+    )
+    n, in_pool, right = map(int, out.split())
+    assert n == 8
+    if lifetime == "referenced":
+        assert (in_pool, right) == (0, 8)
+    else:
+        assert in_pool == 8 and right < 8
+
+
+@needs_fake
+def test_kept_dlpack_device_batches_are_refused_beyond_the_ring(tmp_path):
+    # output="dlpack" with a device hands out the pool itself: a batch is
+    # held while referenced, but cannot be kept (copied) past the ring:
+    # keeping them all raises, clearly, instead of stalling the producer or
+    # letting it rewrite them. The plain loop works.
+    out = _run(
+        tmp_path,
+        """
+        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        # resume: the second loop goes on with the epoch the first broke off
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30, carry_over=True) as c:
+            kept = []
+            try:
+                for b in c:
+                    kept.append(b)
+            except tsock.TsockError as e:
+                assert e.status == -17 and "cannot be kept" in str(e), e
+                print("refused", len(kept))
+            del kept, b  # nothing refers to a batch any more
+            seen = sum(1 for _ in c)  # the rest of the epoch, nothing kept
+        print("ok", seen)
+        """,
+        n=8,
+        slots=2,
+    )
+    assert out.split() == ["refused", "2", "ok", "6"]

@@ -188,15 +188,14 @@ def test_killed_producer_with_live_workers_is_still_seen_dead(channel, spawn):
     prod = spawn(FORK_PRODUCER, channel, "forever")
     wait_line(prod, "pid")  # torch imported, the loader built: the channel comes with the first batch
     with tsock.Consumer(channel, timeout=STARTUP_S) as c:
-        it = iter(c)
         for _ in range(20):  # into the second epoch: workers were forked after creation
-            next(it, None)
+            next(c, None)  # next(consumer) goes on across epochs
         os.kill(prod.pid, signal.SIGKILL)
         prod.wait()  # from its death: tearing down a torch process can take a while on a loaded machine
         t0 = time.monotonic()
         with pytest.raises(tsock.ProducerGone):
             while True:
-                next(it, None)
+                next(c, None)
                 assert time.monotonic() - t0 < 3
         assert time.monotonic() - t0 < 2.0  # timing is tested above; here: seen dead at all
 

@@ -161,7 +161,7 @@ def test_dlpack_output_speaks_the_protocol(channel, run_producer):
     run_producer(tsock.Producer(data, channel, slots=4, wait_readers=1))
     name = ctypes.pythonapi.PyCapsule_GetName
     name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
-    with tsock.Consumer(channel, output="dlpack", timeout=10) as c:
+    with tsock.Consumer(channel, output="dlpack", timeout=10, lifetime="step") as c:
         it = iter(c)
         x, y = next(it)
         assert x.__dlpack_device__() == (1, 0)

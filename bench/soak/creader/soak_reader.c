@@ -6,7 +6,7 @@
  *
  * Built by the soak with:
  *   cc -O2 -std=c11 -Iinclude -Iring bench/soak/creader/soak_reader.c \
- *      reader/{status,platform,reader,dlpack}.c cuda/{driver,host,device}.c -ldl -lpthread
+ *      reader/{status,platform,reader,join,lease,dlpack}.c cuda/{driver,host,device}.c -ldl -lpthread
  *
  * Usage: soak_reader NAME SLOW_US [device] [fork=EVERY_MS:LIFE_MS]
  *   Attaches with TSOCK_START_NOW (waiting up to 30 s for the channel) and
