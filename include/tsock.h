@@ -488,7 +488,10 @@ int tsock_batch_dlpack(const tsock_batch_t *batch, uint32_t i, int versioned, vo
  * the system's page size does not divide the channel's slots; TSOCK_EINVAL
  * for a mask naming tensors the batch does not have; TSOCK_ENOMEM or
  * TSOCK_ESYS when memory or a mapping could not be had (nothing changed
- * then). TSOCK_EEVICTED when the reader was evicted: the slot may have been
+ * then); TSOCK_ENOMEM too when the process already has a quarter of
+ * vm.max_map_count kept batches alive (fewer with TSOCK_MAX_KEPT=n in the
+ * environment), so that keeping never starves the rest of the process
+ * (malloc, thread stacks) of map entries. TSOCK_EEVICTED when the reader was evicted: the slot may have been
  * rewritten while it was copied. One thread at a time per reader. */
 int tsock_batch_keep(tsock_reader_t *r, const tsock_batch_t *batch, uint32_t tensor_mask,
                      const tsock_batch_t **kept);

@@ -68,8 +68,37 @@ struct tsock_leases {
 
 void tsock__lease_ref(tsock_lease *l) { __atomic_add_fetch(&l->refs, 1, __ATOMIC_RELAXED); }
 
+/* Kept copies alive in this process, and the most it may have. Each takes
+ * memory map entries of the process's vm.max_map_count (65530 by default),
+ * which malloc, thread stacks and the frameworks need too: past a quarter
+ * of it, a keep fails with a clear error instead of starving them. */
+static uint32_t kept_alive;
+static uint32_t kept_budget;
+
+static uint32_t keep_budget(void) {
+  uint32_t b = __atomic_load_n(&kept_budget, __ATOMIC_RELAXED);
+  if (b != 0) return b;
+  unsigned long limit = 65530;
+  FILE *f = fopen("/proc/sys/vm/max_map_count", "re");
+  if (f != NULL) {
+    if (fscanf(f, "%lu", &limit) != 1) limit = 65530;
+    fclose(f);
+  }
+  limit /= 4;
+  /* TSOCK_MAX_KEPT lowers it (a process that needs its map entries, tests). */
+  const char *env = getenv("TSOCK_MAX_KEPT");
+  char *end = NULL;
+  unsigned long want = env != NULL ? strtoul(env, &end, 10) : 0;
+  if (env != NULL && end != env && *end == '\0' && want > 0 && want < limit) limit = want;
+  b = limit > UINT32_MAX ? UINT32_MAX : (uint32_t)limit;
+  if (b == 0) b = 1;
+  __atomic_store_n(&kept_budget, b, __ATOMIC_RELAXED);
+  return b;
+}
+
 void tsock__lease_unref(tsock_lease *l) {
   if (l == NULL || __atomic_sub_fetch(&l->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
+  if (__atomic_load_n(&l->retired, __ATOMIC_ACQUIRE)) __atomic_sub_fetch(&kept_alive, 1, __ATOMIC_RELAXED);
   if (l->parent != NULL)
     tsock__map_unref(l->parent); /* its range goes with the whole mapping */
   else
@@ -229,6 +258,14 @@ static int copy_pages(tsock_leases *t, uint8_t *dst, uint32_t slot, const tsock_
  * pages of `want`, and the slot gets a fresh lease. Nothing changes on
  * failure. */
 static int swap_pages(tsock_leases *t, tsock_lease *l, const tsock_held_batch *hb, uint32_t want) {
+  uint32_t budget = keep_budget();
+  if (__atomic_load_n(&kept_alive, __ATOMIC_RELAXED) >= budget)
+    return tsock__fail(TSOCK_ENOMEM,
+                       "tsock_batch_keep: %u kept batches are alive in this process, the most "
+                       "tsock keeps (a quarter of vm.max_map_count: each takes memory map "
+                       "entries the rest of the process needs too); copy what you keep for "
+                       "long (np.array(x), x.clone()) or raise vm.max_map_count",
+                       budget);
   int rc = map_fd(t);
   if (rc == TSOCK_OK && l->parent != NULL) rc = carve_table(t);
   if (rc != TSOCK_OK) return rc;
@@ -266,6 +303,7 @@ static int swap_pages(tsock_leases *t, tsock_lease *l, const tsock_held_batch *h
     return tsock__fail_errno(err == ENOMEM ? TSOCK_ENOMEM : TSOCK_ESYS, err,
                              "tsock_batch_keep: mremap of %zu bytes", l->len);
   }
+  __atomic_add_fetch(&kept_alive, 1, __ATOMIC_RELAXED);
   __atomic_store_n(&l->retired, 1, __ATOMIC_RELEASE);
   if (l->parent != NULL) {
     tsock_map_ref *m = l->parent;

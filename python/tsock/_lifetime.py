@@ -41,10 +41,41 @@ from .errors import TsockError
 HOLD_MAX = 8
 
 _refcount = sys.getrefcount
-# References to an exporter when nothing outside refers to it: the Raw's
-# list, the loop variable and getrefcount's argument (the loops below
-# iterate the list itself: an iterator of pairs would hold one more).
-_UNREFERENCED = 3
+
+
+def _count_in_loop(ex: list) -> int:
+    """The reference count the loops below see for the one exporter in ex,
+    measured with the same code shape (a list, iterated by a for loop, the
+    loop variable passed to getrefcount)."""
+    for e in ex:
+        return _refcount(e)
+    return 0
+
+
+def _calibrate() -> int:
+    """References to an exporter when nothing outside refers to it: the
+    Raw's list, the loop variable and getrefcount's argument on CPython up
+    to 3.13 (3). Measured, not assumed: an interpreter that borrows the loop
+    variable's reference (CPython 3.14's stack references) or counts
+    differently would otherwise make a referenced batch look free, and the
+    producer would overwrite it under the trainer. Refuses to run where one
+    outside reference does not show."""
+    ex = [memoryview(b"tsock")]
+    alone = _count_in_loop(ex)
+    held = ex[0]
+    with_one = _count_in_loop(ex)
+    del held
+    if with_one <= alone:
+        raise ImportError(
+            "tsock: this Python's reference counts do not show whether a batch is still referenced "
+            f"({alone} with no reference, {with_one} with one); lifetime='referenced' cannot work here"
+        )
+    return alone
+
+
+# The loops below iterate the list itself: an iterator of pairs would hold
+# one more reference.
+_UNREFERENCED = _calibrate()
 
 
 def _by_exporters(raw: Raw) -> bool:

@@ -461,3 +461,44 @@ def test_kept_batches_outlive_a_killed_producer(spawn, channel, output):
             next(it)
         assert values(kept) == [0.0, 1.0, 2.0, 3.0]
     assert values(kept) == [0.0, 1.0, 2.0, 3.0]
+
+
+KEEP_PAST_BUDGET = """
+import os, sys, threading
+os.environ["TSOCK_MAX_KEPT"] = "5"  # read at the first keep
+import numpy as np, tsock
+
+name = sys.argv[1]
+data = [(np.full(1024, i, np.float32),) for i in range(40)]
+prod = tsock.Producer(data, name, slots=2, wait_readers=1, timeout=5)
+t = threading.Thread(target=prod.run, daemon=True)
+t.start()
+kept = []
+c = tsock.Consumer(name, timeout=10)
+try:
+    for (x,) in c:
+        kept.append(x)
+    print("no error after", len(kept))
+except tsock.TsockError as e:
+    ok = all(float(k[0]) == i and float(k[-1]) == i for i, k in enumerate(kept))
+    print(len(kept), ok, str(e).replace(chr(10), " "))
+try:
+    c.close()  # the held batches still referenced cannot be kept either: the same error
+except tsock.TsockError:
+    pass
+"""
+
+
+def test_keeping_past_the_budget_is_a_clear_error(spawn, channel):
+    # Each kept batch takes memory map entries, which the rest of the
+    # process needs too (malloc, thread stacks): past the budget (a quarter
+    # of vm.max_map_count; TSOCK_MAX_KEPT=5 here) next() raises an error
+    # that says why and what to do, the batches kept so far intact. Before
+    # the budget, keeping went on until mmap failed for everyone.
+    p = spawn(KEEP_PAST_BUDGET, channel)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    n, ok, message = out.split(" ", 2)
+    assert n != "no" and 5 <= int(n) < 40, out
+    assert ok == "True", out
+    assert "vm.max_map_count" in message and "clone()" in message, out
