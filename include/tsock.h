@@ -235,8 +235,13 @@ typedef enum tsock_start {
 typedef struct tsock_reader_options {
   uint32_t size;              /* sizeof(tsock_reader_options_t) */
   int32_t start;              /* tsock_start; default TSOCK_START_NEXT_EPOCH */
-  int64_t attach_timeout_ns;  /* wait this long for the channel to appear;
-                                 0 (default) fails at once with TSOCK_ENOENT */
+  int64_t attach_timeout_ns;  /* wait this long for the channel to appear
+                                 and its producer to answer the join
+                                 (TSOCK_ETIMEDOUT after it); 0 (default)
+                                 fails at once with TSOCK_ENOENT when there
+                                 is no channel, and waits at most 2 s for a
+                                 producer that does not answer (stopped);
+                                 < 0 waits without limit */
   uint32_t max_held;          /* batches held at once (acquired, not released),
                                  1..64; default 4. Clamped at attach, silently,
                                  to the channel's slot count: a reader holding

@@ -297,3 +297,49 @@ func TestLingeringDescriptorsDoNotHoldCProducer(t *testing.T) {
 		})
 	}
 }
+
+// TestAttachTimeoutBoundsJoin (review 2, F2): a producer that does not
+// answer the join (stopped: SIGSTOP) holds an attach no longer than its
+// attach_timeout_ns, or 2 s with 0 (before the fix: 10 s either way).
+func TestAttachTimeoutBoundsJoin(t *testing.T) {
+	exe := needABIProducer(t)
+	name := channel(t)
+	p := start(t, "abi hold", nil, exe, "hold", name, fmt.Sprint(os.Getgid()))
+	p.waitLine(t, "ready", 60*time.Second)
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGSTOP))
+	// kill() returns before the process stops: wait until it has.
+	require.Eventually(t, func() bool {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid))
+		i := strings.LastIndexByte(string(stat), ')')
+		return err == nil && i > 0 && i+2 < len(stat) && stat[i+2] == 'T'
+	}, 30*time.Second, 5*time.Millisecond, "the producer stops")
+	resumed := false
+	defer func() {
+		if !resumed {
+			_ = p.cmd.Process.Signal(syscall.SIGCONT)
+		}
+	}()
+	for _, c := range []struct {
+		timeout, least, bound time.Duration
+	}{{time.Second, time.Second, 6 * time.Second}, {0, 2 * time.Second, 7 * time.Second}} {
+		start := time.Now()
+		r, err := reader.Attach(name, reader.Options{Start: reader.StartNow, AttachTimeout: c.timeout})
+		took := time.Since(start)
+		if err == nil {
+			r.Detach()
+		}
+		require.Error(t, err, "attach to a stopped producer (took %v)", took)
+		assert.ErrorIs(t, err, ring.Status(ring.StatusTimedOut), "%v", err)
+		assert.GreaterOrEqual(t, took, c.least, "timeout %v", c.timeout)
+		assert.Less(t, took, c.bound, "timeout %v: the join waited past it", c.timeout)
+		t.Logf("attach_timeout %v: %v after %v", c.timeout, err, took)
+	}
+	// Resumed, it answers again.
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGCONT))
+	resumed = true
+	r, err := reader.Attach(name, reader.Options{Start: reader.StartNow, AttachTimeout: 20 * time.Second})
+	require.NoError(t, err)
+	require.NoError(t, r.Detach())
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGUSR1))
+	require.Equal(t, 0, p.wait(t, 60*time.Second), p.Output())
+}
