@@ -70,6 +70,19 @@ func lingerAttack(addr, name string, member bool) {
 		return c
 	}
 	good := ring.NewJoinRequest(0).Bytes()
+	// Knowing the address is not being let in: the request's descriptor
+	// decides (here, of another file).
+	null, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	must(err)
+	c := dial()
+	must(testkit.SendRequest(c, good, null))
+	if rep, fd, err := testkit.ReadReply(c); err != nil || fd >= 0 {
+		fmt.Println("linger: DONE joined, or no answer:", err)
+	} else {
+		fmt.Println("linger: refused with status", rep.Status)
+	}
+	unix.Close(c)
+	unix.Close(null)
 	var conns []int
 	for range lingerAttempts {
 		// The lingering socket as the join's proof.
@@ -235,6 +248,8 @@ func startLingerAttack(t *testing.T, name string, member bool) *proc {
 	a.waitLine(t, "linger: attacks done", 120*time.Second)
 	t.Logf("attacker: %s", a.Output())
 	assert.Contains(t, a.Output(), "linger: address listed", "the join address is public")
+	assert.Contains(t, a.Output(), fmt.Sprintf("linger: refused with status %d\n", ring.StatusPerm),
+		"knowing the address lets no one in")
 	return a
 }
 
