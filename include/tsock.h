@@ -215,7 +215,10 @@ int tsock_producer_stats(tsock_producer_t *p, tsock_producer_stats_t *stats);
 
 /* Marks the channel closed (readers drain what is published, then get
  * TSOCK_ECLOSED), removes its name and frees the handle. Thread-safe;
- * a second close returns TSOCK_EHANDLE. */
+ * a second close returns TSOCK_EHANDLE. A batch still reserved is
+ * dropped, but its payload stays writable (another thread may be writing
+ * it) until tsock_producer_publish or tsock_producer_abort with this
+ * handle, which then return TSOCK_EHANDLE and free it. */
 int tsock_producer_close(tsock_producer_t *p);
 
 /* ---- Reader (libtsock.so and libtsock_reader.so) ------------------------ */

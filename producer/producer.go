@@ -137,8 +137,9 @@ type Producer struct {
 	// mu, which Reserve holds while it waits: they read the segment under
 	// the read lock, Close unmaps it under the write lock.
 	live     sync.RWMutex
-	unmapped bool  // under live
-	final    Stats // the counters as Close left them, under live
+	unmapped bool      // under live
+	kept     ring.Kept // the reserved payload's pages Close left mapped, under mu
+	final    Stats     // the counters as Close left them, under live
 
 	// gating reader watch, for the eviction policy
 	gateCursor uint64
@@ -551,6 +552,25 @@ func (p *Producer) usable() error {
 	return nil
 }
 
+// endReservation is Publish's and Abort's answer once closed: a batch
+// still reserved is dropped, and the pages Close left mapped for it freed
+// (under mu).
+func (p *Producer) endReservation(err error) error {
+	if p.closing.Load() && p.reserved {
+		p.reserved = false
+		p.kept.Free()
+	}
+	return err
+}
+
+// HoldsReservation reports whether a batch is reserved (and, once closed,
+// its payload's pages still mapped until Publish or Abort).
+func (p *Producer) HoldsReservation() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.reserved
+}
+
 // Reserve waits for the next slot and returns its payload buffer, nbytes
 // long: write the batch there, then Publish. timeout 0 returns
 // ErrBackpressure at once when the ring is full; a negative timeout waits
@@ -586,7 +606,7 @@ func (p *Producer) Publish(tensors []Tensor, meta []byte) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.usable(); err != nil {
-		return err
+		return p.endReservation(err)
 	}
 	if !p.reserved {
 		return ring.Errorf(ring.StatusState, "publish without a reserved batch")
@@ -632,7 +652,7 @@ func (p *Producer) Abort() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.usable(); err != nil {
-		return err
+		return p.endReservation(err)
 	}
 	if !p.reserved {
 		return ring.Errorf(ring.StatusState, "abort without a reserved batch")
@@ -901,7 +921,15 @@ func (p *Producer) Close() error {
 	p.final = p.stats()
 	p.table.Close()
 	p.unmapped = true
-	err := p.seg.Unmap()
+	var err error
+	if p.reserved {
+		// Another thread may still be writing the reserved payload (C
+		// holds a pointer to it): its pages stay mapped, as memory of
+		// our own, until Publish or Abort reports the close.
+		p.kept, err = p.seg.UnmapKeeping(p.seg.PayloadOffset(p.next), p.seg.Geometry.SlotPayloadBytes)
+	} else {
+		err = p.seg.Unmap()
+	}
 	if cerr := closeLockable(p.seg.File); err == nil {
 		err = cerr
 	}

@@ -28,6 +28,11 @@
  *       that exits at once and close the producer, each under a 30 s
  *       watchdog (SIGALRM kills the process: exit by signal). Prints
  *       "fork took S" and "close took S".
+ *   abi_producer closereserved NAME
+ *       a thread reserves a batch and writes its payload for a while;
+ *       the main thread closes the producer meanwhile. The writer must
+ *       finish (publish then reports the closed handle): prints
+ *       "writer done RC", exits 0 (before the fix: SIGSEGV).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -276,8 +281,55 @@ static int hold(const char *name, int gid) {
   return rc == TSOCK_OK ? 0 : 1;
 }
 
+static tsock_producer_t *reserving_p;
+static atomic_int payload_reserved;
+
+static void *reserved_writer(void *arg) {
+  (void)arg;
+  void *buf;
+  int rc = tsock_producer_reserve(reserving_p, 1 << 20, 0, &buf);
+  if (rc != TSOCK_OK) {
+    fprintf(stderr, "reserve: %s\n", tsock_status_str(rc));
+    exit(2);
+  }
+  atomic_store(&payload_reserved, 1);
+  for (int k = 0; k < 200; k++) {
+    memset(buf, k, 1 << 20);
+    usleep(100);
+  }
+  rc = tsock_producer_publish(reserving_p, NULL, 0, NULL, 0);
+  printf("writer done %s\n", rc == TSOCK_EHANDLE ? "EHANDLE" : tsock_status_str(rc));
+  fflush(stdout);
+  return NULL;
+}
+
+static int close_reserved(const char *name) {
+  tsock_producer_options_t o;
+  tsock_producer_options_init(&o);
+  o.slot_count = 2;
+  o.slot_bytes = 1 << 20;
+  int rc = tsock_producer_create(name, &o, &reserving_p);
+  if (rc != TSOCK_OK) {
+    fprintf(stderr, "create: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+    return 1;
+  }
+  pthread_t t;
+  pthread_create(&t, NULL, reserved_writer, NULL);
+  while (!atomic_load(&payload_reserved)) usleep(100);
+  usleep(5000);
+  rc = tsock_producer_close(reserving_p);
+  printf("close %s\n", tsock_status_str(rc));
+  fflush(stdout);
+  pthread_join(t, NULL);
+  /* The pages were freed with the publish: a second one says "not open". */
+  int again = tsock_producer_abort(reserving_p);
+  printf("abort after %s\n", tsock_status_str(again));
+  return rc == TSOCK_OK && again == TSOCK_EHANDLE ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "race") == 0) return race(argv[2], atoi(argv[3]));
+  if (argc == 3 && strcmp(argv[1], "closereserved") == 0) return close_reserved(argv[2]);
   if (argc == 4 && strcmp(argv[1], "hold") == 0) return hold(argv[2], atoi(argv[3]));
   if (argc == 4 && strcmp(argv[1], "fork") == 0) return fork_child(argv[2], atoi(argv[3]));
   if (argc == 6 && strcmp(argv[1], "forkstorm") == 0)
