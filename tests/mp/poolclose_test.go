@@ -70,8 +70,20 @@ func TestPoolCloseBoundedAgainstFakeProgress(t *testing.T) {
 	exe, err := os.Executable()
 	require.NoError(t, err)
 	name := channel(t)
+	var pid int
+	t.Cleanup(func() {
+		// The pool was left to the driver: the fake one keeps its memory
+		// in /dev/shm files named after the process.
+		for _, kind := range []string{"mem", "ev"} {
+			files, _ := filepath.Glob(fmt.Sprintf("/dev/shm/tsockfake.%s.%d.*", kind, pid))
+			for _, f := range files {
+				os.Remove(f)
+			}
+		}
+	})
 	p := start(t, "pool close", []string{envRole + "=poolclose", envArgs + "=" + name, "TSOCK_LIBCUDA=" + lib},
 		exe, "-test.run=^TestHelperPoolClose$")
+	pid = p.cmd.Process.Pid
 	// poolDrainTimeout (5 s) after the last counted progress, 30 s at
 	// most; the bound leaves a loaded machine room.
 	line := p.waitLine(t, "close took", 90*time.Second)
