@@ -47,9 +47,19 @@ import tsock  # noqa: E402
 # The producer never blocks on a full ring (timeout=0, then a nap): a blocked
 # producer is woken by every release, which would charge its wake-ups to the
 # consumer being measured.
+#
+# It dies with the benchmark: the kernel sends it SIGINT (a clean close that
+# removes the channel) when the benchmark exits, however it exits (killed,
+# too); a benchmark already gone before that was set up is caught by its
+# parent pid.
 PRODUCER = """
-import sys, time, numpy as np, tsock
-name, slots, tensors, elems = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+import ctypes, os, signal, sys, time, numpy as np, tsock
+name = sys.argv[1]
+slots, tensors, elems, parent = (int(a) for a in sys.argv[2:6])
+PR_SET_PDEATHSIG = 1
+ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGINT), 0, 0, 0)
+if os.getppid() != parent:
+    sys.exit(0)
 batches = [tuple(np.full(elems, i * tensors + k, np.float32) for k in range(tensors)) for i in range(64)]
 with tsock.Producer(None, name, slots=slots, timeout=0) as p:
     i = 0
@@ -169,7 +179,8 @@ def _keep_cost(name: str, slots: int, rounds: int, settle: float) -> dict:
 
 
 def _producer(name: str, slots: int, tensors: int, elems: int, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(slots), str(tensors), str(elems)], env=env)
+    args = [name, str(slots), str(tensors), str(elems), str(os.getpid())]
+    return subprocess.Popen([sys.executable, "-c", PRODUCER, *args], env=env)
 
 
 def _stop(prod: subprocess.Popen, name: str) -> None:

@@ -99,7 +99,25 @@ var (
 	handlesMu sync.Mutex
 	handles           = map[uintptr]*entry{}
 	nextID    uintptr = 0x1000
+	// closedReserved are handles closed while a batch was reserved: the
+	// payload's pages stay mapped (another thread may write them) until
+	// publish or abort with that handle reports the close and frees them.
+	closedReserved = map[uintptr]*entry{}
 )
+
+// endClosedReservation answers publish and abort on a handle that is not
+// open: one closed with a batch reserved has it dropped (and its pages
+// freed), with the close reported.
+func endClosedReservation(h C.uintptr_t) (C.int, bool) {
+	handlesMu.Lock()
+	e := closedReserved[uintptr(h)]
+	delete(closedReserved, uintptr(h))
+	handlesMu.Unlock()
+	if e == nil {
+		return 0, false
+	}
+	return fail(e.p.Abort()), true
+}
 
 func lookup(h C.uintptr_t) (*entry, C.int) {
 	handlesMu.Lock()
@@ -177,6 +195,9 @@ func tsockgo_producer_reserve(h C.uintptr_t, nbytes C.uint64_t, timeout C.int64_
 
 //export tsockgo_producer_publish
 func tsockgo_producer_publish(h C.uintptr_t, ts *C.tsock_tensor_t, n C.uint32_t, meta unsafe.Pointer, metaLen C.uint32_t) C.int {
+	if rc, ok := endClosedReservation(h); ok {
+		return rc
+	}
 	e, rc := lookup(h)
 	if e == nil {
 		return rc
@@ -209,6 +230,9 @@ func tsockgo_producer_publish(h C.uintptr_t, ts *C.tsock_tensor_t, n C.uint32_t,
 
 //export tsockgo_producer_abort
 func tsockgo_producer_abort(h C.uintptr_t) C.int {
+	if rc, ok := endClosedReservation(h); ok {
+		return rc
+	}
 	e, rc := lookup(h)
 	if e == nil {
 		return rc
@@ -259,7 +283,13 @@ func tsockgo_producer_close(h C.uintptr_t) C.int {
 	if e == nil {
 		return fail(ring.Errorf(ring.StatusHandle, "producer handle %#x is not open", uintptr(h)))
 	}
-	return fail(e.p.Close())
+	err := e.p.Close()
+	if e.p.HoldsReservation() {
+		handlesMu.Lock()
+		closedReserved[uintptr(h)] = e
+		handlesMu.Unlock()
+	}
+	return fail(err)
 }
 
 //export tsockgo_producer_peek

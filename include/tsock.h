@@ -215,7 +215,10 @@ int tsock_producer_stats(tsock_producer_t *p, tsock_producer_stats_t *stats);
 
 /* Marks the channel closed (readers drain what is published, then get
  * TSOCK_ECLOSED), removes its name and frees the handle. Thread-safe;
- * a second close returns TSOCK_EHANDLE. */
+ * a second close returns TSOCK_EHANDLE. A batch still reserved is
+ * dropped, but its payload stays writable (another thread may be writing
+ * it) until tsock_producer_publish or tsock_producer_abort with this
+ * handle, which then return TSOCK_EHANDLE and free it. */
 int tsock_producer_close(tsock_producer_t *p);
 
 /* One published batch of a channel, read without attaching
@@ -260,8 +263,13 @@ typedef enum tsock_start {
 typedef struct tsock_reader_options {
   uint32_t size;              /* sizeof(tsock_reader_options_t) */
   int32_t start;              /* tsock_start; default TSOCK_START_NEXT_EPOCH */
-  int64_t attach_timeout_ns;  /* wait this long for the channel to appear;
-                                 0 (default) fails at once with TSOCK_ENOENT */
+  int64_t attach_timeout_ns;  /* wait this long for the channel to appear
+                                 and its producer to answer the join
+                                 (TSOCK_ETIMEDOUT after it); 0 (default)
+                                 fails at once with TSOCK_ENOENT when there
+                                 is no channel, and waits at most 2 s for a
+                                 producer that does not answer (stopped);
+                                 < 0 waits without limit */
   uint32_t max_held;          /* batches held at once (acquired, not released),
                                  1..64; default 4. Clamped at attach, silently,
                                  to the channel's slot count: a reader holding

@@ -137,8 +137,9 @@ type Producer struct {
 	// mu, which Reserve holds while it waits: they read the segment under
 	// the read lock, Close unmaps it under the write lock.
 	live     sync.RWMutex
-	unmapped bool  // under live
-	final    Stats // the counters as Close left them, under live
+	unmapped bool      // under live
+	kept     ring.Kept // the reserved payload's pages Close left mapped, under mu
+	final    Stats     // the counters as Close left them, under live
 
 	// gating reader watch, for the eviction policy
 	gateCursor uint64
@@ -551,6 +552,25 @@ func (p *Producer) usable() error {
 	return nil
 }
 
+// endReservation is Publish's and Abort's answer once closed: a batch
+// still reserved is dropped, and the pages Close left mapped for it freed
+// (under mu).
+func (p *Producer) endReservation(err error) error {
+	if p.closing.Load() && p.reserved {
+		p.reserved = false
+		p.kept.Free()
+	}
+	return err
+}
+
+// HoldsReservation reports whether a batch is reserved (and, once closed,
+// its payload's pages still mapped until Publish or Abort).
+func (p *Producer) HoldsReservation() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.reserved
+}
+
 // Reserve waits for the next slot and returns its payload buffer, nbytes
 // long: write the batch there, then Publish. timeout 0 returns
 // ErrBackpressure at once when the ring is full; a negative timeout waits
@@ -586,7 +606,7 @@ func (p *Producer) Publish(tensors []Tensor, meta []byte) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.usable(); err != nil {
-		return err
+		return p.endReservation(err)
 	}
 	if !p.reserved {
 		return ring.Errorf(ring.StatusState, "publish without a reserved batch")
@@ -632,7 +652,7 @@ func (p *Producer) Abort() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.usable(); err != nil {
-		return err
+		return p.endReservation(err)
 	}
 	if !p.reserved {
 		return ring.Errorf(ring.StatusState, "abort without a reserved batch")
@@ -901,7 +921,15 @@ func (p *Producer) Close() error {
 	p.final = p.stats()
 	p.table.Close()
 	p.unmapped = true
-	err := p.seg.Unmap()
+	var err error
+	if p.reserved {
+		// Another thread may still be writing the reserved payload (C
+		// holds a pointer to it): its pages stay mapped, as memory of
+		// our own, until Publish or Abort reports the close.
+		p.kept, err = p.seg.UnmapKeeping(p.seg.PayloadOffset(p.next), p.seg.Geometry.SlotPayloadBytes)
+	} else {
+		err = p.seg.Unmap()
+	}
 	if cerr := closeLockable(p.seg.File); err == nil {
 		err = cerr
 	}
@@ -909,8 +937,12 @@ func (p *Producer) Close() error {
 }
 
 // poolDrainTimeout bounds how long Close waits for readers on the device
-// path that make no progress (release nothing) and do not detach.
-const poolDrainTimeout = 5 * time.Second
+// path that make no progress (release nothing) and do not detach;
+// poolDrainCap bounds the whole wait, progress or not.
+const (
+	poolDrainTimeout = 5 * time.Second
+	poolDrainCap     = 30 * time.Second
+)
 
 // releasePool ends the device pool at Close. Its queued copies finish and
 // the host range is unregistered first (the mapping is about to go). The
@@ -919,21 +951,28 @@ const poolDrainTimeout = 5 * time.Second
 // is undefined behaviour): readers drain the closed channel, then detach,
 // and Close waits for that as long as they release batches. A reader
 // still attached after poolDrainTimeout without progress (stuck, or
-// keeping its consumer open) leaves them to the driver, which frees them
-// when this process exits.
+// keeping its consumer open), or after poolDrainCap in all, leaves them to
+// the driver, which frees them when this process exits.
+//
+// Progress is read from records the readers write, so it is counted so
+// that a reader cannot fake it for ever: a reader's cursor counts only
+// above the highest it reached before, and only up to what was published
+// (fixed once closed): at most one ring of progress per reader.
 func (p *Producer) releasePool() {
 	if p.pool == nil {
 		return
 	}
 	p.pool.quiesce()
-	deadline := time.Now().Add(poolDrainTimeout)
-	attached, progress := p.deviceReaders()
-	for attached && time.Now().Before(deadline) {
+	start := time.Now()
+	deadline := start.Add(poolDrainTimeout)
+	reached := map[uint32]uint64{} // per entry: the highest cursor seen
+	attached, _ := p.deviceReaders(reached)
+	for attached && time.Now().Before(deadline) && time.Since(start) < poolDrainCap {
 		time.Sleep(time.Millisecond)
-		var now uint64
-		attached, now = p.deviceReaders()
-		if now != progress {
-			progress, deadline = now, time.Now().Add(poolDrainTimeout)
+		var progressed bool
+		attached, progressed = p.deviceReaders(reached)
+		if progressed {
+			deadline = time.Now().Add(poolDrainTimeout)
 		}
 	}
 	if !attached {
@@ -944,20 +983,27 @@ func (p *Producer) releasePool() {
 
 // deviceReaders reports whether an attached reader says it has the device
 // pool open (a reader-written claim: a false one costs Close at most
-// poolDrainTimeout), and the sum of their cursors, which grows while they
-// drain. A reader process holds a read lock on LockDeviceMap from before it
-// maps the pool until after it unmaps it, which may be long after detach
-// (DLPack tensors keep the pool mapped): while any does, or the lock cannot
-// be checked, the pool counts as open.
-func (p *Producer) deviceReaders() (attached bool, cursors uint64) {
+// poolDrainTimeout), and whether one of them progressed: its cursor, at
+// most the published count, above the highest in reached (which it
+// updates). A reader process holds a read lock on LockDeviceMap from before
+// it maps the pool until after it unmaps it, which may be long after
+// detach (DLPack tensors keep the pool mapped): while any does, or the
+// lock cannot be checked, the pool counts as open.
+func (p *Producer) deviceReaders(reached map[uint32]uint64) (attached, progressed bool) {
 	if mapped, err := ring.ByteLocked(p.seg.File, ring.LockDeviceMap); err != nil || mapped {
 		attached = true
 	}
+	published := p.seg.Published()
 	for _, r := range p.table.Readers() {
-		if r.Placement == ring.PlacementDevice {
-			attached = true
-			cursors += r.Cursor
+		if r.Placement != ring.PlacementDevice {
+			continue
+		}
+		attached = true
+		cur := min(r.Cursor, published)
+		if last, seen := reached[r.Index]; !seen || cur > last {
+			progressed = progressed || seen
+			reached[r.Index] = cur
 		}
 	}
-	return attached, cursors
+	return attached, progressed
 }

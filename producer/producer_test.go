@@ -571,3 +571,28 @@ func TestWaitReadersAndStats(t *testing.T) {
 	_ = r3
 	assert.Len(t, p.Readers(), 2)
 }
+
+// TestCloseUnderReservation (review 1, item 1): Close while a batch is
+// reserved leaves its payload writable (another thread of a C host may be
+// writing it: before the fix it died of SIGSEGV); Publish then reports the
+// close and drops the batch, and the channel is gone.
+func TestCloseUnderReservation(t *testing.T) {
+	name := testkit.Channel(t)
+	p, err := producer.Create(name, producer.Options{Slots: 2, SlotBytes: 1 << 20})
+	require.NoError(t, err)
+	buf, err := p.Reserve(1<<20, 0)
+	require.NoError(t, err)
+	buf[0] = 1
+	require.NoError(t, p.Close())
+	for i := range buf {
+		buf[i] = byte(i) // would fault on an unmapped payload
+	}
+	assert.True(t, p.HoldsReservation())
+	err = p.Publish(nil, nil)
+	require.Error(t, err)
+	assert.ErrorIs(t, err, ring.Status(ring.StatusHandle))
+	assert.False(t, p.HoldsReservation(), "the reservation ends with the close reported")
+	assert.Error(t, p.Abort(), "nothing reserved any more, and closed")
+	_, err = os.Stat(ring.ChannelPath(name))
+	assert.True(t, os.IsNotExist(err), "the channel is removed")
+}

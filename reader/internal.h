@@ -76,11 +76,14 @@ typedef struct tsock_join {
 /* Joins the channel of the validated header copy h: seg_fd is a
  * descriptor of the segment open for reading (sent as the proof; not the
  * one holding locks), owner the segment file's uid (the producer's must
- * match). Returns TSOCK_OK, or a status with a message: TSOCK_EAGAIN when
- * the producer turned the connection away (busy: retry), and otherwise
- * the producer's refusal or the failure. */
+ * match); the attach started at attach_start (tsock__now_ns) with
+ * attach_timeout_ns, which bounds the join too. Returns TSOCK_OK, or a
+ * status with a message: TSOCK_EAGAIN when the producer turned the
+ * connection away (busy: retry), TSOCK_ETIMEDOUT when it did not answer
+ * in time, and otherwise the producer's refusal or the failure. */
 TSOCK_INTERNAL int tsock__join(const tsock_header *h, int seg_fd, uint32_t owner, uint32_t start_mode,
-                               const char *name, tsock_join *out);
+                               uint64_t attach_start, int64_t attach_timeout_ns, const char *name,
+                               tsock_join *out);
 /* Unmaps j's record and closes its connection (after TSOCK_MSG_LEAVE,
  * and once the producer has freed the entry, 1 s at most). */
 TSOCK_INTERNAL void tsock__join_leave(tsock_join *j);

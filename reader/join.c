@@ -29,13 +29,38 @@
 #include "internal.h"
 
 /* A live producer answers in microseconds; one stopped (SIGSTOP, a
- * debugger) or starved of CPU is waited for this long. */
-#define JOIN_TIMEOUT_S 10
+ * debugger) or starved of CPU is waited for until the attach's deadline:
+ * attach_timeout_ns from the attach's start, or, with 0 (do not wait for
+ * the channel), this long from the join's start. */
+#define JOIN_GRACE_NS 2000000000ll
 /* How long detach waits for the producer to free its entry. */
 #define LEAVE_WAIT_MS 1000
 
-static int join_connect(const tsock_header *h, int sock, uint32_t owner, const char *name) {
-  struct timeval tv = {.tv_sec = JOIN_TIMEOUT_S};
+/* The join's deadline (CLOCK_MONOTONIC ns; 0: none) for an attach that
+ * started at attach_start with attach_timeout_ns (tsock.h). */
+static uint64_t join_deadline(uint64_t attach_start, int64_t attach_timeout_ns) {
+  if (attach_timeout_ns < 0) return 0;
+  if (attach_timeout_ns == 0) return tsock__now_ns() + JOIN_GRACE_NS;
+  return attach_start + (uint64_t)attach_timeout_ns;
+}
+
+/* Nanoseconds left until deadline (at least 1; -1: no deadline). */
+static int64_t join_left_ns(uint64_t deadline) {
+  if (deadline == 0) return -1;
+  uint64_t now = tsock__now_ns();
+  return now >= deadline ? 1 : (int64_t)(deadline - now);
+}
+
+static int join_connect(const tsock_header *h, int sock, uint32_t owner, uint64_t deadline,
+                        const char *name) {
+  /* Bounds connect (a full backlog) and the request's send; 0: none. */
+  int64_t left = join_left_ns(deadline);
+  struct timeval tv = {0};
+  if (left > 0) {
+    left += 999; /* a timeval of 0 would mean "no timeout": round up */
+    tv.tv_sec = (time_t)(left / 1000000000);
+    tv.tv_usec = (suseconds_t)(left % 1000000000 / 1000);
+  }
   if (setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0 ||
       setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0)
     return tsock__fail_errno(TSOCK_ESYS, errno, "channel '%s': join socket options", name);
@@ -99,7 +124,8 @@ static int join_send_request(int sock, int seg_fd, uint32_t start_mode, const ch
 
 /* Receives the reply and the descriptors that came with it (*fd: the one
  * expected, or -1; any other is closed). */
-static int join_receive(int sock, tsock_join_reply *rep, int *fd, const char *name) {
+static int join_receive(int sock, tsock_join_reply *rep, int *fd, uint64_t deadline,
+                        const char *name) {
   *fd = -1;
   char buf[sizeof *rep + 1];
   struct iovec iov = {.iov_base = buf, .iov_len = sizeof buf};
@@ -113,11 +139,14 @@ static int join_receive(int sock, tsock_join_reply *rep, int *fd, const char *na
    * descriptor is known to the fork guard from its first instant. */
   struct pollfd p = {.fd = sock, .events = POLLIN};
   int ready;
-  do ready = poll(&p, 1, JOIN_TIMEOUT_S * 1000);
-  while (ready < 0 && errno == EINTR);
+  do {
+    int64_t left = join_left_ns(deadline);
+    ready = poll(&p, 1, left < 0 ? -1 : (int)((left + 999999) / 1000000));
+  } while ((ready < 0 && errno == EINTR) || (ready == 0 && join_left_ns(deadline) > 1));
   if (ready == 0)
     return tsock__fail(TSOCK_ETIMEDOUT, "channel '%s': the producer did not answer the join "
-                                        "within %d s", name, JOIN_TIMEOUT_S);
+                                        "within the attach timeout (stopped, or starved of CPU)",
+                       name);
   ssize_t n;
   do n = tsock__fork_recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
   while (n < 0 && errno == EINTR);
@@ -186,15 +215,17 @@ static int join_map_record(int fd, tsock_join *out, const char *name) {
 }
 
 int tsock__join(const tsock_header *h, int seg_fd, uint32_t owner, uint32_t start_mode,
-                const char *name, tsock_join *out) {
+                uint64_t attach_start, int64_t attach_timeout_ns, const char *name,
+                tsock_join *out) {
   memset(out, 0, sizeof *out);
+  uint64_t deadline = join_deadline(attach_start, attach_timeout_ns);
   out->sock = tsock__fork_socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (out->sock < 0) return tsock__fail_errno(TSOCK_ESYS, errno, "channel '%s': socket", name);
   int fd = -1;
   tsock_join_reply rep = {0};
-  int rc = join_connect(h, out->sock, owner, name);
+  int rc = join_connect(h, out->sock, owner, deadline, name);
   if (rc == TSOCK_OK) rc = join_send_request(out->sock, seg_fd, start_mode, name);
-  if (rc == TSOCK_OK) rc = join_receive(out->sock, &rep, &fd, name);
+  if (rc == TSOCK_OK) rc = join_receive(out->sock, &rep, &fd, deadline, name);
   if (rc == TSOCK_OK && rep.status != TSOCK_OK) rc = join_refused(h, rep.status, name);
   if (rc == TSOCK_OK &&
       (fd < 0 || rep.index >= h->reader_capacity ||
@@ -205,6 +236,10 @@ int tsock__join(const tsock_header *h, int seg_fd, uint32_t owner, uint32_t star
   if (rc == TSOCK_OK) rc = join_map_record(fd, out, name);
   tsock__fork_close(fd); /* the mapping keeps the file */
   if (rc != TSOCK_OK) {
+    if (rc == TSOCK_ETIMEDOUT) { /* it does not answer: no waiting for it to free an entry */
+      tsock__fork_close(out->sock);
+      out->sock = -1;
+    }
     tsock__join_leave(out);
     return rc;
   }

@@ -324,9 +324,10 @@ static int producer_alive(struct reader_impl *r) {
  * window is decided there too: docs/ARCHITECTURE.md, "Joining"). Then we
  * mark our presence with a read lock on the entry's byte. */
 static int join_channel(struct reader_impl *r, const struct stat *st, const char *name,
-                        int start_mode) {
+                        int start_mode, uint64_t attach_start, int64_t attach_timeout_ns) {
   tsock_join j;
-  int rc = tsock__join(&r->h, r->send_fd, (uint32_t)st->st_uid, (uint32_t)start_mode, name, &j);
+  int rc = tsock__join(&r->h, r->send_fd, (uint32_t)st->st_uid, (uint32_t)start_mode, attach_start,
+                       attach_timeout_ns, name, &j);
   /* A closing producer stops accepting readers: say closed, not gone. */
   if (rc == TSOCK_EPRODUCER_GONE &&
       __atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
@@ -384,7 +385,7 @@ int tsock_reader_attach(const char *name, const tsock_reader_options_t *opts,
       r->held = calloc(r->max_held, sizeof *r->held);
       r->leases = tsock__leases_open(r->map_ref, r->payload, r->h.payload_offset,
                                      (uint32_t)(r->mask + 1), r->slot_payload_bytes, r->fd);
-      rc = r->held && r->leases ? join_channel(r, &st, name, o.start)
+      rc = r->held && r->leases ? join_channel(r, &st, name, o.start, start, o.attach_timeout_ns)
                                 : tsock__fail(TSOCK_ENOMEM, "tsock_reader_attach: out of memory");
       tsock__fork_close(r->send_fd); /* the mapping keeps the file */
       r->send_fd = -1;

@@ -97,7 +97,7 @@ const (
 // Options of Attach; the zero value means defaults.
 type Options struct {
 	Start         Start
-	AttachTimeout time.Duration // wait this long for the channel; 0 fails at once
+	AttachTimeout time.Duration // wait this long for the channel and the join; 0 fails at once (tsock.h)
 	MaxHeld       int           // batches held at once; default 4
 	Spin          time.Duration // busy-poll before sleeping; default 20µs, negative: none
 }

@@ -152,9 +152,11 @@ typedef struct tsock_header {
   uint8_t gpu_mem_handle[TSOCK_CUDA_HANDLE_BYTES]; /* CUipcMemHandle of the pool */
   /* line 10: the join socket (written once, before layout_version). The
    * producer listens on the abstract Unix address that
-   * tsock_layout_join_address() derives from this random key: known only
-   * to those who may read the segment, and bound before the segment is
-   * named, so nobody can take it first while the producer lives. */
+   * tsock_layout_join_address() derives from this random key, bound
+   * before the segment is named, so nobody can take it first while the
+   * producer lives. Not a secret: /proc/net/unix lists the address to
+   * everyone in the network namespace; who may join is decided by the
+   * descriptor a request carries (docs/ARCHITECTURE.md, "Threat model"). */
   uint8_t join_key[TSOCK_JOIN_KEY_BYTES];
   uint8_t pad6[48];
   uint8_t pad_page[TSOCK_PAGE - 704];

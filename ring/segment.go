@@ -9,6 +9,7 @@ import (
 	"unsafe"
 
 	mmap "github.com/edsrzf/mmap-go"
+	"golang.org/x/sys/unix"
 )
 
 // Segment is a mapped channel segment. The producer maps it read-write and
@@ -90,6 +91,56 @@ func (s *Segment) Unmap() error {
 	err := s.mem.Unmap()
 	s.mem, s.base = nil, nil
 	return err
+}
+
+// Kept is what UnmapKeeping left mapped: private anonymous memory where a
+// payload was, until Free.
+type Kept struct {
+	addr unsafe.Pointer
+	n    uintptr
+}
+
+// Free unmaps it (once; a zero Kept does nothing).
+func (k *Kept) Free() {
+	if k.addr != nil {
+		_ = unix.MunmapPtr(k.addr, k.n)
+		k.addr, k.n = nil, 0
+	}
+}
+
+// UnmapKeeping unmaps the segment except the pages of bytes [off, off+n),
+// which become private anonymous memory at the same address (in one step,
+// MAP_FIXED): a thread that still writes there (a reserved payload that C
+// holds a pointer to) writes on, into memory nobody reads, instead of
+// faulting. Where that cannot be done, the whole segment stays mapped and
+// is what is kept.
+func (s *Segment) UnmapKeeping(off, n uint64) (Kept, error) {
+	if s.mem == nil {
+		return Kept{}, nil
+	}
+	page := uint64(os.Getpagesize())
+	total := (uint64(len(s.mem)) + page - 1) &^ (page - 1)
+	lo, hi := off&^(page-1), min((off+n+page-1)&^(page-1), total)
+	base := unsafe.Pointer(unsafe.SliceData(s.mem))
+	s.mem, s.base = nil, nil
+	_, err := unix.MmapPtr(-1, 0, unsafe.Add(base, lo), uintptr(hi-lo), unix.PROT_READ|unix.PROT_WRITE,
+		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_FIXED)
+	if err != nil {
+		return Kept{addr: base, n: uintptr(total)}, nil
+	}
+	if lo > 0 {
+		err = unix.MunmapPtr(base, uintptr(lo))
+	}
+	if hi < total {
+		err = errors.Join(err, unix.MunmapPtr(unsafe.Add(base, hi), uintptr(total-hi)))
+	}
+	return Kept{addr: unsafe.Add(base, lo), n: uintptr(hi - lo)}, err
+}
+
+// PayloadOffset is where the payload of sequence number seq starts in the
+// segment.
+func (s *Segment) PayloadOffset(seq uint64) uint64 {
+	return s.Geometry.PayloadOffset + s.SlotIndex(seq)*s.Geometry.SlotPayloadBytes
 }
 
 // Header is the segment's header page.

@@ -18,6 +18,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -177,7 +178,11 @@ func (t *Table) StopJoins() {
 		return
 	}
 	if !serving {
-		t.guard.Close(t.ln)
+		if rc, err := t.ln.SyscallConn(); err == nil {
+			t.closeListener(rc)
+		} else {
+			t.guard.Close(t.ln)
+		}
 		return
 	}
 	_ = t.ln.SetReadDeadline(time.Unix(1, 0))
@@ -213,25 +218,17 @@ func (t *Table) Close() {
 func (t *Table) acceptLoop() {
 	defer t.wg.Done()
 	defer close(t.lnDone)
-	defer t.guard.Close(t.ln)
 	rc, err := t.ln.SyscallConn()
 	if err != nil {
+		t.guard.Close(t.ln)
 		return
 	}
+	defer t.closeListener(rc)
 	for {
 		var conn *os.File
 		var aerr error
 		rerr := rc.Read(func(fd uintptr) bool {
-			// Accepted with fork() held off, so the connection is known
-			// to the guard from its first instant; non-blocking, so the
-			// hold is never long.
-			conn, aerr = t.guard.Open(func() (*os.File, error) {
-				nfd, _, err := unix.Accept4(int(fd), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
-				if err != nil {
-					return nil, err
-				}
-				return os.NewFile(uintptr(nfd), "tsock-reader"), nil
-			})
+			conn, aerr = t.accept(int(fd))
 			return !errors.Is(aerr, unix.EAGAIN)
 		})
 		if rerr != nil {
@@ -247,6 +244,67 @@ func (t *Table) acceptLoop() {
 	}
 }
 
+// accept takes one connection from the listener ln. Accepted with fork()
+// held off, so the connection is known to the guard from its first
+// instant; non-blocking, so the hold is never long.
+func (t *Table) accept(ln int) (*os.File, error) {
+	return t.guard.Open(func() (*os.File, error) {
+		nfd, _, err := unix.Accept4(ln, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+		if err != nil {
+			return nil, err
+		}
+		return os.NewFile(uintptr(nfd), "tsock-reader"), nil
+	})
+}
+
+// closeListener closes the join socket without dropping a connection it
+// still queues: a connection not yet accepted may already hold a peer's
+// messages, descriptors in them, which closing the listener would close
+// in this thread. Shut down, the listener refuses new connections; those
+// queued are accepted and closed as any connection is.
+func (t *Table) closeListener(rc syscall.RawConn) {
+	_ = rc.Control(func(fd uintptr) {
+		_ = unix.Shutdown(int(fd), unix.SHUT_RDWR)
+		for {
+			conn, err := t.accept(int(fd))
+			if err != nil {
+				return // EAGAIN: none left (or out of descriptors: nothing to do)
+			}
+			t.closeConn(conn)
+		}
+	})
+	t.guard.Close(t.ln)
+}
+
+// closeConn closes a connection, after taking every message still queued
+// in it (drainRights), so that its close drops no peer's descriptor. One
+// that could not be drained is closed on the discard workers instead: its
+// descriptor is duplicated outside the fork guard first (a child that
+// inherits the duplicate has a dead end: the connection is shut down).
+func (t *Table) closeConn(conn *os.File) {
+	fd := rawFd(conn)
+	if fd >= 0 && !drainRights(fd) {
+		if d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err == nil {
+			discard(d)
+		}
+	}
+	t.guard.Close(conn)
+}
+
+// rawFd is f's descriptor number, -1 once closed (not f.Fd(), which would
+// make a socket the runtime polls blocking).
+func rawFd(f *os.File) int {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return -1
+	}
+	fd := -1
+	if rc.Control(func(d uintptr) { fd = int(d) }) != nil {
+		return -1
+	}
+	return fd
+}
+
 // admit starts the join of a new connection, or closes it at once when
 // its user already has its share of connections not yet joined.
 func (t *Table) admit(conn *os.File) {
@@ -260,7 +318,7 @@ func (t *Table) admit(conn *os.File) {
 	}
 	t.mu.Unlock()
 	if !ok {
-		t.guard.Close(conn)
+		t.closeConn(conn)
 		return
 	}
 	t.wg.Add(1)
@@ -300,7 +358,7 @@ func (t *Table) serveConn(conn *os.File, cred *unix.Ucred) {
 	t.mu.Lock()
 	delete(t.conns, conn)
 	t.mu.Unlock()
-	t.guard.Close(conn)
+	t.closeConn(conn)
 }
 
 // ---- the join ----
@@ -364,36 +422,23 @@ func (t *Table) setDeadline(conn *os.File, d time.Time) {
 }
 
 // readRequest receives the join request and its descriptor and checks
-// both: the descriptor must be this segment, opened for reading.
+// both: the descriptor must be this segment, opened for reading. The
+// descriptors a request carries are not the fork guard's: received with
+// fork() held off, any the kernel could not deliver would be closed in
+// this thread with the hold taken. A child forked while one is open
+// keeps a copy (see docs/ARCHITECTURE.md, "fork()").
 func (t *Table) readRequest(conn *os.File) (ring.JoinRequestMsg, error) {
 	rc, err := conn.SyscallConn()
 	if err != nil {
 		return ring.JoinRequestMsg{}, err
 	}
 	buf := make([]byte, 2*ring.JoinRequestSize)
-	oob := make([]byte, unix.CmsgSpace(4*8)) // room for a few: extras are closed, not left to the kernel
-	var n, flags int
-	var seg *os.File
+	var n int
+	var fds []int
+	var truncated bool
 	var rerr error
 	err = rc.Read(func(fd uintptr) bool {
-		// The descriptors a message carries appear in this process as it
-		// is received: with fork() held off until they are closed or known.
-		seg, rerr = t.guard.Open(func() (*os.File, error) {
-			var oobn int
-			var err error
-			n, oobn, flags, _, err = unix.Recvmsg(int(fd), buf, oob, unix.MSG_CMSG_CLOEXEC|unix.MSG_DONTWAIT)
-			if err != nil {
-				return nil, err
-			}
-			fds := rights(oob[:oobn])
-			if len(fds) != 1 {
-				for _, f := range fds {
-					unix.Close(f)
-				}
-				return nil, &errRefused{ring.StatusInval, fmt.Sprintf("join request with %d descriptors", len(fds))}
-			}
-			return os.NewFile(uintptr(fds[0]), "reader's segment"), nil
-		})
+		n, fds, truncated, rerr = recvRights(int(fd), buf)
 		return !errors.Is(rerr, unix.EAGAIN)
 	})
 	if err != nil {
@@ -402,19 +447,30 @@ func (t *Table) readRequest(conn *os.File) (ring.JoinRequestMsg, error) {
 	if rerr != nil {
 		return ring.JoinRequestMsg{}, rerr
 	}
-	defer t.guard.Close(seg)
+	if len(fds) != 1 {
+		discard(fds...)
+		return ring.JoinRequestMsg{}, &errRefused{ring.StatusInval, fmt.Sprintf("join request with %d descriptors", len(fds))}
+	}
+	seg := fds[0]
 	req, ok := ring.ParseJoinRequest(buf[:n])
 	switch {
-	case !ok || flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 || req.Magic != ring.JoinMagic:
+	case !ok || truncated || req.Magic != ring.JoinMagic:
+		discard(seg)
 		return req, &errRefused{ring.StatusInval, "malformed join request"}
 	case req.LayoutVersion != ring.LayoutVersion:
+		discard(seg)
 		return req, &errRefused{ring.StatusVersion, "other layout version"}
 	case req.Reserved != 0 || (req.StartMode != startNextEpoch && req.StartMode != startNow):
+		discard(seg)
 		return req, &errRefused{ring.StatusInval, "bad join request fields"}
 	}
 	if err := t.checkSegmentFd(seg); err != nil {
+		discard(seg)
 		return req, err
 	}
+	// This segment's own file (on tmpfs, which this process holds open):
+	// its close cannot block.
+	unix.Close(seg)
 	return req, nil
 }
 
@@ -428,8 +484,11 @@ const (
 // for reading: whoever sent it could open the file (or was given it by
 // someone who could), so the file's permission bits decide who attaches.
 // An O_PATH descriptor proves nothing (it needs no permission on the file).
-func (t *Table) checkSegmentFd(f *os.File) error {
-	fd := int(f.Fd())
+//
+// Nothing here waits on the file's filesystem (a peer's descriptor may be
+// of a FUSE mount that never answers): the flags are the descriptor's,
+// and statx is told to use what the kernel has cached.
+func (t *Table) checkSegmentFd(fd int) error {
 	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
 	if err != nil {
 		return &errRefused{ring.StatusPerm, "descriptor flags"}
@@ -437,8 +496,10 @@ func (t *Table) checkSegmentFd(f *os.File) error {
 	if fl&unix.O_PATH != 0 || (fl&unix.O_ACCMODE != unix.O_RDONLY && fl&unix.O_ACCMODE != unix.O_RDWR) {
 		return &errRefused{ring.StatusPerm, "descriptor not open for reading"}
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || st.Dev != t.segDev || st.Ino != t.segIno {
+	var st unix.Statx_t
+	err = unix.Statx(fd, "", unix.AT_EMPTY_PATH|unix.AT_STATX_DONT_SYNC, unix.STATX_INO|unix.STATX_TYPE, &st)
+	if err != nil || unix.Mkdev(st.Dev_major, st.Dev_minor) != t.segDev || st.Ino != t.segIno ||
+		st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return &errRefused{ring.StatusPerm, "descriptor of another file"}
 	}
 	return nil
@@ -541,15 +602,30 @@ func (t *Table) install(rec *ring.Record, id ring.Identity) (ring.JoinReplyMsg, 
 func (t *Table) watch(i uint32, conn *os.File) {
 	buf := make([]byte, 256)
 	left := false
-	for {
-		n, err := conn.Read(buf)
+	rc, err := conn.SyscallConn()
+	for err == nil && !left {
+		var n int
+		var fds []int
+		var rerr error
+		err = rc.Read(func(fd uintptr) bool {
+			// Descriptors it sends are received (a read() would make
+			// the kernel close them here, where their close can block)
+			// and discarded.
+			n, fds, _, rerr = recvRights(int(fd), buf)
+			return !errors.Is(rerr, unix.EAGAIN)
+		})
+		discard(fds...)
+		if err == nil && rerr == nil && n == 0 && len(fds) == 0 {
+			break // end of the connection: the reader is gone
+		}
+		if err == nil && rerr != nil && !errors.Is(rerr, unix.EINTR) {
+			break
+		}
 		for _, b := range buf[:n] {
 			left = left || b == ring.MsgLeave
 		}
-		if err != nil || left {
-			break // the reader waits for us to close: its entry is free by then
-		}
 	}
+	// A reader that left waits for us to close: its entry is free by then.
 	t.free(i, left)
 }
 

@@ -73,3 +73,15 @@ func TestABICloseRacesStats(t *testing.T) {
 	require.Equal(t, 0, code, "output:\n%s", p.Output())
 	assert.Contains(t, p.Output(), "race ok")
 }
+
+// TestABICloseWhileWritingReserved (review 1, item 1): tsock_producer_close
+// while another thread writes the payload it reserved: the writer finishes
+// and its publish reports the closed handle (before the fix: SIGSEGV).
+func TestABICloseWhileWritingReserved(t *testing.T) {
+	exe := needABIProducer(t)
+	name := channel(t)
+	p := start(t, "abi closereserved", nil, exe, "closereserved", name)
+	code := p.wait(t, 120*time.Second)
+	require.Equal(t, 0, code, "output:\n%s", p.Output())
+	assert.Contains(t, p.Output(), "writer done EHANDLE")
+}

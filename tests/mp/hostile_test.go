@@ -38,6 +38,8 @@ import (
 //	       leaves its cursor far behind until it is evicted (30 s at most)
 //	knock  abuses the join socket: silent connections, malformed requests,
 //	       descriptors that prove nothing; one line per case
+//	linger ADDR NAME MEMBER: sends descriptors whose close blocks
+//	       (linger_test.go)
 //
 // Both print "DONE <what>" for anything that should have been refused and
 // was not, and "attacker finished" at the end.
@@ -46,6 +48,10 @@ func TestHelperHostile(t *testing.T) {
 		t.Skip("helper process")
 	}
 	args := strings.Fields(os.Getenv(envArgs))
+	if args[0] == "linger" {
+		lingerAttack(args[1], args[2], args[3] == "1")
+		os.Exit(0)
+	}
 	secs, _ := strconv.Atoi(args[2])
 	d := time.Duration(secs) * time.Second
 	switch args[0] {

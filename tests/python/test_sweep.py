@@ -39,13 +39,7 @@ def test_quick_sweep_trains_every_trainer(tmp_path):
     name = f"pytest-sweep-{os.getpid()}"
     out = tmp_path / "result.json"
     t0 = time.monotonic()
-    p = subprocess.run(
-        [sys.executable, str(SWEEP), "--quick", "--name", name, "--json", str(out)],
-        env=sweep_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    p = run_in_session([sys.executable, str(SWEEP), "--quick", "--name", name, "--json", str(out)], timeout=600)
     took = time.monotonic() - t0
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "Traceback" not in p.stderr, p.stderr
@@ -65,14 +59,38 @@ def test_quick_sweep_trains_every_trainer(tmp_path):
     sys.stderr.write(f"\nquick sweep: {took:.1f} s\n")
 
 
+def kill_session(pid: int) -> None:
+    """Kills every process left in the session (process group) pid leads."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_in_session(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own, which is killed whole when
+    the run ends, however (its timeout, a failed test: before, the sweep's
+    producer and trainers lived on)."""
+    proc = subprocess.Popen(
+        cmd, env=sweep_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_session(proc.pid)
+        proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 class Sweep:
     """A sweep running in its own session (process group), its output read
-    line by line."""
+    line by line. Use it as a context manager: the session is killed whole
+    when the block ends, whether the test passed, failed or timed out."""
 
-    def __init__(self, name: str, *extra: str):
+    def __init__(self, name: str, *extra: str, cmd: list[str] | None = None):
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", str(SWEEP), "--quick", "--no-baseline", "--name", name, *extra],
+            cmd or [sys.executable, "-u", str(SWEEP), "--quick", "--no-baseline", "--name", name, *extra],
             env=sweep_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -82,6 +100,14 @@ class Sweep:
         self.lines: list[str] = []
         self._q: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
+
+    def __enter__(self) -> Sweep:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        kill_session(self.proc.pid)
+        self.proc.wait()
+        channel_path(self.name).unlink(missing_ok=True)
 
     def _read(self):
         for line in self.proc.stdout:
@@ -153,52 +179,52 @@ def wait_group_gone(s: Sweep, timeout: float = 10) -> None:
 
 
 def test_killed_producer_stops_every_trainer_with_producer_gone():
-    s = Sweep(f"pytest-sweep-kp-{os.getpid()}", "--epochs", "50")
-    pids = s.pids()
-    s.wait_for("epoch 1/50 done")
-    t0 = time.monotonic()
-    os.kill(pids["producer"], signal.SIGKILL)
-    rc = s.finish(timeout=60)
-    took = time.monotonic() - t0
-    out = s.output
-    assert rc == 1, out
-    assert out.count("ProducerGone") >= 4, out  # every trainer says why it stopped
-    assert "producer: died" in out, out
-    assert took < 45, f"sweep took {took:.1f} s to end after its producer died"
-    wait_group_gone(s)
-    assert not channel_path(s.name).exists()
+    with Sweep(f"pytest-sweep-kp-{os.getpid()}", "--epochs", "50") as s:
+        pids = s.pids()
+        s.wait_for("epoch 1/50 done")
+        t0 = time.monotonic()
+        os.kill(pids["producer"], signal.SIGKILL)
+        rc = s.finish(timeout=60)
+        took = time.monotonic() - t0
+        out = s.output
+        assert rc == 1, out
+        assert out.count("ProducerGone") >= 4, out  # every trainer says why it stopped
+        assert "producer: died" in out, out
+        assert took < 45, f"sweep took {took:.1f} s to end after its producer died"
+        wait_group_gone(s)
+        assert not channel_path(s.name).exists()
 
 
 def test_killed_trainer_does_not_stop_the_others():
-    s = Sweep(f"pytest-sweep-kt-{os.getpid()}")
-    pids = s.pids()
-    s.wait_for("trainer 1  lr")
-    os.kill(pids["trainer 1"], signal.SIGKILL)
-    rc = s.finish(timeout=600)
-    out = s.output
-    assert rc == 1, out
-    assert "trainer 1: died" in out, out
-    assert "3/4 trainers completed" in out, out
-    wait_group_gone(s)
-    assert not channel_path(s.name).exists()
+    with Sweep(f"pytest-sweep-kt-{os.getpid()}") as s:
+        pids = s.pids()
+        s.wait_for("trainer 1  lr")
+        os.kill(pids["trainer 1"], signal.SIGKILL)
+        rc = s.finish(timeout=600)
+        out = s.output
+        assert rc == 1, out
+        assert "trainer 1: died" in out, out
+        assert "3/4 trainers completed" in out, out
+        wait_group_gone(s)
+        assert not channel_path(s.name).exists()
 
 
 @pytest.mark.parametrize("when", ["training", "starting"])
 def test_ctrl_c_stops_everything(when):
-    s = Sweep(f"pytest-sweep-int-{os.getpid()}-{when}", "--epochs", "50")
-    s.pids()
-    if when == "training":
-        s.wait_for("epoch 1/50 done")
-    t0 = time.monotonic()
-    os.killpg(s.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-    rc = s.finish(timeout=30)
-    took = time.monotonic() - t0
-    out = s.output
-    assert rc == 130, out
-    assert "Traceback" not in out, out
-    assert took < 30, f"sweep took {took:.1f} s to stop after Ctrl-C"
-    wait_group_gone(s)
-    assert not channel_path(s.name).exists()
+    with Sweep(f"pytest-sweep-int-{os.getpid()}-{when}", "--epochs", "50") as s:
+        s.pids()
+        if when == "training":
+            s.wait_for("epoch 1/50 done")
+        t0 = time.monotonic()
+        os.killpg(s.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        rc = s.finish(timeout=30)
+        took = time.monotonic() - t0
+        out = s.output
+        assert rc == 130, out
+        assert "Traceback" not in out, out
+        assert took < 30, f"sweep took {took:.1f} s to stop after Ctrl-C"
+        wait_group_gone(s)
+        assert not channel_path(s.name).exists()
 
 
 def test_device_without_gpu_is_one_clear_line():
@@ -217,3 +243,16 @@ def test_device_without_gpu_is_one_clear_line():
     assert "--device cuda:0: PyTorch" in p.stderr and "sees no CUDA GPU" in p.stderr
     p = subprocess.run([sys.executable, str(SWEEP), "--device", "cpu"], env=sweep_env(), capture_output=True, text=True)
     assert p.returncode == 2 and "only CUDA devices" in p.stderr
+
+
+def test_sweep_session_is_killed_when_the_test_fails():
+    """A failing test (here: an exception) leaves no process of its sweep
+    (review 1, item 6: orphaned sweeps ran on for an hour)."""
+    with pytest.raises(RuntimeError):
+        with Sweep("pytest-sweep-none", cmd=["sh", "-c", "sleep 600 & sleep 600 & wait"]) as s:
+            assert s.group_alive()
+            raise RuntimeError("the test failed")
+    deadline = time.monotonic() + 10  # killed at once; reaped a moment later
+    while s.group_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not s.group_alive(), "processes of the sweep outlived the failed test"

@@ -22,6 +22,17 @@
  *       memfd, and exits 7 if it finds one. The other thread also attaches
  *       and detaches a reader to each producer it creates.
  *       Prints "forks N leaks K creates C".
+ *   abi_producer hold NAME GID
+ *       create NAME (mode 0640, group GID), print "ready", wait for
+ *       SIGUSR1 (peers do their worst meanwhile), then fork() a child
+ *       that exits at once and close the producer, each under a 30 s
+ *       watchdog (SIGALRM kills the process: exit by signal). Prints
+ *       "fork took S" and "close took S".
+ *   abi_producer closereserved NAME
+ *       a thread reserves a batch and writes its payload for a while;
+ *       the main thread closes the producer meanwhile. The writer must
+ *       finish (publish then reports the closed handle): prints
+ *       "writer done RC", exits 0 (before the fix: SIGSEGV).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -30,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -228,8 +240,97 @@ static int forkstorm(const char *name, int seconds, long min_forks, long min_cre
   return atomic_load(&bad) ? 1 : 0;
 }
 
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int hold(const char *name, int gid) {
+  sigset_t usr1;
+  sigemptyset(&usr1);
+  sigaddset(&usr1, SIGUSR1);
+  pthread_sigmask(SIG_BLOCK, &usr1, NULL); /* before the Go runtime starts threads */
+  tsock_producer_options_t o;
+  tsock_producer_options_init(&o);
+  o.slot_count = 4;
+  o.slot_bytes = 4096;
+  o.mode = 0640;
+  o.gid = gid;
+  tsock_producer_t *p = NULL;
+  int rc = tsock_producer_create(name, &o, &p);
+  if (rc != TSOCK_OK) {
+    fprintf(stderr, "create: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+    return 1;
+  }
+  printf("ready\n");
+  fflush(stdout);
+  int sig;
+  sigwait(&usr1, &sig);
+  alarm(30);
+  double t0 = now_s();
+  pid_t child = fork();
+  if (child == 0) _exit(0);
+  printf("fork took %.3f\n", now_s() - t0);
+  fflush(stdout);
+  waitpid(child, NULL, 0);
+  t0 = now_s();
+  rc = tsock_producer_close(p);
+  printf("close took %.3f (%s)\n", now_s() - t0, tsock_status_str(rc));
+  fflush(stdout);
+  return rc == TSOCK_OK ? 0 : 1;
+}
+
+static tsock_producer_t *reserving_p;
+static atomic_int payload_reserved;
+
+static void *reserved_writer(void *arg) {
+  (void)arg;
+  void *buf;
+  int rc = tsock_producer_reserve(reserving_p, 1 << 20, 0, &buf);
+  if (rc != TSOCK_OK) {
+    fprintf(stderr, "reserve: %s\n", tsock_status_str(rc));
+    exit(2);
+  }
+  atomic_store(&payload_reserved, 1);
+  for (int k = 0; k < 200; k++) {
+    memset(buf, k, 1 << 20);
+    usleep(100);
+  }
+  rc = tsock_producer_publish(reserving_p, NULL, 0, NULL, 0);
+  printf("writer done %s\n", rc == TSOCK_EHANDLE ? "EHANDLE" : tsock_status_str(rc));
+  fflush(stdout);
+  return NULL;
+}
+
+static int close_reserved(const char *name) {
+  tsock_producer_options_t o;
+  tsock_producer_options_init(&o);
+  o.slot_count = 2;
+  o.slot_bytes = 1 << 20;
+  int rc = tsock_producer_create(name, &o, &reserving_p);
+  if (rc != TSOCK_OK) {
+    fprintf(stderr, "create: %s: %s\n", tsock_status_str(rc), tsock_last_error());
+    return 1;
+  }
+  pthread_t t;
+  pthread_create(&t, NULL, reserved_writer, NULL);
+  while (!atomic_load(&payload_reserved)) usleep(100);
+  usleep(5000);
+  rc = tsock_producer_close(reserving_p);
+  printf("close %s\n", tsock_status_str(rc));
+  fflush(stdout);
+  pthread_join(t, NULL);
+  /* The pages were freed with the publish: a second one says "not open". */
+  int again = tsock_producer_abort(reserving_p);
+  printf("abort after %s\n", tsock_status_str(again));
+  return rc == TSOCK_OK && again == TSOCK_EHANDLE ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "race") == 0) return race(argv[2], atoi(argv[3]));
+  if (argc == 3 && strcmp(argv[1], "closereserved") == 0) return close_reserved(argv[2]);
+  if (argc == 4 && strcmp(argv[1], "hold") == 0) return hold(argv[2], atoi(argv[3]));
   if (argc == 4 && strcmp(argv[1], "fork") == 0) return fork_child(argv[2], atoi(argv[3]));
   if (argc == 6 && strcmp(argv[1], "forkstorm") == 0)
     return forkstorm(argv[2], atoi(argv[3]), atol(argv[4]), atol(argv[5]));
