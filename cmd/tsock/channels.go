@@ -162,7 +162,7 @@ func fillChannelInfo(ci *channelInfo, seg *ring.Segment) {
 	// channel), the readers' presence locks are all there is.
 	rosterTrue := ci.State == stateOpen
 	for _, r := range recs {
-		ri := readerFromRecord(r, ci.Published, rosterTrue)
+		ri := readerFromRecord(r, ci.Published, uint64(ci.Slots), rosterTrue)
 		switch {
 		case ri.Alive && (r.State == ring.ReaderActive || r.State == ring.ReaderEvicted):
 			ci.Readers++
@@ -174,9 +174,12 @@ func fillChannelInfo(ci *channelInfo, seg *ring.Segment) {
 }
 
 // readerFromRecord converts a raw roster entry; lag is computed against
-// published, clamped like the producer clamps (a cursor is untrusted).
+// published, clamped like the producer clamps (a cursor is untrusted),
+// and at most the ring's slots: the roster's cursor is the producer's copy
+// of up to TSOCK_MIRROR_MS ago, while published is read now, so a reader
+// that kept up can look a batch or two further behind than a ring allows.
 // rosterTrue: the producer lives, and its claim word says who is attached.
-func readerFromRecord(r ring.RecordLive, published uint64, rosterTrue bool) readerInfo {
+func readerFromRecord(r ring.RecordLive, published, slots uint64, rosterTrue bool) readerInfo {
 	alive := r.Locked
 	if rosterTrue {
 		alive = r.State == ring.ReaderActive || r.State == ring.ReaderEvicted
@@ -184,7 +187,7 @@ func readerFromRecord(r ring.RecordLive, published uint64, rosterTrue bool) read
 	ri := readerInfo{Index: r.Index, Pid: r.Pid, State: ring.StateName(r.State), Alive: alive,
 		Cursor: r.Cursor, Acquired: r.Acquired, Batches: r.Batches, WaitNs: r.WaitNs, startTime: r.StartTime}
 	if r.Cursor < published {
-		ri.Lag = published - r.Cursor
+		ri.Lag = min(published-r.Cursor, slots)
 	}
 	ri.Placement = placementName(r.Placement)
 	if r.Placement == ring.PlacementPinned || r.Placement == ring.PlacementDevice {
