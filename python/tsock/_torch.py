@@ -163,9 +163,13 @@ class ReadOnlyTensor(torch.Tensor):
     """A tensor whose memory must not be written: a batch in read-only shared
     memory (or, for consistency, a batch the consumer assembled). In-place
     operations on it (add_, copy_, zero_, x[i] = v, x += 1, out=x,
-    inplace=True) raise ReadOnlyBatchError; other operations work as usual and
-    return plain tensors, except views, which stay read-only. Use .clone()
-    for a writable copy. `.numpy()` gives a read-only array."""
+    inplace=True, torch.ops overloads that write it, torch._foreach_*_ lists
+    holding it) raise ReadOnlyBatchError, and so do untyped_storage(),
+    storage(), __dlpack__ and as_subclass to a plain class, which would hand
+    the memory out unguarded; other operations work as usual and return
+    plain tensors, except views, which stay read-only. Use .clone() for a
+    writable copy. `.numpy()` gives a read-only array. docs/PYTHON.md lists
+    the writes no hook can see."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
