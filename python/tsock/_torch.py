@@ -132,7 +132,9 @@ def _writes_protected(func, name: str, args, kwargs) -> bool:
     elif name in _MEMORY_EXPORTS:
         if _protected(_first_arg(args, kwargs)) and not _compiling():
             return True
-    elif isinstance(func, _OpOverload):
+    elif "." in name and isinstance(func, _OpOverload):
+        # Only overloads are named "op.overload"; torch 2.1's dynamo, which
+        # traces this hook, cannot take isinstance of the functions it meets.
         for i, arg_name in _schema_writes(func):
             if _any_protected(args[i] if i < len(args) else kwargs.get(arg_name)):
                 return True
