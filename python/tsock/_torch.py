@@ -105,24 +105,61 @@ _METADATA_ONLY = frozenset(["requires_grad_", "retain_grad"])
 _TO_NUMPY = frozenset(["numpy", "__array__"])
 
 
-def _write_target(name: str, args, kwargs):
-    """The tensor an operation writes in place, or None."""
+# Operations that hand out the tensor's memory in a form the guard cannot
+# follow (a storage object, a DLPack capsule): whoever holds it could write
+# through it, so a protected tensor refuses them outside compiled code.
+_MEMORY_EXPORTS = frozenset(["untyped_storage", "storage", "_typed_storage", "__dlpack__"])
+_OpOverload = torch._ops.OpOverload
+# For each torch.ops OpOverload met: the (position, name) of the arguments its
+# schema marks as written (Tensor(a!)); its name ("add_.Tensor") says nothing.
+_op_writes: dict = {}
+
+
+def _schema_writes(op) -> tuple:
+    written = _op_writes.get(op)
+    if written is None:
+        written = tuple(
+            (i, a.name)
+            for i, a in enumerate(op._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _op_writes[op] = written
+    return written
+
+
+def _any_protected(t) -> bool:
+    """t, or any tensor of the list or tuple t (torch._foreach_add_([x], 1))."""
+    if isinstance(t, (list, tuple)):
+        return any(_protected(e) for e in t)
+    return _protected(t)
+
+
+def _first_arg(args, kwargs):
+    if args:
+        return args[0]
+    return kwargs.get("input", kwargs.get("self"))
+
+
+def _writes_protected(func, name: str, args, kwargs) -> bool:
+    """Whether the operation would write into, or hand out writable, the
+    memory of a protected tensor."""
     if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__") and name not in _METADATA_ONLY):
-        if args:
-            return args[0]
-        return kwargs.get("input", kwargs.get("self"))
-    if kwargs.get("inplace") is True:
-        return args[0] if args else kwargs.get("input")
-    return None
-
-
-def _writes_protected(name: str, args, kwargs) -> bool:
-    if _protected(_write_target(name, args, kwargs)):
+        if _any_protected(_first_arg(args, kwargs)):
+            return True
+    elif name in _MEMORY_EXPORTS:
+        if _protected(_first_arg(args, kwargs)) and not _compiling():
+            return True
+    elif "." in name and isinstance(func, _OpOverload):
+        # Only overloads are named "op.overload"; torch 2.1's dynamo, which
+        # traces this hook, cannot take isinstance of the functions it meets.
+        for i, arg_name in _schema_writes(func):
+            if _any_protected(args[i] if i < len(args) else kwargs.get(arg_name)):
+                return True
+    if kwargs.get("inplace") is True and _protected(_first_arg(args, kwargs)):
         return True
     out = kwargs.get("out")
     if out is not None:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        return any(_protected(o) for o in outs)
+        return _any_protected(out)
     return False
 
 
@@ -145,20 +182,21 @@ class ReadOnlyTensor(torch.Tensor):
     """A tensor whose memory must not be written: a batch in read-only shared
     memory (or, for consistency, a batch the consumer assembled). In-place
     operations on it (add_, copy_, zero_, x[i] = v, x += 1, out=x,
-    inplace=True) raise ReadOnlyBatchError; other operations work as usual and
-    return plain tensors, except views, which stay read-only. Use .clone()
-    for a writable copy. `.numpy()` gives a read-only array."""
+    inplace=True, torch.ops overloads that write it, torch._foreach_*_ lists
+    holding it) raise ReadOnlyBatchError, and so do untyped_storage(),
+    storage(), __dlpack__ and as_subclass to a plain class, which would hand
+    the memory out unguarded; other operations work as usual and return
+    plain tensors, except views, which stay read-only. Use .clone() for a
+    writable copy. `.numpy()` gives a read-only array. docs/PYTHON.md lists
+    the writes no hook can see."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
         name = getattr(func, "__name__", "")
-        if _writes_protected(name, args, kwargs):
-            raise ReadOnlyBatchError(
-                f"{name}: this tensor is a tsock batch in read-only shared memory; "
-                "write to a copy (x.clone()) or create the Consumer with copy=True"
-            )
+        if _writes_protected(func, name, args, kwargs):
+            raise _refusal(name)
         # Everything below runs with the hook off: the checks call tensor
         # methods (data_ptr) that would come back here otherwise.
         with torch._C.DisableTorchFunctionSubclass():
@@ -173,6 +211,24 @@ class ReadOnlyTensor(torch.Tensor):
                 ret.setflags(write=False)
                 return ret
             return _wrap(ret, args, cls)
+
+    def as_subclass(self, cls):
+        # A plain tensor over the same memory would carry no guard and fault
+        # on its first write; another ReadOnlyTensor class keeps it.
+        if isinstance(cls, type) and issubclass(cls, ReadOnlyTensor):
+            return torch.Tensor.as_subclass(self, cls)
+        raise _refusal("as_subclass")
+
+
+def _refusal(name: str) -> ReadOnlyBatchError:
+    if name in _MEMORY_EXPORTS or name == "as_subclass":
+        what = f"{name} would hand out its memory without the write guard"
+    else:
+        what = name
+    return ReadOnlyBatchError(
+        f"{what}: this tensor is a tsock batch in read-only shared memory; "
+        "write to a copy (x.clone()) or create the Consumer with copy=True"
+    )
 
 
 def _wrap(ret, args, cls):
