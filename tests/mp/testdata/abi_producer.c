@@ -246,11 +246,24 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+static volatile sig_atomic_t usr1_seen;
+static void on_usr1(int sig) {
+  (void)sig;
+  usr1_seen = 1;
+}
+
 static int hold(const char *name, int gid) {
-  sigset_t usr1;
-  sigemptyset(&usr1);
-  sigaddset(&usr1, SIGUSR1);
-  pthread_sigmask(SIG_BLOCK, &usr1, NULL); /* before the Go runtime starts threads */
+  /* A handler, not sigwait(): the Go runtime's threads exist before main
+   * and do not block SIGUSR1, so a signal that arrives while the main
+   * thread is out of sigwait (after a SIGSTOP/SIGCONT, before it is
+   * scheduled again) went to one of them and its default action killed
+   * the process. A handler runs on whichever thread gets it. */
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_usr1;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGUSR1, &sa, NULL);
   tsock_producer_options_t o;
   tsock_producer_options_init(&o);
   o.slot_count = 4;
@@ -265,8 +278,7 @@ static int hold(const char *name, int gid) {
   }
   printf("ready\n");
   fflush(stdout);
-  int sig;
-  sigwait(&usr1, &sig);
+  while (!usr1_seen) usleep(10 * 1000);
   alarm(30);
   double t0 = now_s();
   pid_t child = fork();
