@@ -279,14 +279,22 @@ func tsockgo_producer_close(h C.uintptr_t) C.int {
 	handlesMu.Lock()
 	e := handles[uintptr(h)]
 	delete(handles, uintptr(h))
+	if e != nil {
+		// From this moment publish and abort on h reach the producer
+		// through closedReserved (they wait for Close and report it),
+		// not "not open" with the reservation left behind.
+		closedReserved[uintptr(h)] = e
+	}
 	handlesMu.Unlock()
 	if e == nil {
 		return fail(ring.Errorf(ring.StatusHandle, "producer handle %#x is not open", uintptr(h)))
 	}
 	err := e.p.Close()
-	if e.p.HoldsReservation() {
+	if !e.p.HoldsReservation() {
 		handlesMu.Lock()
-		closedReserved[uintptr(h)] = e
+		if closedReserved[uintptr(h)] == e {
+			delete(closedReserved, uintptr(h))
+		}
 		handlesMu.Unlock()
 	}
 	return fail(err)

@@ -85,3 +85,17 @@ func TestABICloseWhileWritingReserved(t *testing.T) {
 	require.Equal(t, 0, code, "output:\n%s", p.Output())
 	assert.Contains(t, p.Output(), "writer done EHANDLE")
 }
+
+// TestABIAbortWhileClosing (review 4): an abort that comes while Close runs
+// (the handle already gone from the open ones) ends the reservation and
+// reports the close; before, it said "not open" and left the reservation
+// and its pages to a second call that a caller stopping at the first
+// error never makes.
+func TestABIAbortWhileClosing(t *testing.T) {
+	exe := needABIProducer(t)
+	p := start(t, "abi abortclosing", nil, exe, "abortclosing", channel(t))
+	require.Equal(t, 0, p.wait(t, 120*time.Second), "output:\n%s", p.Output())
+	assert.Contains(t, p.Output(), "first: producer of")
+	assert.Contains(t, p.Output(), "is closed")
+	assert.Contains(t, p.Output(), "second: producer handle")
+}

@@ -28,6 +28,11 @@
  *       that exits at once and close the producer, each under a 30 s
  *       watchdog (SIGALRM kills the process: exit by signal). Prints
  *       "fork took S" and "close took S".
+ *   abi_producer abortclosing NAME
+ *       a batch is reserved; a thread closes the producer while the main
+ *       thread aborts the reservation as soon as the handle is gone from
+ *       the open ones (Close still running), then once more after Close
+ *       returned. Prints "first: MSG" and "second: MSG".
  *   abi_producer closereserved NAME
  *       a thread reserves a batch and writes its payload for a while;
  *       the main thread closes the producer meanwhile. The writer must
@@ -339,9 +344,49 @@ static int close_reserved(const char *name) {
   return rc == TSOCK_OK && again == TSOCK_EHANDLE ? 0 : 1;
 }
 
+static tsock_producer_t *closing_p;
+static atomic_int closing_go;
+
+static void *closing_closer(void *arg) {
+  (void)arg;
+  while (!atomic_load(&closing_go)) {
+  }
+  tsock_producer_close(closing_p);
+  return NULL;
+}
+
+static int abort_closing(const char *name) {
+  tsock_producer_options_t o;
+  tsock_producer_options_init(&o);
+  o.slot_count = 4;
+  o.slot_bytes = 1 << 20;
+  if (tsock_producer_create(name, &o, &closing_p) != TSOCK_OK) {
+    fprintf(stderr, "create: %s\n", tsock_last_error());
+    return 1;
+  }
+  void *buf;
+  if (tsock_producer_reserve(closing_p, 1 << 20, 0, &buf) != TSOCK_OK) return 1;
+  pthread_t b;
+  pthread_create(&b, NULL, closing_closer, NULL);
+  atomic_store(&closing_go, 1);
+  tsock_producer_stats_t st;
+  memset(&st, 0, sizeof st);
+  st.size = sizeof st;
+  while (tsock_producer_stats(closing_p, &st) == TSOCK_OK) {
+  }
+  tsock_producer_abort(closing_p);
+  printf("first: %s\n", tsock_last_error());
+  pthread_join(b, NULL);
+  tsock_producer_abort(closing_p);
+  printf("second: %s\n", tsock_last_error());
+  fflush(stdout);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "race") == 0) return race(argv[2], atoi(argv[3]));
   if (argc == 3 && strcmp(argv[1], "closereserved") == 0) return close_reserved(argv[2]);
+  if (argc == 3 && strcmp(argv[1], "abortclosing") == 0) return abort_closing(argv[2]);
   if (argc == 4 && strcmp(argv[1], "hold") == 0) return hold(argv[2], atoi(argv[3]));
   if (argc == 4 && strcmp(argv[1], "fork") == 0) return fork_child(argv[2], atoi(argv[3]));
   if (argc == 6 && strcmp(argv[1], "forkstorm") == 0)
