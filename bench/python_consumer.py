@@ -56,6 +56,11 @@ PRODUCER = """
 import ctypes, os, signal, sys, time, numpy as np, tsock
 name = sys.argv[1]
 slots, tensors, elems, parent = (int(a) for a in sys.argv[2:6])
+# SIGINT only sets a flag: a KeyboardInterrupt raised while the channel
+# was being created (the window is wide on a loaded machine) left it in
+# /dev/shm, with no producer to remove it.
+stop = []
+signal.signal(signal.SIGINT, lambda *_: stop.append(1))
 PR_SET_PDEATHSIG = 1
 ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGINT), 0, 0, 0)
 if os.getppid() != parent:
@@ -63,17 +68,14 @@ if os.getppid() != parent:
 batches = [tuple(np.full(elems, i * tensors + k, np.float32) for k in range(tensors)) for i in range(64)]
 with tsock.Producer(None, name, slots=slots, timeout=0) as p:
     i = 0
-    try:
-        while True:  # until Ctrl-C (SIGINT from the benchmark)
-            try:
-                p.publish(batches[i % 64])
-                i += 1
-            except tsock.TsockError as e:
-                if e.status != -12:  # TSOCK_EBACKPRESSURE: the ring is full
-                    raise
-                time.sleep(0.005)
-    except KeyboardInterrupt:
-        pass
+    while not stop:  # until SIGINT (from the benchmark, or its death)
+        try:
+            p.publish(batches[i % 64])
+            i += 1
+        except tsock.TsockError as e:
+            if e.status != -12:  # TSOCK_EBACKPRESSURE: the ring is full
+                raise
+            time.sleep(0.005)
 """
 
 
