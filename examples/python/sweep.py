@@ -36,6 +36,7 @@ if __name__ == "__main__":
 
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import multiprocessing as mp
@@ -150,6 +151,7 @@ def make_loaders(args, folder: Path):
     gen.manual_seed(args.seed)
     kw = {"batch_size": args.batch_size, "num_workers": args.workers}
     if args.workers:
+        _loader_owner["pid"] = os.getpid()
         kw["worker_init_fn"] = _worker_init
         # Fork (Linux's default) even inside the producer, a spawned process
         # whose own default would be spawn: workers then start in
@@ -159,6 +161,7 @@ def make_loaders(args, folder: Path):
 
 
 _deferred = {"depth": 0, "pending": None}  # see signals_deferred
+_loader_owner = {"pid": None}  # the process whose DataLoaders fork the workers
 
 
 @contextlib.contextmanager
@@ -180,6 +183,21 @@ def signals_deferred():
 def _worker_init(worker_id: int) -> None:
     # Forked inside signals_deferred: a worker takes signals at once again.
     _deferred.update(depth=0, pending=None)
+    _die_with_parent(_loader_owner["pid"])
+
+
+def _die_with_parent(parent: int | None) -> None:
+    """Has the kernel kill this DataLoader worker the moment the process
+    that forked it dies. PyTorch's own check runs every 5 s, so a killed
+    producer's workers lived on for seconds (more on a loaded machine),
+    holding the sweep's output open after the sweep itself had ended."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: PyTorch's own check remains
+        return
+    if parent is not None and os.getppid() != parent:  # it died before the prctl
+        os._exit(1)
 
 
 def epoch_batches(loader):

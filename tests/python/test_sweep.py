@@ -145,14 +145,30 @@ class Sweep:
         if rc is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        # The output ends when the last process holding it does: a sweep's
+        # leftover (a DataLoader worker outliving its producer) shows here.
+        deadline = time.monotonic() + 30
         while True:
-            line = self._q.get(timeout=10)
+            try:
+                line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"the sweep exited (status {rc}) but its output stayed open 30 s: left in its session:\n"
+                    + self.session_processes()
+                    + "\n".join(self.lines[-60:])
+                ) from None
             if line is None:
                 break
             self.lines.append(line)
         if rc is None:
             raise AssertionError(f"sweep still running after {timeout} s:\n" + "\n".join(self.lines[-60:]))
         return rc
+
+    def session_processes(self) -> str:
+        ps = subprocess.run(
+            ["ps", "-o", "pid,ppid,etimes,stat,cmd", "-g", str(self.proc.pid)], capture_output=True, text=True
+        )
+        return ps.stdout
 
     @property
     def output(self) -> str:
