@@ -215,6 +215,12 @@ func (t *Table) Close() {
 
 // ---- accepting ----
 
+func (t *Table) joinsStopped() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.joinsClosed
+}
+
 func (t *Table) acceptLoop() {
 	defer t.wg.Done()
 	defer close(t.lnDone)
@@ -225,6 +231,15 @@ func (t *Table) acceptLoop() {
 	}
 	defer t.closeListener(rc)
 	for {
+		if overdrawn() {
+			// Peers' descriptors fill the budget: connections wait in
+			// the backlog until the discard workers catch up.
+			if t.joinsStopped() {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
 		var conn *os.File
 		var aerr error
 		rerr := rc.Read(func(fd uintptr) bool {
@@ -261,32 +276,37 @@ func (t *Table) accept(ln int) (*os.File, error) {
 // still queues: a connection not yet accepted may already hold a peer's
 // messages, descriptors in them, which closing the listener would close
 // in this thread. Shut down, the listener refuses new connections; those
-// queued are accepted and closed as any connection is.
+// queued are accepted and closed as any connection is. When they cannot
+// be (no descriptor free), the listener is handed over whole.
 func (t *Table) closeListener(rc syscall.RawConn) {
+	drained := true
 	_ = rc.Control(func(fd uintptr) {
 		_ = unix.Shutdown(int(fd), unix.SHUT_RDWR)
 		for {
 			conn, err := t.accept(int(fd))
 			if err != nil {
-				return // EAGAIN: none left (or out of descriptors: nothing to do)
+				drained = errors.Is(err, unix.EAGAIN) // none left
+				return
 			}
 			t.closeConn(conn)
 		}
 	})
+	if !drained && !handOver(t.ln) {
+		strand(t.ln)
+		return
+	}
 	t.guard.Close(t.ln)
 }
 
 // closeConn closes a connection, after taking every message still queued
 // in it (drainRights), so that its close drops no peer's descriptor. One
-// that could not be drained is closed on the discard workers instead: its
-// descriptor is duplicated outside the fork guard first (a child that
-// inherits the duplicate has a dead end: the connection is shut down).
+// that could not be drained is handed over to the discard workers (a
+// child forked meanwhile that inherits the duplicate has a dead end: the
+// connection is shut down), or, failing that, kept open.
 func (t *Table) closeConn(conn *os.File) {
-	fd := rawFd(conn)
-	if fd >= 0 && !drainRights(fd) {
-		if d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err == nil {
-			discard(d)
-		}
+	if fd := rawFd(conn); fd >= 0 && !drainRights(fd) && !handOver(conn) {
+		strand(conn)
+		return
 	}
 	t.guard.Close(conn)
 }
@@ -433,20 +453,24 @@ func (t *Table) readRequest(conn *os.File) (ring.JoinRequestMsg, error) {
 		return ring.JoinRequestMsg{}, err
 	}
 	buf := make([]byte, 2*ring.JoinRequestSize)
-	var n int
-	var fds []int
-	var truncated bool
+	var m message
 	var rerr error
 	err = rc.Read(func(fd uintptr) bool {
-		n, fds, truncated, rerr = recvRights(int(fd), buf)
+		m, rerr = recvPeer(int(fd), buf, func(d int) bool { return t.checkSegmentFd(d) == nil })
 		return !errors.Is(rerr, unix.EAGAIN)
 	})
 	if err != nil {
 		return ring.JoinRequestMsg{}, err // deadline: the client said nothing
 	}
+	if errors.Is(rerr, errOverBudget) {
+		// A request the budget cannot look at: the reader retries
+		// within its attach timeout.
+		return ring.JoinRequestMsg{}, &errRefused{ring.StatusAgain, "descriptors sent by peers fill the budget"}
+	}
 	if rerr != nil {
 		return ring.JoinRequestMsg{}, rerr
 	}
+	n, fds, truncated := m.n, m.fds, m.truncated
 	if len(fds) != 1 {
 		discard(fds...)
 		return ring.JoinRequestMsg{}, &errRefused{ring.StatusInval, fmt.Sprintf("join request with %d descriptors", len(fds))}
@@ -470,7 +494,7 @@ func (t *Table) readRequest(conn *os.File) (ring.JoinRequestMsg, error) {
 	}
 	// This segment's own file (on tmpfs, which this process holds open):
 	// its close cannot block.
-	unix.Close(seg)
+	closeTrusted(seg)
 	return req, nil
 }
 
@@ -503,21 +527,6 @@ func (t *Table) checkSegmentFd(fd int) error {
 		return &errRefused{ring.StatusPerm, "descriptor of another file"}
 	}
 	return nil
-}
-
-// rights are the descriptors of the SCM_RIGHTS messages in oob.
-func rights(oob []byte) []int {
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil
-	}
-	var fds []int
-	for i := range msgs {
-		if f, err := unix.ParseUnixRights(&msgs[i]); err == nil {
-			fds = append(fds, f...)
-		}
-	}
-	return fds
 }
 
 // reply sends rep (magic and version filled in) with rec's descriptor.
@@ -604,24 +613,24 @@ func (t *Table) watch(i uint32, conn *os.File) {
 	left := false
 	rc, err := conn.SyscallConn()
 	for err == nil && !left {
-		var n int
-		var fds []int
+		var m message
 		var rerr error
 		err = rc.Read(func(fd uintptr) bool {
 			// Descriptors it sends are received (a read() would make
 			// the kernel close them here, where their close can block)
-			// and discarded.
-			n, fds, _, rerr = recvRights(int(fd), buf)
+			// and discarded; more than the budget takes end the
+			// connection, as its death would.
+			m, rerr = recvPeer(int(fd), buf, nil)
 			return !errors.Is(rerr, unix.EAGAIN)
 		})
-		discard(fds...)
-		if err == nil && rerr == nil && n == 0 && len(fds) == 0 {
+		discard(m.fds...)
+		if err == nil && rerr == nil && m.n == 0 && len(m.fds) == 0 {
 			break // end of the connection: the reader is gone
 		}
 		if err == nil && rerr != nil && !errors.Is(rerr, unix.EINTR) {
 			break
 		}
-		for _, b := range buf[:n] {
+		for _, b := range buf[:m.n] {
 			left = left || b == ring.MsgLeave
 		}
 	}

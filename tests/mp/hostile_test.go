@@ -38,7 +38,8 @@ import (
 //	       leaves its cursor far behind until it is evicted (30 s at most)
 //	knock  abuses the join socket: silent connections, malformed requests,
 //	       descriptors that prove nothing; one line per case
-//	linger ADDR NAME MEMBER: sends descriptors whose close blocks
+//	linger ADDR NAME MEMBER [HEAVY LIGHT]: sends descriptors whose close
+//	       blocks, then floods the join socket with others
 //	       (linger_test.go)
 //
 // Both print "DONE <what>" for anything that should have been refused and
@@ -49,7 +50,12 @@ func TestHelperHostile(t *testing.T) {
 	}
 	args := strings.Fields(os.Getenv(envArgs))
 	if args[0] == "linger" {
-		lingerAttack(args[1], args[2], args[3] == "1")
+		heavy, light := 0, 0
+		if len(args) > 5 {
+			heavy, _ = strconv.Atoi(args[4])
+			light, _ = strconv.Atoi(args[5])
+		}
+		lingerAttack(args[1], args[2], args[3] == "1", heavy, light)
 		os.Exit(0)
 	}
 	secs, _ := strconv.Atoi(args[2])

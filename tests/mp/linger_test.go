@@ -45,12 +45,13 @@ func joinAddress(t *testing.T, name string) string {
 	return "@" + ring.JoinAddress(seg.JoinKey())[1:]
 }
 
-// lingerAttack is the attacker (a helper process): ADDR CHANNEL MEMBER.
-// It finds ADDR in /proc/net/unix, sends lingering sockets to it every
-// way it can, and, as a member of the channel's group (MEMBER = 1), joins
-// CHANNEL and sends one on its own connection. It prints "attacks done",
-// then keeps its TCP listener (the lingering sockets' peer) until killed.
-func lingerAttack(addr, name string, member bool) {
+// lingerAttack is the attacker (a helper process): ADDR CHANNEL MEMBER
+// HEAVY LIGHT. It finds ADDR in /proc/net/unix, sends lingering sockets to it
+// every way it can, and, as a member of the channel's group (MEMBER = 1),
+// joins CHANNEL and sends one on its own connection. With the discard
+// workers that close them likely stuck by then, it floods (see flood). It prints "attacks done", then keeps its TCP listener (the
+// lingering sockets' peer) until killed.
+func lingerAttack(addr, name string, member bool, heavy, light int) {
 	if !listed(addr) {
 		fmt.Println("linger: address not in /proc/net/unix")
 		return
@@ -125,11 +126,71 @@ func lingerAttack(addr, name string, member bool) {
 			conns = append(conns, peer.send(join, nil, []byte{0}, 0))
 		}
 	}
+	if heavy+light > 0 {
+		conns = append(conns, flood(addr, heavy, light)...)
+	}
 	fmt.Println("linger: attacks done")
 	time.Sleep(time.Hour)
 	for _, c := range conns {
 		unix.Close(c)
 	}
+}
+
+// floodMessages is how many messages of maxRights descriptors each flood
+// connection queues (a request, refused, then the rest behind it).
+const (
+	floodMessages = 8
+	maxRights     = 253
+)
+
+// flood opens up to heavy+light connections to addr, each queueing
+// floodMessages messages of 253 descriptors of /dev/null (light ones: of
+// one). Before review 4's fix the producer held every descriptor it
+// received while its discard workers were stuck. A connection the
+// producer does not accept within 2 s (its backlog full) ends the flood.
+// It prints how many descriptors went out.
+func flood(addr string, heavy, light int) []int {
+	null, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	must(err)
+	many := make([]int, maxRights)
+	for i := range many {
+		many[i] = null
+	}
+	sent, opened := 0, []int{}
+	// Heavy connections spend the budget; light ones, one descriptor
+	// each, are what the producer gives up whole past it.
+	for i := range heavy + light {
+		count := maxRights
+		if i >= heavy {
+			count = 1
+		}
+		c, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+		must(err)
+		// A full backlog (EAGAIN) is retried for 2 s: the producer may
+		// only be behind.
+		for end := time.Now().Add(2 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			err = unix.Connect(c, &unix.SockaddrUnix{Name: addr})
+			if err != unix.EAGAIN || time.Now().After(end) {
+				break
+			}
+		}
+		if err != nil {
+			fmt.Println("linger: flood: connect:", err)
+			unix.Close(c)
+			break
+		}
+		opened = append(opened, c)
+		for range floodMessages {
+			err := unix.Sendmsg(c, ring.NewJoinRequest(0).Bytes(), unix.UnixRights(many[:count]...), nil,
+				unix.MSG_NOSIGNAL|unix.MSG_DONTWAIT)
+			if err == nil {
+				sent += count
+			}
+		}
+	}
+	unix.Close(null)
+	fmt.Printf("linger: flood sent %d descriptors on %d connections\n", sent, len(opened))
+	return opened
 }
 
 // readersPendingPerUID mirrors readers.PendingPerUID (internal to the
@@ -236,6 +297,12 @@ func (p *stuckPeer) send(dial func() int, before, msg []byte, extra int) int {
 // in the channel's group when member, in no group of the channel's
 // otherwise; it returns once the attacks are done.
 func startLingerAttack(t *testing.T, name string, member bool) *proc {
+	return startLingerFlood(t, name, member, 0, 0)
+}
+
+// startLingerFlood is startLingerAttack followed by a flood of heavy and
+// light connections.
+func startLingerFlood(t *testing.T, name string, member bool, heavy, light int) *proc {
 	exe := testkit.ExecutableForOthers(t)
 	attr := testkit.AsUser(testkit.Nobody, testkit.Nobody)
 	m := "0"
@@ -243,7 +310,8 @@ func startLingerAttack(t *testing.T, name string, member bool) *proc {
 		attr = testkit.AsUser(testkit.Nobody, testkit.Nobody, sharedGid)
 		m = "1"
 	}
-	env := []string{envRole + "=hostile", envArgs + "=linger " + joinAddress(t, name) + " " + name + " " + m}
+	env := []string{envRole + "=hostile",
+		envArgs + "=linger " + joinAddress(t, name) + " " + name + " " + m + " " + fmt.Sprint(heavy, " ", light)}
 	a := startAttr(t, "linger attacker", env, attr, exe, "-test.run=^TestHelperHostile$")
 	a.waitLine(t, "linger: attacks done", 120*time.Second)
 	t.Logf("attacker: %s", a.Output())
@@ -357,4 +425,123 @@ func TestAttachTimeoutBoundsJoin(t *testing.T) {
 	require.NoError(t, r.Detach())
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGUSR1))
 	require.Equal(t, 0, p.wait(t, 60*time.Second), p.Output())
+}
+
+// floodConns is how many connections the flood opens: 30,000 descriptors
+// sent, more than the descriptor limit of many hosts.
+const floodConns = 15
+
+// peerFdBound is the most descriptors a flood may leave the producer
+// holding: the budget (512 at most), the connections given up whole
+// beyond it (128) and those not yet handled (a backlog's worth, 128), with
+// room for the producer's own.
+const peerFdBound = 512 + 128 + 128 + 64
+
+// openFdsOf counts the descriptors process pid has open.
+func openFdsOf(t *testing.T, pid int) int {
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	require.NoError(t, err)
+	return len(ents)
+}
+
+// stuckClosers counts pid's threads blocked closing a lingering socket.
+func stuckClosers(pid int) int {
+	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	n := 0
+	for _, task := range tasks {
+		stack, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stack", pid, task.Name()))
+		if strings.Contains(string(stack), "tcp_close") {
+			n++
+		}
+	}
+	return n
+}
+
+// checkFloodBounded waits for the producer (process pid) to have handled
+// the flood and checks what it holds.
+func checkFloodBounded(t *testing.T, a *proc, pid, before int) {
+	assert.Contains(t, a.Output(), "linger: flood sent")
+	var now int
+	for end := time.Now().Add(5 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		now = openFdsOf(t, pid)
+	}
+	t.Logf("producer: %d descriptors before the attack, %d after; %d threads stuck closing", before, now,
+		stuckClosers(pid))
+	assert.Less(t, now-before, peerFdBound, "the descriptors a peer can make the producer hold are bounded")
+}
+
+// TestDescriptorFloodIsBoundedGo (review 4, R1): a non-member sticks the
+// discard workers with lingering sockets, then sends 30,000 more
+// descriptors. The Go producer holds a bounded number of them (before the
+// fix: every one, up to its limit, which then stopped joins and Close);
+// a reader still joins, and Close returns.
+func TestDescriptorFloodIsBoundedGo(t *testing.T) {
+	testkit.NeedRoot(t)
+	name := channel(t)
+	p, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 4096, Mode: 0o640, Gid: sharedGid})
+	require.NoError(t, err)
+	before := openFdsOf(t, os.Getpid())
+	a := startLingerFlood(t, name, false, floodConns, 0)
+	checkFloodBounded(t, a, os.Getpid(), before)
+	attachAfterAttack(t, name)
+	closed := make(chan error, 1)
+	go func() { closed <- p.Close() }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close still waits after 30 s")
+	}
+}
+
+// TestDescriptorFloodIsBoundedC: the same against the libtsock.so
+// producer, whose fork() and tsock_producer_close must return too.
+func TestDescriptorFloodIsBoundedC(t *testing.T) {
+	testkit.NeedRoot(t)
+	exe := needABIProducer(t)
+	name := channel(t)
+	p := start(t, "abi hold", nil, exe, "hold", name, fmt.Sprint(sharedGid))
+	p.waitLine(t, "ready", 60*time.Second)
+	before := openFdsOf(t, p.cmd.Process.Pid)
+	a := startLingerFlood(t, name, false, floodConns, 0)
+	checkFloodBounded(t, a, p.cmd.Process.Pid, before)
+	attachAfterAttack(t, name)
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGUSR1))
+	code := p.wait(t, 60*time.Second)
+	require.Equal(t, 0, code, "fork and close return (the watchdog kills it after 30 s)\n%s", p.Output())
+}
+
+// TestDescriptorFloodPastTheOverdraftGo: a flood of 4 heavy connections
+// spends the budget, and 400 light ones the overdraft; the producer then accepts no more
+// connections (they wait in the backlog) while it still holds a bounded
+// number of descriptors, a reader's attach fails within its timeout with
+// a clear error instead of hanging, and Close returns at once (the
+// connections still in the backlog are handed over, not closed in its
+// thread).
+func TestDescriptorFloodPastTheOverdraftGo(t *testing.T) {
+	testkit.NeedRoot(t)
+	name := channel(t)
+	p, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 4096, Mode: 0o640, Gid: sharedGid})
+	require.NoError(t, err)
+	before := openFdsOf(t, os.Getpid())
+	a := startLingerFlood(t, name, false, 4, 400)
+	checkFloodBounded(t, a, os.Getpid(), before)
+	assert.Contains(t, a.Output(), "linger: flood: connect:", "the producer stopped accepting")
+	start := time.Now()
+	r, err := reader.Attach(name, reader.Options{Start: reader.StartNow, AttachTimeout: 2 * time.Second})
+	if err == nil {
+		r.Detach()
+	}
+	t.Logf("attach during the flood: %v after %v", err, time.Since(start))
+	assert.Less(t, time.Since(start), 10*time.Second, "the attach ends within its timeout")
+	closed := make(chan error, 1)
+	start = time.Now()
+	go func() { closed <- p.Close() }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+		t.Logf("Close took %v", time.Since(start))
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close still waits after 30 s")
+	}
 }
