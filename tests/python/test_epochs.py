@@ -91,7 +91,7 @@ def test_producer_stats_and_manual_publishing(channel):
         assert p.stats()["published"] == 0
         for b in numbered(3):
             p.publish(b)
-        with tsock.Consumer(channel, start="now", timeout=1) as c:
+        with tsock.Consumer(channel, start="now", timeout=30) as c:
             assert p.stats()["readers"] == 1
             p.end_epoch()
             p.publish(numbered(1)[0])

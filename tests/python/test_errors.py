@@ -195,7 +195,7 @@ def test_corrupt_segment(channel, how):
 def test_slow_reader_evicted_by_opt_in_policy(channel):
     p = tsock.Producer(None, channel, slots=2, evict_after=0.05)
     p.publish((np.zeros(2),))
-    c = tsock.Consumer(channel, start="now", timeout=1)
+    c = tsock.Consumer(channel, start="now", timeout=30)
     try:
         for _ in range(4):  # the ring fills; the idle consumer is evicted
             p.publish((np.zeros(2),))
@@ -210,7 +210,7 @@ def test_slow_reader_evicted_by_opt_in_policy(channel):
 def test_producer_timeout_when_a_reader_holds_the_ring(channel):
     p = tsock.Producer(None, channel, slots=2, timeout=0.2)
     p.publish((np.zeros(2),))
-    c = tsock.Consumer(channel, start="now", timeout=1)
+    c = tsock.Consumer(channel, start="now", timeout=30)
     try:
         p.publish((np.zeros(2),))
         p.publish((np.zeros(2),))
@@ -230,7 +230,7 @@ def test_producer_timeout_when_a_reader_holds_the_ring(channel):
 def test_closed_consumer(channel):
     with tsock.Producer(None, channel) as p:
         p.publish((np.zeros(1),))
-        c = tsock.Consumer(channel, start="now", timeout=1)
+        c = tsock.Consumer(channel, start="now", timeout=30)
         c.close()
         c.close()
         assert c.closed

@@ -20,10 +20,10 @@ def test_join_inside_and_outside_the_window(channel, window):
     with tsock.Producer(None, channel, slots=16, join_window=window) as p:
         for i in range(3):
             p.publish(batch(0, i))
-        early = tsock.Consumer(channel, timeout=1)  # 3 batches out: inside a window of 3
+        early = tsock.Consumer(channel, timeout=30)  # 3 batches out: inside a window of 3
         p.publish(batch(0, 3))
-        late = tsock.Consumer(channel, timeout=1)  # 4 out: outside
-        now = tsock.Consumer(channel, start="now", timeout=1)
+        late = tsock.Consumer(channel, timeout=30)  # 4 out: outside
+        now = tsock.Consumer(channel, start="now", timeout=30)
         for i in range(4, 6):
             p.publish(batch(0, i))
         p.end_epoch()

@@ -131,8 +131,10 @@ def test_sigint_in_one_trainer_leaves_the_others_running(channel, spawn):
         time.sleep(0.3)  # the victim now waits in the C reader for a 4th batch
         t0 = time.monotonic()
         victim.send_signal(signal.SIGINT)
-        wait_line(victim, "interrupted", timeout=5)
-        assert time.monotonic() - t0 < 1.0
+        wait_line(victim, "interrupted", timeout=30)
+        # Far sooner than the victim's own 10 s timeout would have ended
+        # its wait (with room for a loaded machine's scheduling).
+        assert time.monotonic() - t0 < 5.0
         assert victim.wait(5) == 3
         # It detached cleanly (not reclaimed as dead); the others go on.
         assert p.stats()["readers"] == 1
