@@ -43,7 +43,7 @@ func TestAttachErrors(t *testing.T) {
 	start := time.Now()
 	_, err := reader.Attach(name, reader.Options{})
 	require.ErrorIs(t, err, reader.ErrNoChannel)
-	assert.Less(t, time.Since(start), time.Second, "no attach timeout: fails at once")
+	assert.Less(t, time.Since(start), 5*time.Second, "no attach timeout: fails at once")
 
 	start = time.Now()
 	_, err = reader.Attach(name, reader.Options{AttachTimeout: 60 * time.Millisecond})

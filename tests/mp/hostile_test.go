@@ -271,7 +271,7 @@ func rogueCase(t *testing.T, exe string, uid int) {
 		require.NoError(t, err)
 		took := time.Since(start)
 		require.NoError(t, r.Detach())
-		assert.Less(t, took, 2*time.Second, "attach while another user floods the join socket")
+		assert.Less(t, took, 5*time.Second, "attach while another user floods the join socket")
 	}
 
 	// Paced so that the rogue's stuck phase comes while the honest readers
