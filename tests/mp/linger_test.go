@@ -321,6 +321,21 @@ func startLingerFlood(t *testing.T, name string, member bool, heavy, light int) 
 	return a
 }
 
+// closeReturns closes p, failing the test if Close waits 30 s (on a
+// descriptor a peer sent).
+func closeReturns(t *testing.T, p *producer.Producer) {
+	closed := make(chan error, 1)
+	start := time.Now()
+	go func() { closed <- p.Close() }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+		t.Logf("Close took %v", time.Since(start))
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close still waits after 30 s (on a descriptor a peer sent)")
+	}
+}
+
 // attachAfterAttack checks that a reader of the channel's user still
 // joins.
 func attachAfterAttack(t *testing.T, name string) {
@@ -344,16 +359,7 @@ func TestLingeringDescriptorsDoNotHoldGoProducer(t *testing.T) {
 			require.NoError(t, err)
 			startLingerAttack(t, name, member)
 			attachAfterAttack(t, name)
-			closed := make(chan error, 1)
-			start := time.Now()
-			go func() { closed <- p.Close() }()
-			select {
-			case err := <-closed:
-				require.NoError(t, err)
-				t.Logf("Close took %v", time.Since(start))
-			case <-time.After(30 * time.Second):
-				t.Fatal("Close still waits after 30 s (on a descriptor a peer sent)")
-			}
+			closeReturns(t, p)
 		})
 	}
 }
@@ -476,22 +482,22 @@ func checkFloodBounded(t *testing.T, a *proc, pid, before int) {
 // fix: every one, up to its limit, which then stopped joins and Close);
 // a reader still joins, and Close returns.
 func TestDescriptorFloodIsBoundedGo(t *testing.T) {
+	p, name, _ := floodGoProducer(t, floodConns, 0)
+	attachAfterAttack(t, name)
+	closeReturns(t, p)
+}
+
+// floodGoProducer creates a Go producer (in this process) and floods it
+// (startLingerFlood), checking the descriptors it then holds.
+func floodGoProducer(t *testing.T, heavy, light int) (*producer.Producer, string, *proc) {
 	testkit.NeedRoot(t)
 	name := channel(t)
 	p, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 4096, Mode: 0o640, Gid: sharedGid})
 	require.NoError(t, err)
 	before := openFdsOf(t, os.Getpid())
-	a := startLingerFlood(t, name, false, floodConns, 0)
+	a := startLingerFlood(t, name, false, heavy, light)
 	checkFloodBounded(t, a, os.Getpid(), before)
-	attachAfterAttack(t, name)
-	closed := make(chan error, 1)
-	go func() { closed <- p.Close() }()
-	select {
-	case err := <-closed:
-		require.NoError(t, err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("Close still waits after 30 s")
-	}
+	return p, name, a
 }
 
 // TestDescriptorFloodIsBoundedC: the same against the libtsock.so
@@ -512,20 +518,15 @@ func TestDescriptorFloodIsBoundedC(t *testing.T) {
 }
 
 // TestDescriptorFloodPastTheOverdraftGo: a flood of 4 heavy connections
-// spends the budget, and 400 light ones the overdraft; the producer then accepts no more
-// connections (they wait in the backlog) while it still holds a bounded
+// spends the budget, and 400 light ones the overdraft; the producer then
+// accepts no more connections (they wait in the backlog) while it still
+// holds a bounded
 // number of descriptors, a reader's attach fails within its timeout with
 // a clear error instead of hanging, and Close returns at once (the
 // connections still in the backlog are handed over, not closed in its
 // thread).
 func TestDescriptorFloodPastTheOverdraftGo(t *testing.T) {
-	testkit.NeedRoot(t)
-	name := channel(t)
-	p, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 4096, Mode: 0o640, Gid: sharedGid})
-	require.NoError(t, err)
-	before := openFdsOf(t, os.Getpid())
-	a := startLingerFlood(t, name, false, 4, 400)
-	checkFloodBounded(t, a, os.Getpid(), before)
+	p, name, a := floodGoProducer(t, 4, 400)
 	assert.Contains(t, a.Output(), "linger: flood: connect:", "the producer stopped accepting")
 	start := time.Now()
 	r, err := reader.Attach(name, reader.Options{Start: reader.StartNow, AttachTimeout: 2 * time.Second})
@@ -534,14 +535,5 @@ func TestDescriptorFloodPastTheOverdraftGo(t *testing.T) {
 	}
 	t.Logf("attach during the flood: %v after %v", err, time.Since(start))
 	assert.Less(t, time.Since(start), 10*time.Second, "the attach ends within its timeout")
-	closed := make(chan error, 1)
-	start = time.Now()
-	go func() { closed <- p.Close() }()
-	select {
-	case err := <-closed:
-		require.NoError(t, err)
-		t.Logf("Close took %v", time.Since(start))
-	case <-time.After(30 * time.Second):
-		t.Fatal("Close still waits after 30 s")
-	}
+	closeReturns(t, p)
 }
