@@ -18,7 +18,6 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -178,11 +177,7 @@ func (t *Table) StopJoins() {
 		return
 	}
 	if !serving {
-		if rc, err := t.ln.SyscallConn(); err == nil {
-			t.closeListener(rc)
-		} else {
-			t.guard.Close(t.ln)
-		}
+		t.closeListener()
 		return
 	}
 	_ = t.ln.SetReadDeadline(time.Unix(1, 0))
@@ -229,7 +224,7 @@ func (t *Table) acceptLoop() {
 		t.guard.Close(t.ln)
 		return
 	}
-	defer t.closeListener(rc)
+	defer t.closeListener()
 	for {
 		if overdrawn() {
 			// Peers' descriptors fill the budget: connections wait in
@@ -272,43 +267,23 @@ func (t *Table) accept(ln int) (*os.File, error) {
 	})
 }
 
-// closeListener closes the join socket without dropping a connection it
-// still queues: a connection not yet accepted may already hold a peer's
-// messages, descriptors in them, which closing the listener would close
-// in this thread. Shut down, the listener refuses new connections; those
-// queued are accepted and closed as any connection is. When they cannot
-// be (no descriptor free), the listener is handed over whole.
-func (t *Table) closeListener(rc syscall.RawConn) {
-	drained := true
-	_ = rc.Control(func(fd uintptr) {
-		_ = unix.Shutdown(int(fd), unix.SHUT_RDWR)
-		for {
-			conn, err := t.accept(int(fd))
-			if err != nil {
-				drained = errors.Is(err, unix.EAGAIN) // none left
-				return
-			}
-			t.closeConn(conn)
-		}
-	})
-	if !drained && !handOver(t.ln) {
+// closeListener closes the join socket: handed over whole (handOver),
+// since the connections still in its backlog may queue peers'
+// descriptors, which closing it would release in this thread.
+func (t *Table) closeListener() {
+	if !handOver(t.ln, t.guard.Close) {
 		strand(t.ln)
-		return
 	}
-	t.guard.Close(t.ln)
 }
 
-// closeConn closes a connection, after taking every message still queued
-// in it (drainRights), so that its close drops no peer's descriptor. One
-// that could not be drained is handed over to the discard workers (a
-// child forked meanwhile that inherits the duplicate has a dead end: the
-// connection is shut down), or, failing that, kept open.
+// closeConn closes a connection: handed over whole, as it may queue a
+// peer's descriptors (a child forked meanwhile that inherits the
+// duplicate has a dead end: the connection is shut down), or, failing
+// that, kept open.
 func (t *Table) closeConn(conn *os.File) {
-	if fd := rawFd(conn); fd >= 0 && !drainRights(fd) && !handOver(conn) {
+	if !handOver(conn, t.guard.Close) {
 		strand(conn)
-		return
 	}
-	t.guard.Close(conn)
 }
 
 // rawFd is f's descriptor number, -1 once closed (not f.Fd(), which would
@@ -442,7 +417,8 @@ func (t *Table) setDeadline(conn *os.File, d time.Time) {
 }
 
 // readRequest receives the join request and its descriptor and checks
-// both: the descriptor must be this segment, opened for reading. The
+// both: the descriptor must be this segment, opened for reading (checked
+// on a copy before the request is received: see recvPeer). The
 // descriptors a request carries are not the fork guard's: received with
 // fork() held off, any the kernel could not deliver would be closed in
 // this thread with the hold taken. A child forked while one is open
@@ -462,39 +438,30 @@ func (t *Table) readRequest(conn *os.File) (ring.JoinRequestMsg, error) {
 	if err != nil {
 		return ring.JoinRequestMsg{}, err // deadline: the client said nothing
 	}
-	if errors.Is(rerr, errOverBudget) {
-		// A request the budget cannot look at: the reader retries
-		// within its attach timeout.
-		return ring.JoinRequestMsg{}, &errRefused{ring.StatusAgain, "descriptors sent by peers fill the budget"}
-	}
-	if rerr != nil {
+	switch {
+	case errors.Is(rerr, errForeignDescriptor):
+		return ring.JoinRequestMsg{}, &errRefused{ring.StatusPerm, "descriptor of another file"}
+	case errors.Is(rerr, errDescriptors):
+		return ring.JoinRequestMsg{}, &errRefused{ring.StatusInval, "join request with more than one descriptor"}
+	case rerr != nil:
 		return ring.JoinRequestMsg{}, rerr
 	}
-	n, fds, truncated := m.n, m.fds, m.truncated
-	if len(fds) != 1 {
-		discard(fds...)
-		return ring.JoinRequestMsg{}, &errRefused{ring.StatusInval, fmt.Sprintf("join request with %d descriptors", len(fds))}
+	if len(m.fds) != 1 {
+		discard(m.fds...)
+		return ring.JoinRequestMsg{}, &errRefused{ring.StatusInval, fmt.Sprintf("join request with %d descriptors", len(m.fds))}
 	}
-	seg := fds[0]
-	req, ok := ring.ParseJoinRequest(buf[:n])
+	// This segment's own file (checked on the copy the look made; on
+	// tmpfs, which this process holds open): its close cannot block.
+	closeTrusted(m.fds[0])
+	req, ok := ring.ParseJoinRequest(buf[:m.n])
 	switch {
-	case !ok || truncated || req.Magic != ring.JoinMagic:
-		discard(seg)
+	case !ok || m.truncated || req.Magic != ring.JoinMagic:
 		return req, &errRefused{ring.StatusInval, "malformed join request"}
 	case req.LayoutVersion != ring.LayoutVersion:
-		discard(seg)
 		return req, &errRefused{ring.StatusVersion, "other layout version"}
 	case req.Reserved != 0 || (req.StartMode != startNextEpoch && req.StartMode != startNow):
-		discard(seg)
 		return req, &errRefused{ring.StatusInval, "bad join request fields"}
 	}
-	if err := t.checkSegmentFd(seg); err != nil {
-		discard(seg)
-		return req, err
-	}
-	// This segment's own file (on tmpfs, which this process holds open):
-	// its close cannot block.
-	closeTrusted(seg)
 	return req, nil
 }
 
@@ -616,14 +583,13 @@ func (t *Table) watch(i uint32, conn *os.File) {
 		var m message
 		var rerr error
 		err = rc.Read(func(fd uintptr) bool {
-			// Descriptors it sends are received (a read() would make
-			// the kernel close them here, where their close can block)
-			// and discarded; more than the budget takes end the
-			// connection, as its death would.
+			// A message with descriptors is not received (a read()
+			// would make the kernel close them here, where their close
+			// can block): it ends the connection, as the reader's death
+			// would.
 			m, rerr = recvPeer(int(fd), buf, nil)
 			return !errors.Is(rerr, unix.EAGAIN)
 		})
-		discard(m.fds...)
 		if err == nil && rerr == nil && m.n == 0 && len(m.fds) == 0 {
 			break // end of the connection: the reader is gone
 		}

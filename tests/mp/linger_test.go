@@ -517,16 +517,16 @@ func TestDescriptorFloodIsBoundedC(t *testing.T) {
 	require.Equal(t, 0, code, "fork and close return (the watchdog kills it after 30 s)\n%s", p.Output())
 }
 
-// TestDescriptorFloodPastTheOverdraftGo: a flood of 4 heavy connections
-// spends the budget, and 400 light ones the overdraft; the producer then
+// TestDescriptorFloodPastTheBudgetGo: a flood of 4 heavy connections
+// and 700 light ones spend the budget; the producer then
 // accepts no more connections (they wait in the backlog) while it still
 // holds a bounded
 // number of descriptors, a reader's attach fails within its timeout with
 // a clear error instead of hanging, and Close returns at once (the
 // connections still in the backlog are handed over, not closed in its
 // thread).
-func TestDescriptorFloodPastTheOverdraftGo(t *testing.T) {
-	p, name, a := floodGoProducer(t, 4, 400)
+func TestDescriptorFloodPastTheBudgetGo(t *testing.T) {
+	p, name, a := floodGoProducer(t, 4, 700)
 	assert.Contains(t, a.Output(), "linger: flood: connect:", "the producer stopped accepting")
 	start := time.Now()
 	r, err := reader.Attach(name, reader.Options{Start: reader.StartNow, AttachTimeout: 2 * time.Second})

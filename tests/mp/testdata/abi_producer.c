@@ -41,6 +41,7 @@
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -186,7 +187,8 @@ static void *create_loop(void *arg) {
 /* In the child: only system calls (the parent has other threads). 1 if
  * the child holds a descriptor that tsock must not leave it: an open file
  * description with an OFD lock, a socket (the producer's join socket, a
- * reader's connection, either end) or a reader record's memfd. */
+ * reader's connection, either end, unless shut down) or a reader record's
+ * memfd. */
 static int child_holds_tsock_fd(void) {
   char path[64], buf[4096];
   for (int fd = 0; fd < 1024; fd++) {
@@ -215,7 +217,12 @@ static int child_holds_tsock_fd(void) {
     got = readlink(path, buf, sizeof buf - 1);
     if (got <= 0) continue;
     buf[got] = 0;
-    if (strncmp(buf, "socket:", 7) == 0 || strstr(buf, "memfd:tsock") != NULL) return 1;
+    if (strstr(buf, "memfd:tsock") != NULL) return 1;
+    /* A socket shut down both ways (POLLHUP) is dead at both ends and
+     * keeps nothing alive: the producer hands its connections and join
+     * socket to its discard workers so (internal/readers, handOver). */
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    if (strncmp(buf, "socket:", 7) == 0 && !(poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLHUP))) return 1;
   }
   return 0;
 }
