@@ -193,6 +193,9 @@ static int join_refused(const tsock_header *h, int status, const char *name) {
     return tsock__fail(status, "channel '%s': the producer speaks another layout version", name);
   case TSOCK_ENOMEM:
     return tsock__fail(status, "channel '%s': the producer is out of memory", name);
+  case TSOCK_EAGAIN: /* retried until the attach timeout */
+    return tsock__fail(status, "channel '%s': the producer has no descriptor free for the join",
+                       name);
   default:
     return tsock__fail(TSOCK_ECORRUPT, "channel '%s': the producer refused the join (status %d)",
                        name, status);

@@ -51,12 +51,14 @@ func overdrawn() bool { return held.Load() >= fdBudget() }
 // installs as many as the space holds (a CmsgSpace(4) would hold two).
 var oneRight = unix.CmsgLen(4)
 
-// errForeignDescriptor and errDescriptors are messages left in their
-// connection: the first carries one descriptor that is not trusted, the
-// second more than one.
+// errForeignDescriptor is a message taken whose one descriptor is not
+// trusted; errDescriptors one left in its connection, with more than one;
+// errNoDescriptorFree one left there because this process has no
+// descriptor free to look at it with.
 var (
 	errForeignDescriptor = errors.New("a descriptor of another file")
 	errDescriptors       = errors.New("more than one descriptor")
+	errNoDescriptorFree  = errors.New("no descriptor free to look at the message's")
 )
 
 // discardWorkers close what discard is given, one descriptor at a time
@@ -218,21 +220,28 @@ func recvPeer(fd int, buf []byte, trusted func(fd int) bool) (message, error) {
 		return recvmsg(fd, buf, 0, 0) // no descriptor: nothing can be dropped
 	case !peek.ctrunc && len(peek.fds) == 1:
 		// One descriptor: taken (so the connection's queue can empty,
-		// and a refusal sent on it be read), closed at once if trusted,
-		// else on the discard workers.
+		// and a refusal sent on it be read). The copy stays open until
+		// then: if the descriptor cannot be installed (no descriptor
+		// free), the kernel drops it here, and the copy makes that drop
+		// not the last. Then both close: at once if trusted, else on the
+		// discard workers.
 		ok := trusted != nil && trusted(peek.fds[0])
-		if ok {
-			closeTrusted(peek.fds[0])
-		} else {
-			discard(peek.fds...)
-		}
 		m, err := recvmsg(fd, buf, oneRight, 0)
 		held.Add(int64(len(m.fds)))
-		if err == nil && !ok {
-			discard(m.fds...)
-			return message{}, errForeignDescriptor
+		if ok {
+			closeTrusted(peek.fds[0])
+			if err == nil && len(m.fds) == 0 {
+				return message{}, errNoDescriptorFree
+			}
+			return m, err
 		}
-		return m, err
+		discard(append(peek.fds, m.fds...)...)
+		if err != nil {
+			return message{}, err
+		}
+		return message{}, errForeignDescriptor
+	case peek.ctrunc && len(peek.fds) == 0:
+		return message{}, errNoDescriptorFree // not even the copy could be installed
 	}
 	discard(peek.fds...)
 	return message{}, errDescriptors

@@ -1,6 +1,7 @@
 package readers
 
 import (
+	"fmt"
 	"os"
 	"testing"
 
@@ -230,4 +231,36 @@ func TestHandOverClosesOursFirst(t *testing.T) {
 	})
 	require.True(t, handOver(os.NewFile(uintptr(d), "conn"), (*os.File).Close))
 	assert.False(t, ownOpen, "the caller's descriptor was closed before the workers got the duplicate")
+}
+
+// TestCloseListenerEndsBackloggedJoins (review 6, finding 1): with the
+// discard workers stuck, a reader whose connection waits in the join
+// socket's backlog sees its end when the listener closes (it was handed
+// over whole before, and only the stuck workers' close would have ended
+// it).
+func TestCloseListenerEndsBackloggedJoins(t *testing.T) {
+	var got []int
+	stickWorkers(t, &got)
+	defer func() {
+		for _, fd := range got {
+			unix.Close(fd)
+		}
+	}()
+	addr := fmt.Sprintf("\x00tsock-test-backlog-%d", os.Getpid())
+	ln, err := listenAt(addr)
+	require.NoError(t, err)
+	tb := &Table{ln: ln, guard: NoGuard{}}
+	c, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(c)
+	require.NoError(t, unix.Connect(c, &unix.SockaddrUnix{Name: "@" + addr[1:]}))
+	tb.closeListener()
+	pfd := []unix.PollFd{{Fd: int32(c), Events: unix.POLLIN}}
+	n, err := unix.Poll(pfd, 5000)
+	require.NoError(t, err)
+	require.Equal(t, 1, n, "the backlogged connection ended when the listener closed")
+	assert.NotZero(t, pfd[0].Revents&(unix.POLLHUP|unix.POLLIN))
+	var b [8]byte
+	r, _ := unix.Read(c, b[:])
+	assert.LessOrEqual(t, r, 0, "end of file, no reply")
 }

@@ -267,10 +267,26 @@ func (t *Table) accept(ln int) (*os.File, error) {
 	})
 }
 
-// closeListener closes the join socket: handed over whole (handOver),
-// since the connections still in its backlog may queue peers'
-// descriptors, which closing it would release in this thread.
+// closeListener closes the join socket. Shut down, it refuses new
+// connections; those still in its backlog are accepted and handed over
+// (closeConn), which ends each at once for the reader waiting on it (only
+// the listener's last close would end them otherwise, and that happens on
+// a discard worker, which a peer may hold). The listener itself is then
+// handed over whole, as it may still queue connections that arrived
+// meanwhile, or that could not be accepted (no descriptor free).
 func (t *Table) closeListener() {
+	if rc, err := t.ln.SyscallConn(); err == nil {
+		_ = rc.Control(func(fd uintptr) {
+			_ = unix.Shutdown(int(fd), unix.SHUT_RDWR)
+			for range listenBacklog + 1 {
+				conn, err := t.accept(int(fd))
+				if err != nil {
+					return // none left, or no descriptor free
+				}
+				t.closeConn(conn)
+			}
+		})
+	}
 	if !handOver(t.ln, t.guard.Close) {
 		strand(t.ln)
 	}
@@ -443,6 +459,10 @@ func (t *Table) readRequest(conn *os.File) (ring.JoinRequestMsg, error) {
 		return ring.JoinRequestMsg{}, &errRefused{ring.StatusPerm, "descriptor of another file"}
 	case errors.Is(rerr, errDescriptors):
 		return ring.JoinRequestMsg{}, &errRefused{ring.StatusInval, "join request with more than one descriptor"}
+	case errors.Is(rerr, errNoDescriptorFree):
+		// Out of descriptors for now: the reader retries within its
+		// attach timeout.
+		return ring.JoinRequestMsg{}, &errRefused{ring.StatusAgain, "no descriptor free"}
 	case rerr != nil:
 		return ring.JoinRequestMsg{}, rerr
 	}

@@ -40,6 +40,7 @@
  *       "writer done RC", exits 0 (before the fix: SIGSEGV).
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
@@ -48,6 +49,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -184,6 +186,22 @@ static void *create_loop(void *arg) {
   return NULL;
 }
 
+/* Whether socket fd was shut down both ways after it was listening or
+ * connected: dead at both ends, it keeps nothing alive (the producer hands
+ * its connections and join socket to its discard workers so:
+ * internal/readers, handOver). POLLHUP alone would also pass a socket never
+ * connected (before listen() or connect()), which the fork guards must
+ * keep out of children: a shut-down listener still says SO_ACCEPTCONN, a
+ * shut-down connection fails a send with EPIPE (a fresh one: ENOTCONN). */
+static int socket_shut_down(int fd) {
+  struct pollfd pfd = {.fd = fd, .events = POLLIN};
+  if (poll(&pfd, 1, 0) != 1 || !(pfd.revents & POLLHUP)) return 0;
+  int listening = 0;
+  socklen_t len = sizeof listening;
+  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening) return 1;
+  return send(fd, "", 0, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 && errno == EPIPE;
+}
+
 /* In the child: only system calls (the parent has other threads). 1 if
  * the child holds a descriptor that tsock must not leave it: an open file
  * description with an OFD lock, a socket (the producer's join socket, a
@@ -218,11 +236,7 @@ static int child_holds_tsock_fd(void) {
     if (got <= 0) continue;
     buf[got] = 0;
     if (strstr(buf, "memfd:tsock") != NULL) return 1;
-    /* A socket shut down both ways (POLLHUP) is dead at both ends and
-     * keeps nothing alive: the producer hands its connections and join
-     * socket to its discard workers so (internal/readers, handOver). */
-    struct pollfd pfd = {.fd = fd, .events = POLLIN};
-    if (strncmp(buf, "socket:", 7) == 0 && !(poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLHUP))) return 1;
+    if (strncmp(buf, "socket:", 7) == 0 && !socket_shut_down(fd)) return 1;
   }
   return 0;
 }
