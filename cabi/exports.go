@@ -28,6 +28,8 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/tsock/tsock/producer"
 	_ "github.com/tsock/tsock/reader" // links the C reader into libtsock.so
 	"github.com/tsock/tsock/ring"
@@ -52,10 +54,27 @@ func (forkGuard) Open(open func() (*os.File, error)) (*os.File, error) {
 		return nil, err
 	}
 	if C.tsockgo_fork_track_held(C.int(rawFd(f))) != 0 {
-		f.Close()
+		closeDetached(f)
 		return nil, ring.Errorf(ring.StatusNoMem, "out of memory registering a descriptor with the fork guard")
 	}
 	return f, nil
+}
+
+// closeDetached closes f without waiting, under the fork guard's hold,
+// for its last close: f may be a connection a peer just made, holding the
+// peer's descriptors, whose release can block (internal/readers,
+// discard.go). It is shut down and duplicated, f closed (not the last),
+// and the duplicate closed on a goroutine nothing waits for.
+func closeDetached(f *os.File) {
+	if fd := rawFd(f); fd >= 0 {
+		if d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err == nil {
+			_ = unix.Shutdown(fd, unix.SHUT_RDWR)
+			_ = f.Close()
+			go unix.Close(d)
+			return
+		}
+	}
+	_ = f.Close()
 }
 
 // Close unregisters and closes f with fork() held off.

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -263,4 +264,161 @@ func TestCloseListenerEndsBackloggedJoins(t *testing.T) {
 	var b [8]byte
 	r, _ := unix.Read(c, b[:])
 	assert.LessOrEqual(t, r, 0, "end of file, no reply")
+}
+
+// TestCloseListenerEndsBlockedConnects (review 7): with the discard
+// workers stuck, connect() calls blocked on the join socket's full
+// backlog end when the listener closes (the kernel wakes one per accept
+// otherwise, and the rest only at the listener's last close, on a worker).
+func TestCloseListenerEndsBlockedConnects(t *testing.T) {
+	var got []int
+	stickWorkers(t, &got)
+	defer func() {
+		for _, fd := range got {
+			unix.Close(fd)
+		}
+	}()
+	addr := fmt.Sprintf("\x00tsock-test-blocked-%d", os.Getpid())
+	ln, err := listenAt(addr)
+	require.NoError(t, err)
+	tb := &Table{ln: ln, guard: NoGuard{}}
+	sun := &unix.SockaddrUnix{Name: "@" + addr[1:]}
+	var conns []int
+	defer func() {
+		for _, c := range conns {
+			unix.Close(c)
+		}
+	}()
+	for { // fill the backlog
+		c, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+		require.NoError(t, err)
+		conns = append(conns, c)
+		if unix.Connect(c, sun) != nil {
+			break
+		}
+	}
+	const blocked = listenBacklog + 20 // more than Close accepts
+	ended := make(chan struct{}, blocked)
+	for range blocked {
+		go func() {
+			c, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+			if err == nil {
+				// blocks: the backlog is full (a SockaddrUnix of its own:
+				// Connect writes into it)
+				_ = unix.Connect(c, &unix.SockaddrUnix{Name: sun.Name})
+				unix.Close(c)
+			}
+			ended <- struct{}{}
+		}()
+	}
+	time.Sleep(300 * time.Millisecond) // let them block
+	tb.closeListener()
+	deadline := time.After(10 * time.Second)
+	for i := range blocked {
+		select {
+		case <-ended:
+		case <-deadline:
+			t.Fatalf("%d of %d connect() calls still blocked 10 s after the listener closed", blocked-i, blocked)
+		}
+	}
+}
+
+// TestTrustedCopyThenNoDescriptorFree (review 7): the look installs the
+// trusted copy, the real receive then finds no descriptor free: the
+// message is taken, the descriptor dropped by the kernel (the copy still
+// held it: not the last close), and the join is refused as retryable;
+// held is back where it was.
+func TestTrustedCopyThenNoDescriptorFree(t *testing.T) {
+	ours, peer := seqpacketPair(t)
+	sendNull(t, peer, []byte{1}, 1)
+	var lim unix.Rlimit
+	require.NoError(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &lim))
+	before := held.Load()
+	_, err := recvPeer(ours, make([]byte, 16), func(d int) bool {
+		low := lim
+		low.Cur = uint64(d) // the copy's number: no other can be made
+		_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &low)
+		return isCharDevice(d)
+	})
+	require.NoError(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &lim))
+	assert.ErrorIs(t, err, errNoDescriptorFree)
+	assert.Equal(t, before, held.Load())
+}
+
+// lingeringTCP is a TCP socket whose last close blocks for secs: its send
+// queue is full towards a listener that never accepts.
+func lingeringTCP(t *testing.T, secs int32) int {
+	l, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Close(l) })
+	require.NoError(t, unix.SetsockoptInt(l, unix.SOL_SOCKET, unix.SO_RCVBUF, 4096))
+	require.NoError(t, unix.Bind(l, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}))
+	require.NoError(t, unix.Listen(l, 8))
+	sa, err := unix.Getsockname(l)
+	require.NoError(t, err)
+	c, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	require.NoError(t, unix.SetsockoptInt(c, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096))
+	require.NoError(t, unix.Connect(c, sa))
+	require.NoError(t, unix.SetNonblock(c, true))
+	buf := make([]byte, 1<<16)
+	for idle := 0; idle < 200; { // until nothing more goes for 200 ms
+		if _, err := unix.Write(c, buf); err != nil {
+			idle++
+			time.Sleep(time.Millisecond)
+		} else {
+			idle = 0
+		}
+	}
+	require.NoError(t, unix.SetNonblock(c, false))
+	require.NoError(t, unix.SetsockoptLinger(c, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: secs}))
+	return c
+}
+
+// TestForeignDescriptorNoDescriptorFreeNotLastClose (review 6 #2, review
+// 7): a message carrying one lingering socket, no descriptor free for the
+// real receive, and a discard worker that closes the look's copy the
+// moment it gets it: the kernel's drop of the undeliverable descriptor in
+// recvPeer's thread must not be the last close (the copy is given to the
+// workers only after the receive). Before the fix recvPeer waited out
+// the socket's linger.
+func TestForeignDescriptorNoDescriptorFreeNotLastClose(t *testing.T) {
+	ours, peer := seqpacketPair(t)
+	c := lingeringTCP(t, 3)
+	require.NoError(t, unix.Sendmsg(peer, []byte{1}, unix.UnixRights(c), nil, 0))
+	unix.Close(c)
+	orig, heldBefore := discardHook, held.Load()
+	done := make(chan struct{}, 4)
+	discardHook = func(fds []int) {
+		queued, _, _ := unix.Recvfrom(ours, make([]byte, 1), unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		for _, fd := range fds {
+			if queued > 0 { // the message is still queued: this worker was first
+				unix.Close(fd)
+				held.Add(-1)
+				continue
+			}
+			go func() { unix.Close(fd); held.Add(-1); done <- struct{}{} }()
+		}
+	}
+	t.Cleanup(func() {
+		discardHook = orig
+		held.Store(heldBefore)
+	})
+	var lim unix.Rlimit
+	require.NoError(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &lim))
+	start := time.Now()
+	_, err := recvPeer(ours, make([]byte, 16), func(d int) bool {
+		low := lim
+		low.Cur = uint64(d)
+		_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &low)
+		return false
+	})
+	took := time.Since(start)
+	require.NoError(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &lim))
+	t.Logf("recvPeer: %v after %v", err, took)
+	assert.Less(t, took, 2*time.Second, "the last close of a peer's lingering socket ran in recvPeer's thread")
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+	}
 }

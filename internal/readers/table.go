@@ -268,7 +268,8 @@ func (t *Table) accept(ln int) (*os.File, error) {
 }
 
 // closeListener closes the join socket. Shut down, it refuses new
-// connections; those still in its backlog are accepted and handed over
+// connections (and those blocked in connect() on its full backlog); those
+// still in its backlog are accepted and handed over
 // (closeConn), which ends each at once for the reader waiting on it (only
 // the listener's last close would end them otherwise, and that happens on
 // a discard worker, which a peer may hold). The listener itself is then
@@ -278,6 +279,10 @@ func (t *Table) closeListener() {
 	if rc, err := t.ln.SyscallConn(); err == nil {
 		_ = rc.Control(func(fd uintptr) {
 			_ = unix.Shutdown(int(fd), unix.SHUT_RDWR)
+			// listen() again wakes every connect() still blocked on the
+			// full backlog (the kernel wakes them one per accept
+			// otherwise): refused now, they end at once.
+			_ = unix.Listen(int(fd), listenBacklog+1)
 			for range listenBacklog + 1 {
 				conn, err := t.accept(int(fd))
 				if err != nil {
