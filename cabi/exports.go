@@ -30,6 +30,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/tsock/tsock/internal/readers"
 	"github.com/tsock/tsock/producer"
 	_ "github.com/tsock/tsock/reader" // links the C reader into libtsock.so
 	"github.com/tsock/tsock/ring"
@@ -53,7 +54,7 @@ func (forkGuard) Open(open func() (*os.File, error)) (*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	if C.tsockgo_fork_track_held(C.int(rawFd(f))) != 0 {
+	if C.tsockgo_fork_track_held(C.int(readers.RawFD(f))) != 0 {
 		closeDetached(f)
 		return nil, ring.Errorf(ring.StatusNoMem, "out of memory registering a descriptor with the fork guard")
 	}
@@ -66,7 +67,7 @@ func (forkGuard) Open(open func() (*os.File, error)) (*os.File, error) {
 // discard.go). It is shut down and duplicated, f closed (not the last),
 // and the duplicate closed on a goroutine nothing waits for.
 func closeDetached(f *os.File) {
-	if fd := rawFd(f); fd >= 0 {
+	if fd := readers.RawFD(f); fd >= 0 {
 		if d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err == nil {
 			_ = unix.Shutdown(fd, unix.SHUT_RDWR)
 			_ = f.Close()
@@ -83,25 +84,10 @@ func (forkGuard) Close(f *os.File) error {
 	defer runtime.UnlockOSThread()
 	C.tsockgo_fork_hold()
 	defer C.tsockgo_fork_unhold()
-	if fd := rawFd(f); fd >= 0 {
+	if fd := readers.RawFD(f); fd >= 0 {
 		C.tsockgo_fork_untrack_held(C.int(fd))
 	}
 	return f.Close()
-}
-
-// rawFd is f's descriptor number, -1 once closed. Not f.Fd(), which would
-// put a socket the runtime polls (the readers' connections) into blocking
-// mode, where deadlines no longer work.
-func rawFd(f *os.File) int {
-	sc, err := f.SyscallConn()
-	if err != nil {
-		return -1
-	}
-	fd := -1
-	if sc.Control(func(d uintptr) { fd = int(d) }) != nil {
-		return -1
-	}
-	return fd
 }
 
 func init() { producer.SetForkGuard(forkGuard{}) }

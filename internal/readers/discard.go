@@ -117,7 +117,7 @@ func closeTrusted(fd int) {
 // It reports false when neither worked (f is left open: the caller must
 // keep it so).
 func handOver(f *os.File, closeOwn func(*os.File) error) bool {
-	fd := rawFd(f)
+	fd := RawFD(f)
 	if fd < 0 {
 		return true // already closed
 	}

@@ -307,9 +307,10 @@ func (t *Table) closeConn(conn *os.File) {
 	}
 }
 
-// rawFd is f's descriptor number, -1 once closed (not f.Fd(), which would
-// make a socket the runtime polls blocking).
-func rawFd(f *os.File) int {
+// RawFD is f's descriptor number, -1 once f is closed. Not f.Fd(), which
+// puts a socket the runtime polls (a reader's connection) into blocking
+// mode, where deadlines no longer work.
+func RawFD(f *os.File) int {
 	rc, err := f.SyscallConn()
 	if err != nil {
 		return -1

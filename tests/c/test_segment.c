@@ -919,23 +919,31 @@ static void *read_y(void *arg) {
   return NULL;
 }
 
+/* The start of the keep tests: a fake producer with KEEP_PAGES-page
+ * slots, a reader attached to it, batch 0 (fake_publish_xy) published and
+ * acquired. Returns 0, or -1 with the failure counted. */
+static int keep_start(const char *name, fake *f, tsock_reader_t **r, const tsock_batch_t **b) {
+  if (fake_open_bytes(f, name, 2, 1, KEEP_PAGES * 4096) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return -1;
+  }
+  *r = NULL;
+  *b = NULL;
+  CHECK_RC(tsock_reader_attach(name, NULL, r), TSOCK_OK);
+  if (*r == NULL) return -1;
+  fake_publish_xy(f, 0);
+  CHECK_RC(tsock_reader_acquire(*r, b, 1000 * MS), TSOCK_OK);
+  return *b == NULL ? -1 : 0;
+}
+
 static void test_kept_batches(void) {
   const char *name = test_name("tseg", "keep");
   fake f;
-  if (fake_open_bytes(&f, name, 2, 1, KEEP_PAGES * 4096) != 0) {
-    perror("fake producer");
-    test_failures++;
-    return;
-  }
-  tsock_reader_t *r = NULL;
-  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_OK);
-  if (r == NULL) return;
-
+  tsock_reader_t *r;
+  const tsock_batch_t *b, *k0 = NULL, *kept = NULL;
   /* Batch 0: keep y only, while another thread reads it. */
-  fake_publish_xy(&f, 0);
-  const tsock_batch_t *b = NULL, *k0 = NULL, *kept = NULL;
-  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
-  if (b == NULL) return;
+  if (keep_start(name, &f, &r, &b) != 0) return;
   const uint8_t *x0 = b->tensors[0].data, *y0 = b->tensors[1].data;
   const void *slot0 = b->payload;
   CHECK(b->payload_capacity == KEEP_PAGES * 4096 && x0 == slot0 && y0 == x0 + Y_OFFSET);
@@ -1100,18 +1108,9 @@ static int segment_fds(const char *name, int skip_fd) {
 static void test_fork_and_producer_death_after_keep(void) {
   const char *name = test_name("tseg", "keepfork");
   fake f;
-  if (fake_open_bytes(&f, name, 2, 1, KEEP_PAGES * 4096) != 0) {
-    perror("fake producer");
-    test_failures++;
-    return;
-  }
-  tsock_reader_t *r = NULL;
-  CHECK_RC(tsock_reader_attach(name, NULL, &r), TSOCK_OK);
-  if (r == NULL) return;
-  fake_publish_xy(&f, 0);
-  const tsock_batch_t *b = NULL, *k0 = NULL, *k1 = NULL;
-  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
-  if (b == NULL) return;
+  tsock_reader_t *r;
+  const tsock_batch_t *b, *k0 = NULL, *k1 = NULL;
+  if (keep_start(name, &f, &r, &b) != 0) return;
   CHECK_RC(tsock_batch_keep(r, b, 3, &k0), TSOCK_OK);
   if (k0 == NULL) return;
   const uint8_t *x0 = b->tensors[0].data, *y0 = b->tensors[1].data;
