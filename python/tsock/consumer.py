@@ -7,12 +7,10 @@ import numbers
 import sys
 import weakref
 
-import numpy as np
-
-from . import _capi, _lifetime
-from ._output import NumpyOutput, numpy_view
-from ._reader import CODE, SHAPE, Raw, Reader
-from .errors import ChannelClosed, NoDevicePath, TsockError
+from . import _capi, _lifetime, _placement
+from ._reader import Raw, Reader
+from ._rebatch import Rebatched, Whole
+from .errors import ChannelClosed, TsockError
 
 _START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW}
 LIFETIMES = ("referenced", "step")
@@ -215,11 +213,7 @@ class Consumer:
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {sorted(OUTPUTS)}, got {output!r}")
         if device is not None:
-            from . import _cuda
-
-            if device_path not in _cuda.DEVICE_PATHS:
-                raise ValueError(f"device_path must be one of {_cuda.DEVICE_PATHS}, got {device_path!r}")
-            device = _cuda.check_device(device, output)  # before attaching
+            device = _placement.check(device, device_path, output)  # before attaching
         self.name = name
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
@@ -237,11 +231,8 @@ class Consumer:
         #: the producer's number of the epoch of the last batch read (None before any)
         self.producer_epoch = None
         self._pending: list[Raw] = []  # acquired ahead (len() peeks), not yet used
-        self._cur: Raw | None = None  # batch the last delivered rows came from
-        self._off = 0  # rows of _cur already delivered
         self._layout = None
-        self._rows_in_epoch = 0
-        self._end_pending = False  # an epoch ended after a partial batch was delivered
+        self._delivered = 0  # batches made in the epoch in progress
         self._closed_seen = False
         self._started = False  # a batch was taken
         self._closed = False
@@ -278,49 +269,20 @@ class Consumer:
         self.placement = "host"
         #: why the device path is not used (None when it is, or not asked for)
         self.placement_note = None
-        self._gpu = None
+        self._gpu = None  # the copy pipeline of the pinned host path (_cuda.Staging)
         if device is not None:
             try:
-                self._open_device(_cuda, device, device_path)
+                placed = _placement.place(self._reader, self._out, device, device_path, self.copy, lifetime)
             except BaseException:
                 self.close()
                 raise
-
-    def _open_device(self, _cuda, device, device_path: str) -> None:
-        if isinstance(device, _cuda.DLPackGPU):
-            if device_path == "never":
-                raise ValueError("output='dlpack' with a device has only the device path: device_path='never' is not")
-            ordinal, why = self._reader.open_device()
-            if ordinal is None or ordinal != device.index:
-                why = why or f"the producer's pool is on cuda:{ordinal} of this process, not on {device}"
-                raise NoDevicePath(f"output='dlpack', device={device}: {why}", _capi.ENODEVICE)
-            self._out = type(self._out)(self.copy, cuda=ordinal)
-            self.placement = "device"
-            return
-        backend = _cuda.backend(device)
-        if device_path != "never":
-            # The default lifetime gets copies on the GPU: a zero-copy batch
-            # kept in the pool would hold its slot for good.
-            copy = self.copy or self.lifetime == "referenced"
-            direct, unguard, why = _cuda.open_direct(
-                self._reader, device, backend, self._out, copy, device_path == "require"
-            )
-            if direct is not None:
-                self._out = direct
-                self._undo.append(unguard)
-                self.placement = "device"
-                return
-            self.placement_note = why
+            self._out, self._gpu = placed.output, placed.staging
+            self.placement, self.placement_note = placed.where, placed.note
+            self._undo.extend(placed.undo)
+        if batch_size is None:
+            self._cutter = Whole(self._take, self._release, self._out, self._reader)
         else:
-            self.placement_note = "device_path='never'"
-        if isinstance(backend, _cuda.JaxCuda):
-            self._out = _cuda.JaxCopyOutput(self._out, backend)
-            self.placement = "pinned" if backend.register(self._reader) is None else "host"
-            return
-        self._gpu = _cuda.Staging(backend, self._out)
-        self._out = self._gpu.output
-        self._reader.on_release = self._gpu.sync
-        self.placement = "pinned" if self._gpu.register(self._reader) else "host"
+            self._cutter = Rebatched(self._take, self._release, self._out, self._reader, batch_size, self.drop_last)
 
     # ---- lifecycle ----
 
@@ -331,7 +293,9 @@ class Consumer:
         fault. Idempotent."""
         self._closed = True
         self._pending = []
-        self._cur = None
+        cutter = getattr(self, "_cutter", None)  # None: closed during __init__
+        if cutter is not None:
+            cutter.forget()
         if self._gpu is not None:
             self._gpu.close()
         self._finalizer()
@@ -382,12 +346,12 @@ class Consumer:
         if self._skip:
             self._skip_rest()
         if self._gpu is None:
-            batch = self._next_whole() if self.batch_size is None else self._next_rebatched()
+            batch = self._next_host()
         else:
             batch = self._gpu.take(self._next_host)
         if batch is None:
             self.epoch += 1
-            self._rows_in_epoch = 0
+            self._delivered = 0
             self._open = False
             raise StopIteration
         self._open = True
@@ -398,26 +362,28 @@ class Consumer:
         broke off). The producer is shared, so it does not skip them: its
         batches up to the epoch's end are read and let go as they come."""
         self._skip = False
-        end_seen = self._end_pending  # re-batching: read with the last, partial batch
-        self._end_pending = False
+        end_seen = self._cutter.drop()  # re-batching: read with the last, partial batch
         if self._gpu is not None:
             # The batch staged (copied ahead) belongs to the dropped epoch.
             staged, self._gpu.staged = self._gpu.staged, None
             end_seen = end_seen or (staged is not None and staged.batch is None and staged.error is None)
-        self._release(self._cur)
-        self._cur, self._off = None, 0
         while not end_seen:
             raw = self._take(1)  # 1: a close without an epoch-end marker ends the epoch
             if raw is None:
                 break
             self._release(raw)
         self.epoch += 1
-        self._rows_in_epoch = 0
+        self._delivered = 0
         self._open = False
 
     def _next_host(self):
-        """The next batch of the epoch in the output's form, or None at its end."""
-        return self._next_whole() if self.batch_size is None else self._next_rebatched()
+        """The next batch of the epoch in the output's form, or None at its
+        end. Counted here, where it is made: the pinned host path makes batch
+        n+1 before it hands batch n out."""
+        batch = self._cutter.next()
+        if batch is not None:
+            self._delivered += 1
+        return batch
 
     def __len__(self) -> int:
         """Batches per epoch, after re-batching. Before the first batch this
@@ -461,7 +427,7 @@ class Consumer:
             except ChannelClosed as closed:
                 # Closed without an epoch-end marker: what was read is an
                 # epoch. Asking for another raises.
-                if self._closed_seen or (self._rows_in_epoch == 0 and rows_so_far == 0):
+                if self._closed_seen or (self._delivered == 0 and rows_so_far == 0):
                     raise ChannelClosed(_closed_message(self.name, self.epoch), closed.status) from None
                 self._closed_seen = True
                 return None
@@ -484,118 +450,3 @@ class Consumer:
             raw.done = True
             if not self._keeping and raw.lease.valid:
                 self._reader.release(raw)
-
-    def _next_whole(self):
-        # The previous batch is the caller's no longer: free its slot first.
-        self._release(self._cur)
-        self._cur = None
-        raw = self._take(0)
-        if raw is None:
-            return None
-        self._cur = raw
-        out, reader = self._out, self._reader
-        if type(out) is NumpyOutput:
-            leaves = out.views(reader, raw)
-        else:
-            leaves = [out.view(reader, raw, i) for i in range(len(raw.leaves))]
-        self._rows_in_epoch += 1
-        return raw.layout.build(leaves)
-
-    def _rows(self, raw: Raw) -> int:
-        """Rows (samples) of a producer batch: the shared first dimension."""
-        if raw.rows is not None:
-            return raw.rows
-        leaves = raw.leaves
-        if not leaves:
-            return 0
-        n = None
-        for i, leaf in enumerate(leaves):
-            if not leaf[SHAPE]:
-                raise ValueError(
-                    f"batch_size={self.batch_size} needs tensors with a batch dimension; tensor {i} is 0-d"
-                )
-            if n is None:
-                n = leaf[SHAPE][0]
-            elif leaf[SHAPE][0] != n:
-                raise ValueError(
-                    f"batch_size={self.batch_size} cuts every tensor along its first dimension, but tensor {i} "
-                    f"has {leaf[SHAPE][0]} rows and tensor 0 has {n}"
-                )
-        raw.rows = n
-        return n
-
-    def _next_rebatched(self):
-        if self._end_pending:
-            self._end_pending = False
-            return None
-        size = self.batch_size
-        out, reader = self._out, self._reader
-        cur = self._cur
-        if cur is not None and self._off >= self._rows(cur):
-            self._release(cur)
-            cur = self._cur = None
-        if cur is None:
-            cur = self._take(0)
-            if cur is None:
-                return None
-            self._cur, self._off = cur, 0
-        avail = self._rows(cur) - self._off
-        if avail >= size:
-            # Inside one producer batch: zero-copy slices.
-            start = self._off
-            self._off += size
-            leaves = [out.view(reader, cur, i, start, start + size) for i in range(len(cur.leaves))]
-            self._rows_in_epoch += size
-            return cur.layout.build(leaves)
-        return self._gather(cur, avail, size)
-
-    def _gather(self, cur: Raw, avail: int, size: int):
-        """A batch that straddles producer batches: copied, piece by piece,
-        releasing each producer batch once copied."""
-        layout = cur.layout
-        bufs = []
-        for leaf in cur.leaves:
-            bufs.append(np.empty((size,) + tuple(leaf[SHAPE][1:]), self._out.storage_dtype(leaf[CODE])))
-        codes = [leaf[CODE] for leaf in cur.leaves]
-        self._copy_rows(cur, self._off, self._off + avail, bufs, codes, 0)
-        filled = avail
-        self._release(cur)
-        self._cur = None
-        while filled < size:
-            raw = self._take(filled)
-            if raw is None:
-                break
-            if raw.layout.spec != layout.spec or len(raw.leaves) != len(bufs):
-                raise ValueError(
-                    "cannot re-batch across producer batches of different structure "
-                    f"({layout.spec} vs {raw.layout.spec})"
-                )
-            n = self._rows(raw)
-            take = min(n, size - filled)
-            self._copy_rows(raw, 0, take, bufs, codes, filled)
-            filled += take
-            if take < n:
-                self._cur, self._off = raw, take
-            else:
-                self._release(raw)
-        if filled < size:
-            # The epoch ended inside this batch.
-            self._end_pending = True
-            if self.drop_last or filled == 0:
-                self._end_pending = False
-                return None
-            bufs = [b[:filled] for b in bufs]
-        self._rows_in_epoch += filled
-        return layout.build([self._out.owned(b, leaf[CODE]) for b, leaf in zip(bufs, cur.leaves)])
-
-    def _copy_rows(self, raw: Raw, start: int, stop: int, bufs: list, codes: list, at: int) -> None:
-        for i, (leaf, buf, code) in enumerate(zip(raw.leaves, bufs, codes)):
-            if leaf[CODE] != code:
-                raise ValueError(f"cannot re-batch tensor {i}: its dtype changes between producer batches")
-            if tuple(leaf[SHAPE][1:]) != buf.shape[1:]:
-                raise ValueError(
-                    f"cannot re-batch tensor {i}: its rows have shape {tuple(leaf[SHAPE][1:])} in one producer batch "
-                    f"and {buf.shape[1:]} in another"
-                )
-            src = numpy_view(raw.mem, leaf, buf.dtype, start, stop)
-            buf[at : at + stop - start] = src

@@ -75,6 +75,7 @@ def test_wheel_is_manylinux_with_both_libraries_and_the_command():
         entry_points = z.read("tsock-0.1.0.dist-info/entry_points.txt").decode()
     for binary in ("tsock/_lib/libtsock.so", "tsock/_lib/libtsock_reader.so", "tsock/_bin/tsock"):
         assert binary in names, sorted(names)
+    assert "tsock/py.typed" in names, "PEP 561 marker missing: " + str(sorted(names))
     assert mode["tsock/_bin/tsock"] & 0o111, oct(mode["tsock/_bin/tsock"])
     assert "tsock = tsock._cli:main" in entry_points, entry_points
     # No library was grafted in: the binaries need only the system's libc.

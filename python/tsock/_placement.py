@@ -1,0 +1,80 @@
+"""Where a Consumer's batches live: host shared memory, copies on a GPU made
+from pinned shared memory, or the producer's device pool (see _cuda.py for
+the mechanisms).
+
+``place`` decides once, at Consumer(device=...), and returns what the
+consumer needs: the output its cutter (_rebatch.py) makes leaves with, the
+copy pipeline when there is one, what to undo at close, and the placement
+in words. Nothing here runs per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import _capi
+from .errors import NoDevicePath
+
+
+@dataclass
+class Placement:
+    """The outcome of place()."""
+
+    #: makes every delivered leaf (view, owned, storage_dtype)
+    output: object
+    #: "host", "pinned" or "device" (Consumer.placement)
+    where: str
+    #: why the device path is not used (Consumer.placement_note)
+    note: str | None = None
+    #: the pinned host path's copy pipeline (_cuda.Staging), or None
+    staging: object = None
+    #: called at close, after the reader detached
+    undo: list = field(default_factory=list)
+
+
+def check(device, device_path: str, output: str):
+    """The device, checked before attaching: ValueError for a bad
+    device_path, CUDAUnavailable when the framework sees no GPU."""
+    from . import _cuda
+
+    if device_path not in _cuda.DEVICE_PATHS:
+        raise ValueError(f"device_path must be one of {_cuda.DEVICE_PATHS}, got {device_path!r}")
+    return _cuda.check_device(device, output)
+
+
+def place(reader, host, device, device_path: str, copy: bool, lifetime: str) -> Placement:
+    """The placement of batches read by `reader` on `device`: the device path
+    where it opens (unless device_path="never"), else copies from pinned
+    shared memory. host is the output the consumer would use on the host."""
+    from . import _cuda
+
+    if isinstance(device, _cuda.DLPackGPU):
+        return _dlpack_on_device(reader, host, device, device_path, copy)
+    backend = _cuda.backend(device)
+    note = "device_path='never'"
+    if device_path != "never":
+        # The default lifetime gets copies on the GPU: a zero-copy batch
+        # kept in the pool would hold its slot for good.
+        direct, unguard, note = _cuda.open_direct(
+            reader, device, backend, host, copy or lifetime == "referenced", device_path == "require"
+        )
+        if direct is not None:
+            return Placement(direct, "device", undo=[unguard])
+    if isinstance(backend, _cuda.JaxCuda):
+        where = "pinned" if backend.register(reader) is None else "host"
+        return Placement(_cuda.JaxCopyOutput(host, backend), where, note)
+    staging = _cuda.Staging(backend, host)
+    reader.on_release = staging.sync
+    where = "pinned" if staging.register(reader) else "host"
+    return Placement(staging.output, where, note, staging)
+
+
+def _dlpack_on_device(reader, host, device, device_path: str, copy: bool) -> Placement:
+    """output="dlpack" with a device: the device path or NoDevicePath."""
+    if device_path == "never":
+        raise ValueError("output='dlpack' with a device has only the device path: device_path='never' is not")
+    ordinal, why = reader.open_device()
+    if ordinal is None or ordinal != device.index:
+        why = why or f"the producer's pool is on cuda:{ordinal} of this process, not on {device}"
+        raise NoDevicePath(f"output='dlpack', device={device}: {why}", _capi.ENODEVICE)
+    return Placement(type(host)(copy, cuda=ordinal), "device")
