@@ -10,9 +10,7 @@ import math
 import os
 import re
 import stat
-import struct
 import sys
-import threading
 import time
 import weakref
 from typing import NamedTuple
@@ -25,30 +23,22 @@ from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
 from .pipeline import Pipeline, Position
 
 ALIGN = 64  # every tensor starts on a cache line (and suits any dtype, DLPack and XLA)
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_TENSOR = struct.Struct("<ii8q8qQQQ")  # tsock_tensor_t
+_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{_capi.NAME_MAX}}}")
+_TENSOR = _capi.TENSOR_STRUCT
 _SMALL_COPY = 1 << 20
 
-_lib = None
-_lib_lock = threading.Lock()
-
-
-def library():
-    """libtsock.so (producer and reader; it carries a Go runtime), loaded once."""
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            _lib = _capi.load(reader_only=False)
-        return _lib
+# libtsock.so (producer and reader; it carries a Go runtime), loaded once.
+library = _capi.once(lambda: _capi.load(reader_only=False))
 
 
 def check_name(name) -> str:
-    """Validates a channel name as the C library does: 1..64 of
-    [A-Za-z0-9._-], not "." or "..". TsockError (status ENAME) otherwise."""
+    """Validates a channel name as the C library does (tsock_layout_name_ok in
+    ring/layout.h): 1..NAME_MAX of [A-Za-z0-9._-], not "." or "..".
+    TsockError (status ENAME) otherwise."""
     if not isinstance(name, str):
         raise TypeError(f"channel name must be str, got {type(name).__name__}")
     if not _NAME.fullmatch(name) or name in (".", ".."):
-        raise TsockError(f"channel name {name!r} is not 1..64 of [A-Za-z0-9._-]", _capi.ENAME)
+        raise TsockError(f"channel name {name!r} is not 1..{_capi.NAME_MAX} of [A-Za-z0-9._-]", _capi.ENAME)
     return name
 
 
