@@ -29,7 +29,7 @@ import (
 )
 
 // Options choose a channel's geometry, permissions and reader policy. The
-// zero value of each field means its default.
+// zero value of each field means its default (Default*, defaults.go).
 type Options struct {
 	Slots      uint32        // ring depth, a power of two; default 16
 	SlotBytes  uint64        // payload bytes per batch; default 1 MiB
@@ -49,14 +49,6 @@ type Options struct {
 	// library's path); without one, Create fails with a message saying so.
 	Device string
 }
-
-// Defaults of Options.
-const (
-	DefaultSlots      = 16
-	DefaultSlotBytes  = 1 << 20
-	DefaultMaxReaders = 64
-	DefaultMode       = 0o600
-)
 
 // Sentinel errors; errors.Is matches them against any producer error.
 var (

@@ -77,3 +77,18 @@ def test_tensor_struct_is_tsock_tensor_t():
     assert fields[:2] == (3, 2)
     assert fields[2:4] == (2, 3) and fields[2 + _capi.MAX_DIMS : 4 + _capi.MAX_DIMS] == (3, 1)
     assert fields[-3:] == (64, 24, 0x1000)
+
+
+def test_producer_takes_the_library_defaults(channel):
+    # slots and max_readers left out: the values tsock_producer_options_init
+    # writes (producer/defaults.h), which tsock.h and PYTHON.md document; the
+    # join window is checked against the default ring.
+    import numpy as np
+    import pytest
+    import tsock
+
+    with tsock.Producer(None, channel) as p:
+        assert (p.slots, p.max_readers) == (16, 64)
+        p.publish(np.zeros(4))
+    with pytest.raises(ValueError, match=r"join_window must be in 0\.\.slots-1 \(15\)"):
+        tsock.Producer(None, channel, join_window=16)
