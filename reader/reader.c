@@ -220,12 +220,10 @@ static int check_header(const tsock_header *h, uint64_t file_size, const char *n
     return tsock__fail(rc, "channel '%s': segment layout version %u, this library reads version %u",
                        name, h->layout_version, TSOCK_LAYOUT_VERSION);
   default:
-    if (why == 1) return tsock__fail(rc, "channel '%s': not a tsock segment (bad magic)", name);
-    if (why == 4)
+    if (why == TSOCK_HEADER_FILE_SIZE)
       return tsock__fail(rc, "channel '%s': segment is %llu bytes, header says %llu (truncated?)",
                          name, (unsigned long long)file_size, (unsigned long long)h->total_bytes);
-    return tsock__fail(rc, "channel '%s': inconsistent %s in header", name,
-                       why == 2 ? "struct sizes" : why == 5 ? "device pool" : "geometry");
+    return tsock__fail(rc, "channel '%s': %s", name, tsock_layout_header_fault_str(why));
   }
 }
 
