@@ -236,9 +236,7 @@ static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, co
  * dead one), else, without /proc, through the name. Read-only, as every
  * open of the segment by a reader. -1 with errno. */
 static int reopen(int fd, const char *path) {
-  char self[40];
-  snprintf(self, sizeof self, "/proc/self/fd/%d", fd);
-  int m = tsock__fork_open(self, O_RDONLY | O_CLOEXEC); /* a link to our own descriptor: followed */
+  int m = tsock__fork_reopen(fd);
   if (m >= 0 || errno != ENOENT) return m;
   return tsock__fork_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
 }
