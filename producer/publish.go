@@ -18,6 +18,18 @@ func (p *Producer) endReservation(err error) error {
 	return err
 }
 
+// holdsBatch is Publish's and Abort's first check (under mu): the producer
+// is open (else endReservation) and a batch is reserved for op.
+func (p *Producer) holdsBatch(op string) error {
+	if err := p.usable(); err != nil {
+		return p.endReservation(err)
+	}
+	if !p.reserved {
+		return ring.Errorf(ring.StatusState, "%s without a reserved batch", op)
+	}
+	return nil
+}
+
 // HoldsReservation reports whether a batch is reserved (and, once closed,
 // its payload's pages still mapped until Publish or Abort).
 func (p *Producer) HoldsReservation() bool {
@@ -60,11 +72,8 @@ func (p *Producer) Reserve(nbytes uint64, timeout time.Duration) ([]byte, error)
 func (p *Producer) Publish(tensors []Tensor, meta []byte) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := p.usable(); err != nil {
-		return p.endReservation(err)
-	}
-	if !p.reserved {
-		return ring.Errorf(ring.StatusState, "publish without a reserved batch")
+	if err := p.holdsBatch("publish"); err != nil {
+		return err
 	}
 	if len(tensors) > ring.MaxTensors {
 		return ring.Errorf(ring.StatusTooBig, "batch has %d tensors, at most %d", len(tensors), ring.MaxTensors)
@@ -106,11 +115,8 @@ func (p *Producer) slotIdle(seq uint64) error {
 func (p *Producer) Abort() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := p.usable(); err != nil {
-		return p.endReservation(err)
-	}
-	if !p.reserved {
-		return ring.Errorf(ring.StatusState, "abort without a reserved batch")
+	if err := p.holdsBatch("abort"); err != nil {
+		return err
 	}
 	p.reserved = false
 	return nil
