@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "../producer/defaults.h"
 #include "_cgo_export.h"
 #include "internal.h"
 
@@ -17,10 +18,10 @@ void tsock_producer_options_init(tsock_producer_options_t *o) {
   if (o == NULL) return;
   memset(o, 0, sizeof *o);
   o->size = sizeof *o;
-  o->slot_count = 16;
-  o->slot_bytes = 1u << 20;
-  o->max_readers = 64;
-  o->mode = 0600;
+  o->slot_count = TSOCK_DEFAULT_SLOT_COUNT; /* the producer's defaults (producer/defaults.h) */
+  o->slot_bytes = TSOCK_DEFAULT_SLOT_BYTES;
+  o->max_readers = TSOCK_DEFAULT_MAX_READERS;
+  o->mode = TSOCK_DEFAULT_MODE;
   o->gid = -1;
   o->evict_after_ns = 0;
   o->cuda_device = -1;

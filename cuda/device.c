@@ -25,12 +25,6 @@
 
 #include "driver.h"
 
-/* libtsock.so compiles this file after others (reader/cuda_shim.c), where
- * _GNU_SOURCE comes too late for <fcntl.h> to name it (Linux's value). */
-#ifndef F_OFD_SETLK
-#define F_OFD_SETLK 37
-#endif
-
 #define MAX_FENCES 64 /* = the most batches a reader holds (reader.c MAX_HELD) */
 
 typedef struct device_state {
@@ -240,15 +234,11 @@ static int find_device(const tsock_cuda_driver *d, const uint8_t *want, tsock_CU
  * open: the producer stores CLOSED before it checks the lock, so either it
  * sees our lock or we see CLOSED, and it never frees a pool we go on to map. */
 static int lock_mapping(device_state *g, const tsock_reader_view *v) {
-  char path[64];
-  snprintf(path, sizeof path, "/proc/self/fd/%d", v->fd);
-  int fd = tsock__fork_open(path, O_RDONLY | O_CLOEXEC); /* tracked from its first instant */
+  int fd = tsock__fork_reopen(v->fd); /* tracked from its first instant */
   if (fd < 0)
     return tsock__fail_errno(TSOCK_ESYS, errno, "tsock_reader_open_device: reopening the segment "
-                                               "(%s) for its device-mapping lock", path);
-  struct flock fl = {.l_type = F_RDLCK, .l_whence = SEEK_SET,
-                     .l_start = TSOCK_LOCK_DEVICE_MAP, .l_len = 1};
-  if (fcntl(fd, F_OFD_SETLK, &fl) != 0) {
+                                               "(/proc/self/fd/%d) for its device-mapping lock", v->fd);
+  if (tsock__lock_byte_shared(fd, TSOCK_LOCK_DEVICE_MAP) != 0) {
     int err = errno;
     tsock__fork_close(fd);
     return tsock__fail_errno(TSOCK_ESYS, err, "tsock_reader_open_device: the device-mapping lock");

@@ -2,6 +2,7 @@ package producer
 
 import (
 	"encoding/binary"
+	"errors"
 	"os"
 	"strings"
 	"syscall"
@@ -105,4 +106,100 @@ func quiet(f *os.File) bool {
 func ownedBy(st os.FileInfo, uid uint32) bool {
 	sys, ok := st.Sys().(*syscall.Stat_t)
 	return ok && sys.Uid == uid
+}
+
+// reclaimStale removes the segment at path if its producer is dead. It
+// returns nil when the path is free to try again.
+func reclaimStale(path string) error {
+	f, err := openLockable(func() (*os.File, error) { return os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0) })
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if errors.Is(err, syscall.ELOOP) {
+		return ring.Errorf(ring.StatusCorrupt, "%s is a symbolic link; not followed (remove it by hand)", path)
+	}
+	if err != nil {
+		return sysError(err, "open existing %s", path)
+	}
+	defer closeLockable(f)
+	if err := lockStale(f, path); err != nil {
+		return err
+	}
+	// We hold the dead producer's lock. Make sure the path still names this
+	// file (another producer may have replaced it meanwhile), then remove it.
+	var a, b syscall.Stat_t
+	if syscall.Fstat(int(f.Fd()), &a) != nil || syscall.Stat(path, &b) != nil || a.Ino != b.Ino || a.Dev != b.Dev {
+		return nil
+	}
+	// Producers link only finished segments, so anything without the magic
+	// is not ours: leave it for a person to look at.
+	buf := make([]byte, 8)
+	if n, _ := f.ReadAt(buf, 0); n < len(buf) || !looksLikeSegment(buf) {
+		return ring.Errorf(ring.StatusCorrupt, "%s is not a tsock segment; remove it by hand", path)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return sysError(err, "remove stale %s", path)
+	}
+	return nil
+}
+
+// lockStale takes the producer lock of the segment f, opened at path. The
+// lock is held either by a live producer, or for a moment by a process
+// reclaiming this dead segment (reclaimDead, at another channel's Create),
+// which then removes the name: so a held lock is given up to 50 ms to go
+// away or the name to change (nil error, lock not taken: the caller's
+// check that path still names f then sends it round again) before it
+// counts as a live producer. The 50 ms run from the first look and end with
+// a look taken after them: a Create descheduled between two looks (a
+// loaded machine) still looks again rather than give up on a stale view.
+// A read lock there (any reader of the file may take one) is no producer,
+// but it keeps the write lock from us: the error says so, and that tsock
+// rm removes the file.
+func lockStale(f *os.File, path string) error {
+	var deadline time.Time
+	for {
+		looked := time.Now()
+		err := ring.LockByte(f, ring.LockProducer)
+		if err == nil {
+			return nil
+		}
+		if err != ring.ErrLocked {
+			return sysError(err, "lock %s", path)
+		}
+		if st, err := os.Lstat(path); err != nil || !sameFile(f, st) {
+			return nil
+		}
+		if staleLockedHook != nil {
+			staleLockedHook()
+		}
+		if deadline.IsZero() {
+			deadline = looked.Add(50 * time.Millisecond)
+		}
+		if looked.After(deadline) {
+			if alive, err := ring.ByteWriteLocked(f, ring.LockProducer); err == nil && !alive {
+				return ring.Errorf(ring.StatusExist, "%s: its producer is dead, but a reader process holds a read "+
+					"lock on its producer byte (a broken or hostile reader); `tsock rm` removes the file", path)
+			}
+			return ring.Errorf(ring.StatusExist, "%s has a live producer", path)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// staleLockedHook, set by tests only, runs each time lockStale has found
+// the lock held, before it decides to look again or give up.
+var staleLockedHook func()
+
+// sameFile reports whether f is the file st describes.
+func sameFile(f *os.File, st os.FileInfo) bool {
+	fst, err := f.Stat()
+	return err == nil && os.SameFile(fst, st)
+}
+
+func looksLikeSegment(hdr []byte) bool {
+	var m uint64
+	for i := 7; i >= 0; i-- {
+		m = m<<8 | uint64(hdr[i])
+	}
+	return m == ring.Magic
 }

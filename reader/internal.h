@@ -25,7 +25,13 @@ TSOCK_INTERNAL int tsock__fail_errno(int status, int err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 TSOCK_INTERNAL void tsock__clear_error(void);
 
-/* ---- platform (platform.c) ---- */
+/* ---- platform (platform.c) ----
+ * The Linux primitives, one C copy. Their Go twins are in ring/platform.go
+ * (futex, OFD byte locks, /proc/<pid>/stat) and ring/segment.go (Reopen):
+ * the two libraries cannot share one body (libtsock_reader.so has no Go
+ * runtime), so both follow one contract, which docs/ARCHITECTURE.md
+ * ("Locks", "Acquire and release") and ring/layout.h (the lock bytes)
+ * state: change a twin together with its other half. */
 
 TSOCK_INTERNAL uint64_t tsock__now_ns(void); /* CLOCK_MONOTONIC */
 /* futex on a word of a MAP_SHARED mapping; timeout_ns < 0 waits forever. */
@@ -57,6 +63,10 @@ TSOCK_INTERNAL int tsock__fork_socket(int domain, int type, int protocol); /* so
 struct msghdr;
 TSOCK_INTERNAL ssize_t tsock__fork_recvmsg(int sock, struct msghdr *msg, int flags);
 TSOCK_INTERNAL void tsock__fork_close(int fd);
+/* A new open file description of the file open at fd, read-only, through
+ * /proc/self/fd (the same file even when its name is gone or names another
+ * file since), registered like tsock__fork_open's. -1 with errno. */
+TSOCK_INTERNAL int tsock__fork_reopen(int fd);
 TSOCK_INTERNAL int tsock__fork_track(int fd);
 TSOCK_INTERNAL void tsock__fork_untrack(int fd);
 TSOCK_INTERNAL uint64_t tsock__fork_generation(void);

@@ -170,12 +170,10 @@ void tsock__map_unmap(tsock_map_ref *m) {
  * closed in a child by the fork guard. */
 static int map_fd(tsock_leases *t) {
   if (t->map_fd >= 0) return TSOCK_OK;
-  char path[64];
-  snprintf(path, sizeof path, "/proc/self/fd/%d", t->seg_fd);
-  t->map_fd = tsock__fork_open(path, O_RDONLY | O_CLOEXEC);
+  t->map_fd = tsock__fork_reopen(t->seg_fd);
   if (t->map_fd < 0)
-    return tsock__fail_errno(TSOCK_ESYS, errno, "tsock_batch_keep: reopening the segment (%s)",
-                             path);
+    return tsock__fail_errno(TSOCK_ESYS, errno,
+                             "tsock_batch_keep: reopening the segment (/proc/self/fd/%d)", t->seg_fd);
   return TSOCK_OK;
 }
 

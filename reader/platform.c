@@ -1,6 +1,7 @@
 /* platform.c - the Linux primitives tsock stands on: monotonic clock,
  * futexes on shared words, OFD byte locks, process start times, and the
- * fork guard. */
+ * fork guard. The Go producer's twins are ring/platform.go and
+ * ring/segment.go (Reopen): same contract, see reader/internal.h. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -194,6 +195,12 @@ ssize_t tsock__fork_recvmsg(int sock, struct msghdr *msg, int flags) {
   pthread_mutex_unlock(&fork_mu);
   errno = err;
   return n;
+}
+
+int tsock__fork_reopen(int fd) {
+  char self[40];
+  snprintf(self, sizeof self, "/proc/self/fd/%d", fd);
+  return tsock__fork_open(self, O_RDONLY | O_CLOEXEC); /* a link to our own descriptor: followed */
 }
 
 void tsock__fork_close(int fd) {

@@ -220,12 +220,10 @@ static int check_header(const tsock_header *h, uint64_t file_size, const char *n
     return tsock__fail(rc, "channel '%s': segment layout version %u, this library reads version %u",
                        name, h->layout_version, TSOCK_LAYOUT_VERSION);
   default:
-    if (why == 1) return tsock__fail(rc, "channel '%s': not a tsock segment (bad magic)", name);
-    if (why == 4)
+    if (why == TSOCK_HEADER_FILE_SIZE)
       return tsock__fail(rc, "channel '%s': segment is %llu bytes, header says %llu (truncated?)",
                          name, (unsigned long long)file_size, (unsigned long long)h->total_bytes);
-    return tsock__fail(rc, "channel '%s': inconsistent %s in header", name,
-                       why == 2 ? "struct sizes" : why == 5 ? "device pool" : "geometry");
+    return tsock__fail(rc, "channel '%s': %s", name, tsock_layout_header_fault_str(why));
   }
 }
 
@@ -238,9 +236,7 @@ static int map_segment(struct reader_impl *r, int mfd, const struct stat *st, co
  * dead one), else, without /proc, through the name. Read-only, as every
  * open of the segment by a reader. -1 with errno. */
 static int reopen(int fd, const char *path) {
-  char self[40];
-  snprintf(self, sizeof self, "/proc/self/fd/%d", fd);
-  int m = tsock__fork_open(self, O_RDONLY | O_CLOEXEC); /* a link to our own descriptor: followed */
+  int m = tsock__fork_reopen(fd);
   if (m >= 0 || errno != ENOENT) return m;
   return tsock__fork_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
 }

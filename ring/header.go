@@ -71,10 +71,10 @@ func CheckHeader(buf []byte, fileSize uint64) (int, error) {
 	case st == StatusVersion:
 		return st, fmt.Errorf("%w: segment has version %d, this build reads %d", ErrVersion,
 			uint32(h.layout_version), LayoutVersion)
-	case why == 1:
+	case why == headerBadMagic:
 		return st, ErrNotSegment
 	default:
-		return st, fmt.Errorf("%w (file %d bytes, header says %d)", ErrTruncated, fileSize, uint64(h.total_bytes))
+		return st, fmt.Errorf("%w: %v (file %d bytes, header says %d)", ErrTruncated, why, fileSize, uint64(h.total_bytes))
 	}
 }
 

@@ -214,11 +214,19 @@ type (
 	C32s = C.int32_t
 )
 
+// headerFault is the rule a corrupt header broke (layout.h's
+// tsock_header_fault).
+type headerFault C.int
+
+const headerBadMagic headerFault = C.TSOCK_HEADER_BAD_MAGIC
+
+func (f headerFault) String() string { return C.GoString(C.tsock_layout_header_fault_str(C.int(f))) }
+
 // checkHeader applies tsock_layout_check_header; why names the failing rule.
-func checkHeader(h *Header, fileSize uint64) (status int, why int) {
+func checkHeader(h *Header, fileSize uint64) (status int, why headerFault) {
 	var w C.int
 	st := C.ring_check_header(h, C.uint64_t(fileSize), &w)
-	return int(st), int(w)
+	return int(st), headerFault(w)
 }
 
 func statusString(st int) string { return C.GoString(C.ring_status_str(C.int(st))) }

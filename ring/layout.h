@@ -423,30 +423,53 @@ static inline int tsock_layout_geometry(uint32_t slot_count, uint32_t reader_cap
   return 0;
 }
 
+/* Which rule of tsock_layout_check_header a corrupt header broke. */
+typedef enum tsock_header_fault {
+  TSOCK_HEADER_SOUND = 0,        /* no rule broken */
+  TSOCK_HEADER_BAD_MAGIC = 1,    /* not a tsock segment */
+  TSOCK_HEADER_STRUCT_SIZES = 2, /* header, slot or roster entry of another size */
+  TSOCK_HEADER_GEOMETRY = 3,     /* offsets and sizes not those of its parameters */
+  TSOCK_HEADER_FILE_SIZE = 4,    /* the file is not as long as the header says */
+  TSOCK_HEADER_DEVICE_POOL = 5   /* device pool fields out of range */
+} tsock_header_fault;
+
+/* What a tsock_header_fault means, for messages (the C reader's and Go's). */
+static inline const char *tsock_layout_header_fault_str(int why) {
+  switch (why) {
+  case TSOCK_HEADER_SOUND: return "no fault";
+  case TSOCK_HEADER_BAD_MAGIC: return "not a tsock segment (bad magic)";
+  case TSOCK_HEADER_STRUCT_SIZES: return "inconsistent struct sizes in header";
+  case TSOCK_HEADER_GEOMETRY: return "inconsistent geometry in header";
+  case TSOCK_HEADER_FILE_SIZE: return "segment size differs from the header's (truncated?)";
+  case TSOCK_HEADER_DEVICE_POOL: return "inconsistent device pool in header";
+  default: return "unknown fault";
+  }
+}
+
 /* Checks a mapped header against this layout and a file of `file_size`
  * bytes. Returns 0; TSOCK_EAGAIN while layout_version is still 0 (being
- * built); TSOCK_ECORRUPT for a foreign or inconsistent header (bad magic is
- * reported through *why = 1, sizes 2, geometry 3, file size 4, device pool 5);
- * TSOCK_EVERSION for another layout version. */
+ * built); TSOCK_ECORRUPT for a foreign or inconsistent header, with the
+ * rule it broke in *why (a tsock_header_fault); TSOCK_EVERSION for another
+ * layout version. */
 static inline int tsock_layout_check_header(const tsock_header *h, uint64_t file_size, int *why) {
-  *why = 0;
-  if (h->magic != TSOCK_MAGIC) return *why = 1, TSOCK_ECORRUPT;
+  *why = TSOCK_HEADER_SOUND;
+  if (h->magic != TSOCK_MAGIC) return *why = TSOCK_HEADER_BAD_MAGIC, TSOCK_ECORRUPT;
   uint32_t v = __atomic_load_n(&h->layout_version, __ATOMIC_ACQUIRE);
   if (v == 0) return TSOCK_EAGAIN;
   if (v != TSOCK_LAYOUT_VERSION) return TSOCK_EVERSION;
   if (h->header_size != sizeof(tsock_header) || h->slot_size != sizeof(tsock_slot) ||
       h->roster_entry_size != sizeof(tsock_roster_entry))
-    return *why = 2, TSOCK_ECORRUPT;
+    return *why = TSOCK_HEADER_STRUCT_SIZES, TSOCK_ECORRUPT;
   tsock_geometry g;
   if (tsock_layout_geometry(h->slot_count, h->reader_capacity, h->slot_payload_bytes, &g) != 0 ||
       g.slot_payload_bytes != h->slot_payload_bytes || g.roster_offset != h->roster_offset ||
       g.slots_offset != h->slots_offset || g.payload_offset != h->payload_offset ||
       g.total_bytes != h->total_bytes)
-    return *why = 3, TSOCK_ECORRUPT;
-  if (file_size != h->total_bytes) return *why = 4, TSOCK_ECORRUPT;
+    return *why = TSOCK_HEADER_GEOMETRY, TSOCK_ECORRUPT;
+  if (file_size != h->total_bytes) return *why = TSOCK_HEADER_FILE_SIZE, TSOCK_ECORRUPT;
   if (h->gpu_pool > 1 ||
       (h->gpu_pool == 1 && h->gpu_pool_bytes != (uint64_t)h->slot_count * h->slot_payload_bytes))
-    return *why = 5, TSOCK_ECORRUPT;
+    return *why = TSOCK_HEADER_DEVICE_POOL, TSOCK_ECORRUPT;
   return 0;
 }
 

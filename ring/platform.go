@@ -1,5 +1,11 @@
 package ring
 
+// The Linux primitives of the Go side: futexes on shared words, OFD byte
+// locks, process start times (and Reopen, segment.go). Their C twins, for
+// libtsock_reader.so, which has no Go runtime to call these, are in
+// reader/platform.c; both follow one contract (reader/internal.h says
+// where it is written): change a twin together with its other half.
+
 import (
 	"errors"
 	"os"

@@ -56,7 +56,8 @@ func MapSegment(f *os.File, g Geometry, slots, readers uint32, writable bool) (*
 // Reopen opens the file of f again, as a new open file description (not a
 // dup: a lock on f's description is not shared with it), through
 // /proc/self/fd, which works for a file without a name too (O_TMPFILE).
-// The result is checked to be the same file.
+// The result is checked to be the same file. The C reader's twin is
+// tsock__fork_reopen (reader/platform.c).
 func Reopen(f *os.File, writable bool) (*os.File, error) {
 	flags := os.O_RDONLY
 	if writable {

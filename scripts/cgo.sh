@@ -10,7 +10,7 @@
 # source changed.
 root=$(cd "$(dirname "$0")/.." && pwd)
 hash=$(cd "$root" && cat include/*.h ring/*.h reader/*.c reader/*.h cuda/*.c cuda/*.h \
-  producer/*.c cabi/*.c internal/batchgen/*.h 2>/dev/null | sha256sum | cut -c1-16)
+  producer/*.c producer/*.h cabi/*.c internal/batchgen/*.h 2>/dev/null | sha256sum | cut -c1-16)
 CGO_CFLAGS="-O2 -g -DTSOCK_C_SOURCES=0x$hash"
 export CGO_CFLAGS
 [ $# -eq 0 ] && { echo "$CGO_CFLAGS"; exit 0; }

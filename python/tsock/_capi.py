@@ -4,14 +4,24 @@ This module mirrors the C header one to one and nothing else; the Python API
 lives in the modules beside it. The library is found, in order: the
 TSOCK_LIBRARY_DIR environment variable, the package's own _lib folder (where
 `pip install` puts it), the repository's build folder.
+
+The constants below restate the header's #defines and enums by hand (an
+installed wheel carries no tsock.h to read them from), under the header's
+names less TSOCK_; tests/python/test_capi.py fails when a name or a value
+differs, or is missing on either side.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import struct
+import threading
 from pathlib import Path
 
+VERSION_MAJOR = 0
+VERSION_MINOR = 1
+NAME_MAX = 64
 MAX_DIMS = 8
 MAX_TENSORS = 16
 META_MAX = 256
@@ -73,6 +83,11 @@ class Tensor(ctypes.Structure):
         ("nbytes", ctypes.c_uint64),
         ("data", ctypes.c_void_p),
     ]
+
+
+# tsock_tensor_t as struct packs it (the producer fills descriptors in place,
+# the reader unpacks them); test_capi.py checks it against Tensor.
+TENSOR_STRUCT = struct.Struct(f"<ii{MAX_DIMS}q{MAX_DIMS}qQQQ")
 
 
 class Batch(ctypes.Structure):
@@ -212,6 +227,21 @@ def _declare(lib: ctypes.CDLL, table: dict) -> None:
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
+
+
+def once(make):
+    """A function that returns make(), called at the first call only (under a
+    lock: two threads never load a library twice)."""
+    made = []
+    lock = threading.Lock()
+
+    def get():
+        with lock:
+            if not made:
+                made.append(make())
+            return made[0]
+
+    return get
 
 
 def load(reader_only: bool = False) -> ctypes.CDLL:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 
+from . import _capi
 from .errors import check
 
 LEGACY = b"dltensor"
@@ -138,11 +139,11 @@ def use(lib, lease: Lease, stream, host_wait_without_stream: bool = False) -> No
         raise BufferError(_RELEASED)
     flags = 0
     if stream is None and host_wait_without_stream:
-        stream, flags = 0, 1
+        stream, flags = 0, _capi.CUDA_SYNC
     elif stream is None:
         stream = 1  # the array API: None means the legacy default stream
     if stream == -1:  # the consumer orders nothing: wait on the host
-        stream, flags = 0, 1
+        stream, flags = 0, _capi.CUDA_SYNC
     rc = lib.cuda_use(lease.batch, int(stream), flags)
     if rc:
         check(lib, rc, "order the batch on a CUDA stream")

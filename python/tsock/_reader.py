@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import struct
-import threading
 import time
 import weakref
 from collections import deque
@@ -25,12 +24,10 @@ SLICE_NS = 100_000_000
 
 _BATCH = struct.Struct("<QQQIIQQIIQQQQ")  # tsock_batch_t
 LIVE_TOTAL = _capi.MAX_TENSORS  # dlpack_live[LIVE_TOTAL]: descriptors of the batch alive
-_TENSOR = struct.Struct("<ii8q8qQQQ")  # tsock_tensor_t
+_TENSOR = _capi.TENSOR_STRUCT
 assert _BATCH.size == ctypes.sizeof(_capi.Batch) and _TENSOR.size == ctypes.sizeof(_capi.Tensor)
 
 _P = ctypes.c_void_p
-_lib = None
-_lib_lock = threading.Lock()
 
 
 class _Lib:
@@ -59,13 +56,8 @@ class _Lib:
         return getattr(self.cdll, name)
 
 
-def library() -> _Lib:
-    """libtsock_reader.so, loaded once per process."""
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            _lib = _Lib(_capi.load(reader_only=True))
-        return _lib
+# libtsock_reader.so, loaded once per process.
+library = _capi.once(lambda: _Lib(_capi.load(reader_only=True)))
 
 
 # A leaf (one tensor of an acquired batch) is a tuple, for speed:

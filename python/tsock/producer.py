@@ -10,9 +10,7 @@ import math
 import os
 import re
 import stat
-import struct
 import sys
-import threading
 import time
 import weakref
 from typing import NamedTuple
@@ -25,31 +23,39 @@ from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
 from .pipeline import Pipeline, Position
 
 ALIGN = 64  # every tensor starts on a cache line (and suits any dtype, DLPack and XLA)
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_TENSOR = struct.Struct("<ii8q8qQQQ")  # tsock_tensor_t
+_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{_capi.NAME_MAX}}}")
+_TENSOR = _capi.TENSOR_STRUCT
 _SMALL_COPY = 1 << 20
 
-_lib = None
-_lib_lock = threading.Lock()
-
-
-def library():
-    """libtsock.so (producer and reader; it carries a Go runtime), loaded once."""
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            _lib = _capi.load(reader_only=False)
-        return _lib
+# libtsock.so (producer and reader; it carries a Go runtime), loaded once.
+library = _capi.once(lambda: _capi.load(reader_only=False))
 
 
 def check_name(name) -> str:
-    """Validates a channel name as the C library does: 1..64 of
-    [A-Za-z0-9._-], not "." or "..". TsockError (status ENAME) otherwise."""
+    """Validates a channel name as the C library does (tsock_layout_name_ok in
+    ring/layout.h): 1..NAME_MAX of [A-Za-z0-9._-], not "." or "..".
+    TsockError (status ENAME) otherwise."""
     if not isinstance(name, str):
         raise TypeError(f"channel name must be str, got {type(name).__name__}")
     if not _NAME.fullmatch(name) or name in (".", ".."):
-        raise TsockError(f"channel name {name!r} is not 1..64 of [A-Za-z0-9._-]", _capi.ENAME)
+        raise TsockError(f"channel name {name!r} is not 1..{_capi.NAME_MAX} of [A-Za-z0-9._-]", _capi.ENAME)
     return name
+
+
+def _option_defaults(lib) -> _capi.ProducerOptions:
+    """Producer options as tsock_producer_options_init fills them: the
+    defaults, written once (producer/defaults.h)."""
+    opts = _capi.ProducerOptions()
+    lib.tsock_producer_options_init(ctypes.byref(opts))
+    return opts
+
+
+def _check_join_window(join_window, slots: int | None) -> None:
+    """ValueError unless join_window is in 0..slots-1 (slots None: not yet
+    known, checked again once it is)."""
+    if not isinstance(join_window, int) or join_window < 0 or (slots is not None and join_window >= slots):
+        bound = "slots-1" if slots is None else f"slots-1 ({slots - 1})"
+        raise ValueError(f"join_window must be in 0..{bound}, got {join_window!r}")
 
 
 def epoch_sizes(loader) -> tuple[int | None, int | None]:
@@ -320,13 +326,15 @@ class Producer:
         publish() by hand).
       name: channel name, 1..64 of [A-Za-z0-9._-].
       slots: ring depth, a power of two (2..65536): how far the producer may
-        run ahead of the slowest consumer.
+        run ahead of the slowest consumer; None: the library's default
+        (tsock_producer_options_init).
       slot_bytes: payload bytes per batch; default first batch x headroom.
       headroom: margin over the first batch's size for later, larger batches.
       join_window: a consumer that attaches while at most this many batches
         of the current epoch are published still gets the whole epoch
         (the producer keeps them); must be less than slots.
-      max_readers: consumers that may attach at once.
+      max_readers: consumers that may attach at once (1..1024); None: the
+        library's default.
       wait_readers: before the first batch, wait for this many consumers.
       timeout: seconds to wait for a free slot or for wait_readers (None:
         forever; a dead consumer never blocks, it is dropped within ~10 ms).
@@ -348,11 +356,11 @@ class Producer:
         loader=None,
         name: str = "sweep",
         *,
-        slots: int = 16,
+        slots: int | None = None,
         slot_bytes: int | None = None,
         headroom: float = 1.25,
         join_window: int = 0,
-        max_readers: int = 64,
+        max_readers: int | None = None,
         wait_readers: int = 0,
         timeout: float | None = None,
         evict_after: float | None = None,
@@ -360,15 +368,14 @@ class Producer:
     ):
         self.name = check_name(name)
         self.cuda_device = _cuda_ordinal(device)
-        if not isinstance(slots, int) or slots < 2 or slots > 65536 or slots & (slots - 1):
+        if slots is not None and (not isinstance(slots, int) or slots < 2 or slots > 65536 or slots & (slots - 1)):
             raise ValueError(f"slots must be a power of two in 2..65536, got {slots!r}")
         if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes < 1):
             raise ValueError(f"slot_bytes must be a positive int or None, got {slot_bytes!r}")
         if not isinstance(headroom, (int, float)) or headroom < 1:
             raise ValueError(f"headroom must be a number >= 1, got {headroom!r}")
-        if not isinstance(join_window, int) or join_window < 0 or join_window >= slots:
-            raise ValueError(f"join_window must be in 0..slots-1 ({slots - 1}), got {join_window!r}")
-        if not isinstance(max_readers, int) or not 1 <= max_readers <= 1024:
+        _check_join_window(join_window, slots)
+        if max_readers is not None and (not isinstance(max_readers, int) or not 1 <= max_readers <= 1024):
             raise ValueError(f"max_readers must be in 1..1024, got {max_readers!r}")
         if not isinstance(wait_readers, int) or wait_readers < 0:
             raise ValueError(f"wait_readers must be an int >= 0, got {wait_readers!r}")
@@ -393,6 +400,12 @@ class Producer:
         # at every epoch, come from a process that already carries the Go
         # runtime (they never call it).
         self._lib = library()
+        defaults = _option_defaults(self._lib)
+        if slots is None:
+            self.slots = defaults.slot_count
+            _check_join_window(join_window, self.slots)
+        if max_readers is None:
+            self.max_readers = defaults.max_readers
         self._handle = ctypes.c_void_p()
         self._pid = os.getpid()
         self._sizes = None  # (batches, samples) per epoch of the loader
@@ -411,8 +424,7 @@ class Producer:
         nbytes = self.slot_bytes
         if nbytes is None:
             nbytes = max(4096, -(-math.ceil(batch_bytes * self.headroom) // 4096) * 4096)
-        opts = _capi.ProducerOptions()
-        lib.tsock_producer_options_init(ctypes.byref(opts))
+        opts = _option_defaults(lib)
         opts.slot_count = self.slots
         opts.slot_bytes = nbytes
         opts.max_readers = self.max_readers
