@@ -399,11 +399,16 @@ class Producer:
         # Loaded now, so that a (DataLoader) loader's worker processes, forked
         # at every epoch, come from a process that already carries the Go
         # runtime (they never call it).
-        self._lib = library()
-        defaults = _option_defaults(self._lib)
-        if slots is None:
-            self.slots = defaults.slot_count
-            _check_join_window(join_window, self.slots)
+        try:
+            self._lib = library()
+            defaults = _option_defaults(self._lib)
+            if slots is None:
+                self.slots = defaults.slot_count
+                _check_join_window(join_window, self.slots)
+        except BaseException:
+            if isinstance(loader, Pipeline):
+                loader.close()  # its workers were started for this producer
+            raise
         if max_readers is None:
             self.max_readers = defaults.max_readers
         self._handle = ctypes.c_void_p()

@@ -92,3 +92,25 @@ def test_producer_takes_the_library_defaults(channel):
         p.publish(np.zeros(4))
     with pytest.raises(ValueError, match=r"join_window must be in 0\.\.slots-1 \(15\)"):
         tsock.Producer(None, channel, join_window=16)
+
+
+def test_a_join_window_past_the_default_ring_stops_the_pipeline_workers(channel):
+    # With a Pipeline, the workers start before the library (and so the
+    # default ring size) is loaded; the join window refused then must not
+    # leave them running.
+    import pytest
+    import tsock
+    from pipeline_helpers import make_pipeline, wait_gone
+
+    def children() -> set[int]:
+        pids = set()
+        for task in Path("/proc/self/task").iterdir():
+            pids.update(int(p) for p in (task / "children").read_text().split())
+        return pids
+
+    before = children()
+    pipe = make_pipeline(workers=2)
+    with pytest.raises(ValueError, match=r"join_window must be in 0\.\.slots-1 \(15\)"):
+        tsock.Producer(pipe, channel, join_window=16)
+    left = wait_gone(children() - before)
+    assert not left, f"the pipeline's workers were left running: {left}"
