@@ -12,7 +12,6 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"text/tabwriter"
@@ -227,7 +226,7 @@ func runDemoParent(cfg demoConfig, stderr io.Writer, stop *atomic.Bool) (res dem
 	// file from one goroutine per child: serialise those writes.
 	childStderr := stderr
 	if _, isFile := stderr.(*os.File); !isFile {
-		childStderr = &lockedWriter{w: stderr}
+		childStderr = childproc.Serialized(stderr)
 	}
 	children := make([]*demoChild, 0, cfg.readers)
 	defer func() {
@@ -368,19 +367,6 @@ func judgeReader(c *demoChild, wantBatches, wantEpochs uint64) readerResult {
 		rr.OK = true
 	}
 	return rr
-}
-
-// lockedWriter serialises Writes to w.
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-// Write writes p to the underlying writer under the lock.
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }
 
 // exitText describes the result of exec.Cmd.Wait.

@@ -150,6 +150,22 @@ func (p *Process) keepOutput(b []byte) {
 	}
 }
 
+// Serialized returns a writer that passes each Write on to w under a lock:
+// for one w (a log, a shared stderr) given as Options.Stderr to several
+// children, whose output each child's own goroutine copies.
+func Serialized(w io.Writer) io.Writer { return &lockedWriter{w: w} }
+
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(b)
+}
+
 type writerFunc func([]byte) (int, error)
 
 func (f writerFunc) Write(b []byte) (int, error) { return f(b) }

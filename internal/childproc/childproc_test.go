@@ -42,6 +42,11 @@ func playRole(role string, args []string) int {
 		os.Stdout.Write([]byte{0, 1, 2, 0xff})
 		fmt.Fprint(os.Stderr, "said")
 		return 0
+	case "chattyerr": // many lines on stderr
+		for i := range 1000 {
+			fmt.Fprintln(os.Stderr, "line", i)
+		}
+		return 0
 	case "echo": // stdin back to stdout
 		io.Copy(os.Stdout, os.Stdin)
 		return 0
@@ -189,4 +194,20 @@ func TestStartFailure(t *testing.T) {
 	_, err := Start("/nonexistent/program", nil, Options{})
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "program")
+}
+
+// TestSerializedSharedStderr: children sharing one Stderr through
+// Serialized (a bytes.Buffer is not safe for concurrent writes: without
+// the lock the race detector fails this test, and lines can be lost).
+func TestSerializedSharedStderr(t *testing.T) {
+	var shared bytes.Buffer
+	w := Serialized(&shared)
+	var ps []*Process
+	for range 4 {
+		ps = append(ps, startRole(t, "chattyerr", Options{Stderr: w}))
+	}
+	for _, p := range ps {
+		require.NoError(t, p.Wait(time.Minute))
+	}
+	assert.Equal(t, 4*1000, strings.Count(shared.String(), "\n"))
 }

@@ -252,7 +252,8 @@ type child struct {
 	kind   string // "producer", "c", "go", "python"
 	slot   int
 	slowUs int
-	cmd    *exec.Cmd      // started by childproc
+	proc   *childproc.Process
+	cmd    *exec.Cmd      // proc.Cmd
 	stdin  io.WriteCloser // producer: its commands
 	done   <-chan struct{}
 	lines  chan string // producer: its replies
@@ -279,14 +280,7 @@ type child struct {
 
 func (c *child) pid() int { return c.cmd.Process.Pid }
 
-func (c *child) exited() bool {
-	select {
-	case <-c.done:
-		return true
-	default:
-		return false
-	}
-}
+func (c *child) exited() bool { return c.proc.Exited() }
 
 type goneReport struct {
 	c       *child
@@ -341,7 +335,7 @@ func (s *soak) failed() bool {
 }
 
 func runSoak(cfg config, log io.Writer) Result {
-	s := &soak{cfg: cfg, log: &lockedWriter{w: log}, rnd: rand.New(rand.NewPCG(cfg.seed, 0x50a4)),
+	s := &soak{cfg: cfg, log: childproc.Serialized(log), rnd: rand.New(rand.NewPCG(cfg.seed, 0x50a4)),
 		finals: map[int64]uint64{}}
 	s.res = Result{Seed: cfg.seed, Readers: cfg.readers, CReaders: cfg.cReaders, PyReaders: cfg.pyReaders,
 		Kinds: map[string]*KindCounts{}, Forking: cfg.fork}
@@ -643,7 +637,7 @@ func (s *soak) start(c *child, name string, args ...string) error {
 	if err != nil {
 		return err
 	}
-	c.cmd, c.stdin, c.done = p.Cmd, p.Stdin, p.Done()
+	c.proc, c.cmd, c.stdin, c.done = p, p.Cmd, p.Stdin, p.Done()
 	return nil
 }
 
@@ -1450,16 +1444,4 @@ func printResult(w io.Writer, cfg config, r Result) {
 	for _, f := range r.Failures {
 		fmt.Fprintf(w, "  %s\n", f)
 	}
-}
-
-// lockedWriter serialises writes from the children's output copiers.
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }
