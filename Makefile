@@ -60,8 +60,8 @@ constraints:
 # pytest with the current leg's Python and with the oldest leg's.
 PY_TEST_ENV = TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python)
 py-test: build py-env-test
-	$(PY) -m ruff check python tests/python tests/wheel examples bench
-	$(PY) -m ruff format --check python tests/python tests/wheel examples bench
+	$(PY) -m ruff check python tests/python tests/wheel tests/soak examples bench
+	$(PY) -m ruff format --check python tests/python tests/wheel tests/soak examples bench
 	$(PY_TEST_ENV) TSOCK_LEG=current $(PY) -m pytest -q tests/python
 	$(PY_TEST_ENV) TSOCK_LEG=oldest $(PY_OLDEST) -m pytest -q tests/python
 
@@ -113,7 +113,7 @@ bench-gpu: build py-env py-env-bench
 # Chaos soak (docs/OPERATIONS.md): SOAK_DURATION=10m by default.
 SOAK_DURATION ?= 10m
 soak:
-	go run ./bench/soak --duration $(SOAK_DURATION)
+	go run ./tests/soak --duration $(SOAK_DURATION)
 
 # Every fuzz target for FUZZTIME each (the seed corpora run in go-test).
 FUZZTIME ?= 60s

@@ -7,19 +7,17 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"runtime"
 	"strconv"
-	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/tsock/tsock/internal/childproc"
 )
 
 // Offsets in the shared page of the baselines; each hot word has its own
@@ -89,39 +87,16 @@ func (s *sharedPage) remove() {
 	_ = os.Remove(s.path)
 }
 
-// child is a helper process whose stdout carries its samples.
+// child is a helper process whose stdout carries its samples; what it
+// says on stderr is passed through to ours and quoted in its errors (and
+// the report's FAILED row).
 type child struct {
-	cmd    *exec.Cmd
+	*childproc.Process
 	stdout bytes.Buffer
-	stderr tailBuffer // also passed through to our stderr
-	done   chan struct{}
-	err    error
 }
 
-// tailBuffer keeps the last bytes written to it: what a child said before
-// it failed, for the error (and the report's FAILED row).
-type tailBuffer struct {
-	mu  sync.Mutex
-	buf []byte
-}
-
-const tailBytes = 512
-
-func (t *tailBuffer) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.buf = append(t.buf, p...)
-	if len(t.buf) > tailBytes {
-		t.buf = append([]byte(nil), t.buf[len(t.buf)-tailBytes:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tailBuffer) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return strings.TrimSpace(string(t.buf))
-}
+// stderrKept bounds what is kept of a child's stderr for its error.
+const stderrKept = 512
 
 // startChild re-executes this binary in role with args. The child gets
 // SIGKILL if the parent dies. The caller must hold its OS thread locked
@@ -137,52 +112,22 @@ func startChild(role string, args ...string) (*child, error) {
 // startProgram runs path with args as a child (see startChild); the C
 // helper (helper/tbench.c) writes its samples in the same format.
 func startProgram(path string, args ...string) (*child, error) {
-	c := &child{done: make(chan struct{})}
-	c.cmd = exec.Command(path, args...)
-	c.cmd.Stdout = &c.stdout
-	c.cmd.Stderr = io.MultiWriter(os.Stderr, &c.stderr)
-	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := c.cmd.Start(); err != nil {
+	c := &child{}
+	p, err := childproc.Start(path, args, childproc.Options{Label: "child", Stdout: &c.stdout, Stderr: os.Stderr,
+		Keep: stderrKept})
+	if err != nil {
 		return nil, err
 	}
-	go func() { c.err = c.cmd.Wait(); close(c.done) }()
+	c.Process = p
 	return c, nil
-}
-
-// exited reports whether the child has ended.
-func (c *child) exited() bool {
-	select {
-	case <-c.done:
-		return true
-	default:
-		return false
-	}
 }
 
 // finish waits up to timeout for the child and decodes its samples.
 func (c *child) finish(timeout time.Duration) ([]uint64, error) {
-	select {
-	case <-c.done:
-	case <-time.After(timeout):
-		_ = c.cmd.Process.Kill()
-		<-c.done
-		return nil, fmt.Errorf("child %d did not finish within %v", c.cmd.Process.Pid, timeout)
-	}
-	if c.err != nil {
-		if said := c.stderr.String(); said != "" {
-			return nil, fmt.Errorf("child %d: %v: %s", c.cmd.Process.Pid, c.err, said)
-		}
-		return nil, fmt.Errorf("child %d: %v", c.cmd.Process.Pid, c.err)
+	if err := c.Wait(timeout); err != nil {
+		return nil, err
 	}
 	return decodeSamples(c.stdout.Bytes())
-}
-
-// kill ends the child at once.
-func (c *child) kill() {
-	if !c.exited() {
-		_ = c.cmd.Process.Kill()
-		<-c.done
-	}
 }
 
 // writeSamples sends samples to the parent: a count, then the values, then
@@ -246,8 +191,8 @@ func checkParent(args []string) ([]string, error) {
 func waitFlag(w *uint32, c *child, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for atomic.LoadUint32(w) == 0 {
-		if c.exited() {
-			return fmt.Errorf("child exited early: %v", c.err)
+		if c.Exited() {
+			return fmt.Errorf("child exited early: %v", c.Err())
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("child not ready within %v", timeout)
@@ -266,7 +211,7 @@ func pingPong(cfg config, shm *sharedPage) (stats, error) {
 	if err != nil {
 		return stats{}, err
 	}
-	defer c.kill()
+	defer c.Kill()
 	if err := waitFlag(shm.u32(offReady), c, 10*time.Second); err != nil {
 		return stats{}, err
 	}
@@ -276,8 +221,8 @@ func pingPong(cfg config, shm *sharedPage) (stats, error) {
 		t0 := now()
 		atomic.StoreUint64(ping, i)
 		for spins := 0; atomic.LoadUint64(pong) != i; spins++ {
-			if spins&0xfffff == 0xfffff && c.exited() {
-				died = fmt.Errorf("ping-pong child died: %v", c.err)
+			if spins&0xfffff == 0xfffff && c.Exited() {
+				died = fmt.Errorf("ping-pong child died: %v", c.Err())
 				return 0, 0, false
 			}
 		}
@@ -418,7 +363,7 @@ func futexBaseline(cfg config, shm *sharedPage) (stats, error) {
 	if err != nil {
 		return stats{}, err
 	}
-	defer c.kill()
+	defer c.Kill()
 	if err := waitFlag(shm.u32(offReady), c, 10*time.Second); err != nil {
 		return stats{}, err
 	}

@@ -196,7 +196,7 @@ func readCost(cfg config, bytes uint64) costRow {
 	}
 	defer killAll(readers)
 	tensors := []producer.Tensor{{Dtype: ring.DtypeUint8, Shape: []int64{int64(bytes)}}}
-	for seq := uint64(0); !readers[0].exited(); {
+	for seq := uint64(0); !readers[0].Exited(); {
 		buf, err := p.Reserve(bytes, 0)
 		if errors.Is(err, producer.ErrBackpressure) {
 			time.Sleep(200 * time.Microsecond)

@@ -74,9 +74,9 @@ func attachReaders(cfg config, p *producer.Producer, role, name string, n int, a
 	deadline := time.Now().Add(20 * time.Second)
 	for p.WaitReaders(n, 20*time.Millisecond) != nil {
 		for _, c := range children {
-			if c.exited() {
+			if c.Exited() {
 				killAll(children)
-				return nil, fmt.Errorf("reader %d exited before attaching: %v", c.cmd.Process.Pid, c.err)
+				return nil, fmt.Errorf("reader %d exited before attaching: %v", c.Pid(), c.Err())
 			}
 		}
 		if time.Now().After(deadline) {
@@ -87,20 +87,9 @@ func attachReaders(cfg config, p *producer.Producer, role, name string, n int, a
 	return children, nil
 }
 
-// wait waits up to timeout for a child that sends no samples (a sender).
-func (c *child) wait(timeout time.Duration) error {
-	select {
-	case <-c.done:
-		return c.err
-	case <-time.After(timeout):
-		c.kill()
-		return fmt.Errorf("child %d did not finish within %v", c.cmd.Process.Pid, timeout)
-	}
-}
-
 func killAll(children []*child) {
 	for _, c := range children {
-		c.kill()
+		c.Kill()
 	}
 }
 
@@ -168,7 +157,7 @@ func socketPeers(cfg config, transport, mode string, readers int, interval time.
 			c, err = startProgram(cfg.helper, "zmq-sub", addr, mode, warm, t, strconv.Itoa(hwm))
 		}
 		if err != nil {
-			sender.kill()
+			sender.Kill()
 			killAll(recv)
 			return nil, nil, err
 		}
@@ -194,7 +183,7 @@ func socketLatency(cfg config, transport, mode string, readers int) (stats, time
 		return stats{}, 0, err
 	}
 	timeout := time.Duration(seconds*float64(time.Second)) + 30*time.Second
-	if err := sender.wait(timeout); err != nil {
+	if err := sender.Wait(timeout); err != nil {
 		killAll(recv)
 		return stats{}, 0, fmt.Errorf("%s sender: %w", transport, err)
 	}
@@ -296,7 +285,7 @@ func throughputOnce(cfg config, transport string, readers int, bytes uint64, slo
 			return nil, 0, err
 		}
 		recv = r
-		if err := sender.wait(time.Duration(seconds*float64(time.Second)) + 30*time.Second); err != nil {
+		if err := sender.Wait(time.Duration(seconds*float64(time.Second)) + 30*time.Second); err != nil {
 			killAll(recv)
 			return nil, 0, fmt.Errorf("%s sender: %w", transport, err)
 		}

@@ -37,7 +37,7 @@ func tsockLatency(cfg config, mode string, readers int) (stats, time.Duration, e
 	children := make([]*child, 0, readers)
 	defer func() {
 		for _, c := range children {
-			c.kill()
+			c.Kill()
 		}
 	}()
 	for i := 0; i < readers; i++ {
@@ -60,8 +60,8 @@ func tsockLatency(cfg config, mode string, readers int) (stats, time.Duration, e
 			break
 		}
 		for _, c := range children {
-			if c.exited() {
-				return stats{}, 0, fmt.Errorf("reader %d exited before attaching: %v", c.cmd.Process.Pid, c.err)
+			if c.Exited() {
+				return stats{}, 0, fmt.Errorf("reader %d exited before attaching: %v", c.Pid(), c.Err())
 			}
 		}
 		if time.Now().After(deadline) {

@@ -8,17 +8,16 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"os/signal"
 	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"text/tabwriter"
 	"time"
 
+	"github.com/tsock/tsock/internal/childproc"
 	"github.com/tsock/tsock/producer"
 	"github.com/tsock/tsock/ring"
 )
@@ -175,22 +174,10 @@ func runDemo(e *env, args []string) int {
 	return exitOK
 }
 
-// demoChild is one reader process.
+// demoChild is one reader process; its stdout is its JSON report.
 type demoChild struct {
-	cmd    *exec.Cmd
+	*childproc.Process
 	stdout bytes.Buffer
-	done   chan struct{} // closed when the process has been reaped
-	err    error         // from Wait, valid after done
-}
-
-// exited reports whether the child has been reaped.
-func (c *demoChild) exited() bool {
-	select {
-	case <-c.done:
-		return true
-	default:
-		return false
-	}
 }
 
 // runDemoParent runs the producer and the readers and gathers the result;
@@ -239,33 +226,28 @@ func runDemoParent(cfg demoConfig, stderr io.Writer, stop *atomic.Bool) (res dem
 	// file from one goroutine per child: serialise those writes.
 	childStderr := stderr
 	if _, isFile := stderr.(*os.File); !isFile {
-		childStderr = &lockedWriter{w: stderr}
+		childStderr = childproc.Serialized(stderr)
 	}
 	children := make([]*demoChild, 0, cfg.readers)
 	defer func() {
 		for _, c := range children { // on early failure, do not leave readers behind
-			if !c.exited() {
-				_ = c.cmd.Process.Kill()
-				<-c.done
-			}
+			c.Kill()
 		}
 	}()
 	for i := 0; i < cfg.readers; i++ {
-		c := &demoChild{done: make(chan struct{})}
-		c.cmd = exec.Command(self, "demo-reader", cfg.name,
+		c := &demoChild{}
+		args := []string{"demo-reader", cfg.name,
 			"--parent", strconv.Itoa(os.Getpid()),
 			"--batches", strconv.Itoa(cfg.batches),
 			"--epochs", strconv.Itoa(cfg.epochs),
 			"--batch-bytes", strconv.FormatUint(cfg.batchBytes, 10),
 			"--spin", cfg.spin.String(),
-			"--timeout", cfg.timeout.String())
-		c.cmd.Stdout = &c.stdout
-		c.cmd.Stderr = childStderr
-		c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-		if err := c.cmd.Start(); err != nil {
+			"--timeout", cfg.timeout.String()}
+		p, err := childproc.Start(self, args, childproc.Options{Stdout: &c.stdout, Stderr: childStderr})
+		if err != nil {
 			return fail("start reader %d: %v", i, err)
 		}
-		go func() { c.err = c.cmd.Wait(); close(c.done) }()
+		c.Process = p
 		children = append(children, c)
 	}
 
@@ -280,9 +262,9 @@ func runDemoParent(cfg demoConfig, stderr io.Writer, stop *atomic.Bool) (res dem
 			return fail("wait for readers: %v", err)
 		}
 		for _, c := range children {
-			if c.exited() {
+			if c.Exited() {
 				return fail("reader pid %d exited before attaching (%v): %s",
-					c.cmd.Process.Pid, exitText(c.err), strings.TrimSpace(c.stdout.String()))
+					c.Pid(), exitText(c.Err()), strings.TrimSpace(c.stdout.String()))
 			}
 		}
 		if stop.Load() {
@@ -341,15 +323,10 @@ publish:
 
 	// Collect the readers' reports.
 	want := uint64(cfg.batches) * uint64(cfg.epochs)
-	waitUntil := time.After(cfg.timeout)
+	waitUntil := time.Now().Add(cfg.timeout)
 	res.OK = pubErr == nil
 	for _, c := range children {
-		select {
-		case <-c.done:
-		case <-waitUntil:
-			_ = c.cmd.Process.Kill()
-			<-c.done
-		}
+		_ = c.Wait(max(time.Until(waitUntil), 0)) // judgeReader says how it ended
 		rr := judgeReader(c, want, uint64(cfg.epochs))
 		res.OK = res.OK && rr.OK
 		res.Readers = append(res.Readers, rr)
@@ -363,14 +340,14 @@ publish:
 // judgeReader parses a finished child's report and decides whether it
 // passed: clean exit, every batch in order, every checksum right.
 func judgeReader(c *demoChild, wantBatches, wantEpochs uint64) readerResult {
-	rr := readerResult{Exit: exitText(c.err)}
-	rr.Pid = c.cmd.Process.Pid
+	rr := readerResult{Exit: exitText(c.Err())}
+	rr.Pid = c.Pid()
 	line := lastLine(c.stdout.String())
 	if err := json.Unmarshal([]byte(line), &rr.demoReport); err != nil {
 		rr.Problem = fmt.Sprintf("no report (%s)", rr.Exit)
 		return rr
 	}
-	rr.Pid = c.cmd.Process.Pid
+	rr.Pid = c.Pid()
 	if rr.Seconds > 0 {
 		rr.MBPerSec = float64(rr.Bytes) / 1e6 / rr.Seconds
 		rr.BatchesPerSec = float64(rr.Batches) / rr.Seconds
@@ -382,7 +359,7 @@ func judgeReader(c *demoChild, wantBatches, wantEpochs uint64) readerResult {
 		rr.Problem = fmt.Sprintf("%d bad batches, first: %s", rr.ChecksumBad, rr.FirstBad)
 	case rr.OrderErrors > 0:
 		rr.Problem = fmt.Sprintf("%d batches out of order", rr.OrderErrors)
-	case c.err != nil:
+	case c.Err() != nil:
 		rr.Problem = rr.Exit
 	case rr.Batches != wantBatches || rr.Epochs != wantEpochs:
 		rr.Problem = fmt.Sprintf("read %d batches in %d epochs, want %d in %d", rr.Batches, rr.Epochs, wantBatches, wantEpochs)
@@ -390,19 +367,6 @@ func judgeReader(c *demoChild, wantBatches, wantEpochs uint64) readerResult {
 		rr.OK = true
 	}
 	return rr
-}
-
-// lockedWriter serialises Writes to w.
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-// Write writes p to the underlying writer under the lock.
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }
 
 // exitText describes the result of exec.Cmd.Wait.

@@ -51,12 +51,12 @@ func TestLs(t *testing.T) {
 	r1 := startChild(t, "reader", live)
 	r2 := startChild(t, "reader", live)
 	startChild(t, "reader", live)
-	r2.kill()
+	r2.Kill()
 	orphaned := chanName(t, "orphaned")
 	oprod := startChild(t, "producer", orphaned, "8", "-1")
 	o2 := startChild(t, "reader", orphaned)
-	oprod.kill()
-	o2.kill() // after its producer: nobody frees its entry any more
+	oprod.Kill()
+	o2.Kill() // after its producer: nobody frees its entry any more
 	dead := deadChannel(t, "dead")
 	foreign := chanName(t, "foreign")
 	require.NoError(t, os.WriteFile(ring.ChannelPath(foreign), []byte("hello"), 0o600))
@@ -80,7 +80,7 @@ func TestLs(t *testing.T) {
 		}
 	}
 	assert.Equal(t, stateOpen, c.State)
-	assert.Equal(t, int32(prod.pid()), c.ProducerPid)
+	assert.Equal(t, int32(prod.Pid()), c.ProducerPid)
 	assert.Equal(t, 2, c.Readers)
 	assert.Equal(t, 0, c.DeadRecords)
 	assert.Equal(t, uint32(8), c.Slots)
@@ -91,8 +91,8 @@ func TestLs(t *testing.T) {
 	for _, r := range c.ReaderList {
 		pids[r.Pid] = r.Alive
 	}
-	assert.True(t, pids[int32(r1.pid())], "live reader shown alive")
-	_, listed := pids[int32(r2.pid())]
+	assert.True(t, pids[int32(r1.Pid())], "live reader shown alive")
+	_, listed := pids[int32(r2.Pid())]
 	assert.False(t, listed, "killed reader's entry freed by its producer")
 
 	assert.Equal(t, stateDead, o.State)
@@ -102,7 +102,7 @@ func TestLs(t *testing.T) {
 	for _, r := range o.ReaderList {
 		pids[r.Pid] = r.Alive
 	}
-	alive, listed := pids[int32(o2.pid())]
+	alive, listed := pids[int32(o2.Pid())]
 	assert.True(t, listed, "the entry of a reader killed after its producer is listed")
 	assert.False(t, alive, "and shown dead")
 
@@ -153,10 +153,10 @@ func TestStat(t *testing.T) {
 	samples := statRun(t, name, 3)
 	s := samples[len(samples)-1]
 	assert.Equal(t, stateOpen, s.State)
-	assert.Equal(t, int32(prod.pid()), s.ProducerPid)
+	assert.Equal(t, int32(prod.Pid()), s.ProducerPid)
 	assert.Greater(t, s.PublishRate, 50.0, "publish rate")
 	assert.Less(t, s.PublishRate, 1000.0, "publish rate")
-	fr := statReaderByPid(t, s, fast.pid())
+	fr := statReaderByPid(t, s, fast.Pid())
 	assert.Greater(t, fr.BatchRate, 50.0)
 	assert.LessOrEqual(t, fr.Lag, uint64(8))
 	// Throttled producer, fast reader: most of the time is spent waiting.
@@ -193,20 +193,20 @@ func TestStat(t *testing.T) {
 	sr := inProcess(s)
 	require.NotNil(t, sr, "in-process reader listed")
 	assert.Equal(t, uint64(8), sr.Lag, "the holding reader lags by the whole ring")
-	fr = statReaderByPid(t, s, fast.pid())
+	fr = statReaderByPid(t, s, fast.Pid())
 	assert.Equal(t, 1.0, fr.Stall, "the caught-up reader waits all the time")
 
 	// Human output.
 	rc, out, errs := runInProcess(t, "stat", name, "--interval", "100ms", "--count", "1")
 	require.Equal(t, exitOK, rc, errs)
-	for _, want := range []string{"channel " + name, "READER", "LAG", "STALL", strconv.Itoa(fast.pid())} {
+	for _, want := range []string{"channel " + name, "READER", "LAG", "STALL", strconv.Itoa(fast.Pid())} {
 		assert.Contains(t, out, want)
 	}
 
 	// Follows a new producer of the same name; stops when the name is gone.
 	cmd, lines := statProcess(t, name)
 	<-lines // one sample of the first producer
-	prod.kill()
+	prod.Kill()
 	slow.Detach()
 	prod2 := startChild(t, "producer", name, "8", "400")
 	var sawNew bool
@@ -216,14 +216,14 @@ func TestStat(t *testing.T) {
 		case l, ok := <-lines:
 			require.True(t, ok, "stat ended early")
 			var smp statSample
-			if json.Unmarshal([]byte(l), &smp) == nil && smp.ProducerPid == int32(prod2.pid()) {
+			if json.Unmarshal([]byte(l), &smp) == nil && smp.ProducerPid == int32(prod2.Pid()) {
 				sawNew = true
 			}
 		case <-deadline:
 			t.Fatal("stat did not follow the new producer")
 		}
 	}
-	prod2.kill()
+	prod2.Kill()
 	require.NoError(t, os.Remove(ring.ChannelPath(name)))
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()
@@ -311,7 +311,7 @@ func TestRm(t *testing.T) {
 	rd, err := reader.Attach(dead, reader.Options{Start: reader.StartNow})
 	require.NoError(t, err)
 	defer rd.Detach()
-	prod.kill()
+	prod.Kill()
 	rc, out, errs := runInProcess(t, "rm", dead)
 	require.Equal(t, exitOK, rc, errs)
 	assert.Contains(t, out, "removed "+dead)

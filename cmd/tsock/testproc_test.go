@@ -5,22 +5,18 @@ package main
 // registered only in the test binary.
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"strconv"
-	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/tsock/tsock/internal/batchgen"
+	"github.com/tsock/tsock/internal/childproc"
 	"github.com/tsock/tsock/producer"
 	"github.com/tsock/tsock/reader"
 	"github.com/tsock/tsock/ring"
@@ -100,66 +96,35 @@ func runTestProc(e *env, args []string) int {
 }
 
 // child is a helper process.
-type child struct {
-	cmd  *exec.Cmd
-	done chan struct{}
-	mu   sync.Mutex
-	out  []string
-}
+type child struct{ *childproc.Process }
 
 // startChild runs test-proc with args and waits for its "ready" line. It
 // is killed when the test ends.
 func startChild(t *testing.T, args ...string) *child {
 	t.Helper()
-	c := &child{done: make(chan struct{})}
-	c.cmd = exec.Command(os.Args[0], append([]string{"test-proc"}, args...)...)
-	c.cmd.Env = append(os.Environ(), asMainEnv+"=1")
-	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	c.cmd.Stderr = os.Stderr
-	out, err := c.cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, c.cmd.Start())
 	ready := make(chan string, 1)
 	var once atomic.Bool
-	go func() {
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			c.mu.Lock()
-			c.out = append(c.out, sc.Text())
-			c.mu.Unlock()
+	p, err := childproc.Start(os.Args[0], append([]string{"test-proc"}, args...), childproc.Options{
+		Env:    []string{asMainEnv + "=1"},
+		Stderr: os.Stderr,
+		OnLine: func(l string) {
 			if once.CompareAndSwap(false, true) {
-				ready <- sc.Text()
+				ready <- l
 			}
-		}
-		io.Copy(io.Discard, out)
-		c.cmd.Wait()
-		close(c.done)
-	}()
-	t.Cleanup(func() { c.kill() })
+		},
+	})
+	require.NoError(t, err)
+	t.Cleanup(p.Kill)
 	select {
 	case l := <-ready:
 		require.Equal(t, "ready", l, "test-proc %v", args)
-	case <-c.done:
+	case <-p.Done():
 		t.Fatalf("test-proc %v exited before it was ready", args)
 	case <-time.After(20 * time.Second):
 		t.Fatalf("test-proc %v not ready after 20 s", args)
 	}
-	return c
+	return &child{p}
 }
-
-// kill SIGKILLs the child and waits for it.
-func (c *child) kill() {
-	select {
-	case <-c.done:
-		return
-	default:
-	}
-	c.cmd.Process.Kill()
-	<-c.done
-}
-
-// pid is the child's process id.
-func (c *child) pid() int { return c.cmd.Process.Pid }
 
 // chanName is a channel name unique to this test run, removed at the end.
 func chanName(t *testing.T, tag string) string {
@@ -175,6 +140,6 @@ func deadChannel(t *testing.T, tag string) string {
 	t.Helper()
 	name := chanName(t, tag)
 	c := startChild(t, "producer", name, "4", "0")
-	c.kill()
+	c.Kill()
 	return name
 }

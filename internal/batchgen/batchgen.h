@@ -4,8 +4,8 @@
  * with L = 1 + (i*7919) % 60000 and byte j = (i*31 + j*7) ^ (j >> 8);
  * tensor 1, INT64 [2] = {i, L} at offset (L+7)/8*8; and 8 bytes of metadata,
  * the little-endian FNV-1a 64 of tensor 0. Used by the C test and soak
- * readers (tests/c/check_reader.c, bench/soak/creader/soak_reader.c) and
- * the C soak producer (bench/soak/cproducer/soak_producer.c).
+ * readers (tests/c/check_reader.c, tests/soak/creader/soak_reader.c) and
+ * the C soak producer (tests/soak/cproducer/soak_producer.c).
  */
 #ifndef TSOCK_BATCHGEN_H
 #define TSOCK_BATCHGEN_H

@@ -1,12 +1,9 @@
 package mp
 
 import (
-	"bufio"
-	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -22,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tsock/tsock/internal/batchgen"
+	"github.com/tsock/tsock/internal/childproc"
 	"github.com/tsock/tsock/producer"
 	"github.com/tsock/tsock/reader"
 	"github.com/tsock/tsock/ring"
@@ -111,21 +109,12 @@ func needCheckReader(t *testing.T) string {
 
 // proc is a child process whose output is collected.
 type proc struct {
+	*childproc.Process
 	label string
 	cmd   *exec.Cmd
-	mu    sync.Mutex
-	out   bytes.Buffer
 	lines chan string // stdout lines as they come (buffered, may drop when full)
-	seen  []seenLine  // every stdout line and when it arrived, under mu
-	done  chan struct{}
-	err   error     // Wait's result, after done
-	ended time.Time // when Wait returned
-}
-
-func (p *proc) Output() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.out.String()
+	mu    sync.Mutex
+	seen  []seenLine // every stdout line and when it arrived, under mu
 }
 
 // start runs a child that dies with the test: SIGKILL on the parent's death
@@ -139,56 +128,32 @@ func start(t *testing.T, label string, env []string, name string, args ...string
 // testkit.AsUser, which also kills it with the test).
 func startAttr(t *testing.T, label string, env []string, attr *syscall.SysProcAttr, name string, args ...string) *proc {
 	t.Helper()
-	p := &proc{label: label, lines: make(chan string, 1024), done: make(chan struct{})}
-	p.cmd = exec.Command(name, args...)
-	p.cmd.Env = append(os.Environ(), env...)
-	p.cmd.SysProcAttr = attr
+	p := &proc{label: label, lines: make(chan string, 1024)}
+	o := childproc.Options{Label: label, Env: env, Attr: attr, OnLine: p.onLine}
 	if attr.Credential != nil {
-		p.cmd.Dir = "/" // another user may not enter ours
+		o.Dir = "/" // another user may not enter ours
 	}
-	stdout, err := p.cmd.StdoutPipe()
-	require.NoError(t, err)
-	p.cmd.Stderr = writerFunc(func(b []byte) (int, error) {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		return p.out.Write(b)
-	})
-	require.NoError(t, p.cmd.Start(), "starting %s", label)
-	copied := make(chan struct{})
-	go func() {
-		defer close(copied)
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			line := sc.Text()
-			p.mu.Lock()
-			p.out.WriteString(line + "\n")
-			p.seen = append(p.seen, seenLine{time.Now(), line})
-			p.mu.Unlock()
-			select {
-			case p.lines <- line:
-			default:
-			}
-		}
-		io.Copy(io.Discard, stdout)
-	}()
-	go func() {
-		<-copied
-		p.err = p.cmd.Wait()
-		p.ended = time.Now()
-		close(p.done)
-	}()
+	c, err := childproc.Start(name, args, o)
+	require.NoError(t, err, "starting %s", label)
+	p.Process, p.cmd = c, c.Cmd
 	t.Cleanup(func() {
-		select {
-		case <-p.done:
-		default:
-			p.cmd.Process.Kill()
-			<-p.done
-		}
+		p.Kill()
 		if t.Failed() {
 			t.Logf("%s output:\n%s", p.label, p.Output())
 		}
 	})
 	return p
+}
+
+// onLine records a stdout line of the child.
+func (p *proc) onLine(line string) {
+	p.mu.Lock()
+	p.seen = append(p.seen, seenLine{time.Now(), line})
+	p.mu.Unlock()
+	select {
+	case p.lines <- line:
+	default:
+	}
 }
 
 // seenLine is a stdout line of a child and when the test read it.
@@ -210,22 +175,14 @@ func (p *proc) lineAt(prefix string) time.Time {
 	return time.Time{}
 }
 
-type writerFunc func([]byte) (int, error)
-
-func (f writerFunc) Write(b []byte) (int, error) { return f(b) }
-
 // wait waits for the child to end and returns its exit code (-1 when killed
 // by a signal).
 func (p *proc) wait(t *testing.T, timeout time.Duration) int {
 	t.Helper()
-	select {
-	case <-p.done:
-	case <-time.After(timeout):
-		p.cmd.Process.Kill()
-		<-p.done
+	if err := p.Wait(timeout); errors.Is(err, childproc.ErrTimedOut) {
 		t.Fatalf("%s still running after %v; output:\n%s", p.label, timeout, p.Output())
 	}
-	return p.cmd.ProcessState.ExitCode()
+	return p.ExitCode()
 }
 
 // waitLine waits for a stdout line with the given prefix.
@@ -238,7 +195,7 @@ func (p *proc) waitLine(t *testing.T, prefix string, timeout time.Duration) stri
 			if strings.HasPrefix(l, prefix) {
 				return l
 			}
-		case <-p.done:
+		case <-p.Done():
 			// drain what is buffered
 			for {
 				select {
@@ -247,7 +204,7 @@ func (p *proc) waitLine(t *testing.T, prefix string, timeout time.Duration) stri
 						return l
 					}
 				default:
-					t.Fatalf("%s ended (%v) before printing %q; output:\n%s", p.label, p.err, prefix, p.Output())
+					t.Fatalf("%s ended (%v) before printing %q; output:\n%s", p.label, p.Err(), prefix, p.Output())
 				}
 			}
 		case <-deadline:

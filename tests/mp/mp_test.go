@@ -197,7 +197,7 @@ func killAndReap(t *testing.T, p *proc) time.Time {
 	t.Helper()
 	require.NoError(t, p.cmd.Process.Kill())
 	p.wait(t, 10*time.Second)
-	return p.ended
+	return p.Ended()
 }
 
 // TestProducerKilled kills a producer process once its readers have read

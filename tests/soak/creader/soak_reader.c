@@ -1,11 +1,11 @@
 /*
- * soak_reader.c - the C reader of the chaos soak (bench/soak). It reads the
+ * soak_reader.c - the C reader of the chaos soak (tests/soak). It reads the
  * test stream of internal/batchgen (the same as tests/c/check_reader.c),
  * verifies every batch, and survives its producer: on "producer gone" it
  * reports and attaches again (to the producer that replaces it).
  *
  * Built by the soak with:
- *   cc -O2 -std=c11 -Iinclude -Iring bench/soak/creader/soak_reader.c \
+ *   cc -O2 -std=c11 -Iinclude -Iring tests/soak/creader/soak_reader.c \
  *      reader/{status,platform,reader,join,lease,dlpack}.c cuda/{driver,host,device}.c -ldl -lpthread
  *
  * Usage: soak_reader NAME SLOW_US [device] [fork=EVERY_MS:LIFE_MS]

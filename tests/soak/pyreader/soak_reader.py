@@ -1,4 +1,4 @@
-"""soak_reader.py - the Python reader of the chaos soak (bench/soak), the twin
+"""soak_reader.py - the Python reader of the chaos soak (tests/soak), the twin
 of creader/soak_reader.c. It reads the test stream of internal/batchgen through
 ctypes (tsock._capi, libtsock_reader.so), verifies every batch, and survives its
 producer: on "producer gone" it reports and attaches again (to the producer

@@ -42,14 +42,13 @@
 //
 // Usage:
 //
-//	go run ./bench/soak [--duration 10m] [--readers 8] [--c-readers 3] [--fork=false] [--json]
+//	go run ./tests/soak [--duration 10m] [--readers 8] [--c-readers 3] [--fork=false] [--json]
 //
 // Exit status 0 when every check passed, 1 otherwise, 2 for a bad command
 // line.
 package main
 
 import (
-	"bufio"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -67,6 +66,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/tsock/tsock/internal/childproc"
 	"github.com/tsock/tsock/ring"
 )
 
@@ -252,9 +252,10 @@ type child struct {
 	kind   string // "producer", "c", "go", "python"
 	slot   int
 	slowUs int
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	done   chan struct{}
+	proc   *childproc.Process
+	cmd    *exec.Cmd      // proc.Cmd
+	stdin  io.WriteCloser // producer: its commands
+	done   <-chan struct{}
 	lines  chan string // producer: its replies
 
 	// set by the main loop only
@@ -279,14 +280,7 @@ type child struct {
 
 func (c *child) pid() int { return c.cmd.Process.Pid }
 
-func (c *child) exited() bool {
-	select {
-	case <-c.done:
-		return true
-	default:
-		return false
-	}
-}
+func (c *child) exited() bool { return c.proc.Exited() }
 
 type goneReport struct {
 	c       *child
@@ -341,7 +335,7 @@ func (s *soak) failed() bool {
 }
 
 func runSoak(cfg config, log io.Writer) Result {
-	s := &soak{cfg: cfg, log: &lockedWriter{w: log}, rnd: rand.New(rand.NewPCG(cfg.seed, 0x50a4)),
+	s := &soak{cfg: cfg, log: childproc.Serialized(log), rnd: rand.New(rand.NewPCG(cfg.seed, 0x50a4)),
 		finals: map[int64]uint64{}}
 	s.res = Result{Seed: cfg.seed, Readers: cfg.readers, CReaders: cfg.cReaders, PyReaders: cfg.pyReaders,
 		Kinds: map[string]*KindCounts{}, Forking: cfg.fork}
@@ -524,7 +518,7 @@ func (s *soak) setupPython() string {
 	if _, err := os.Stat(py); err != nil {
 		return fmt.Sprintf("%s not found (make py-env)", py)
 	}
-	script := filepath.Join(repo, "bench", "soak", "pyreader", "soak_reader.py")
+	script := filepath.Join(repo, "tests", "soak", "pyreader", "soak_reader.py")
 	if _, err := os.Stat(script); err != nil {
 		return fmt.Sprintf("Python reader source not found (%v)", err)
 	}
@@ -579,7 +573,7 @@ func (s *soak) setupDevice() error {
 // buildCReader compiles creader/soak_reader.c with the C reader sources.
 func (s *soak) buildCReader() (string, error) {
 	repo := s.repoRoot()
-	src := filepath.Join(repo, "bench", "soak", "creader", "soak_reader.c")
+	src := filepath.Join(repo, "tests", "soak", "creader", "soak_reader.c")
 	if _, err := os.Stat(src); err != nil {
 		return "", fmt.Errorf("C reader source not found (%v); pass --repo, --c-reader or --c-readers 0", err)
 	}
@@ -605,7 +599,7 @@ func (s *soak) buildCReader() (string, error) {
 // as tests/mp does) and cproducer/soak_producer.c on it.
 func (s *soak) buildCProducer() (string, error) {
 	repo := s.repoRoot()
-	src := filepath.Join(repo, "bench", "soak", "cproducer", "soak_producer.c")
+	src := filepath.Join(repo, "tests", "soak", "cproducer", "soak_producer.c")
 	if _, err := os.Stat(src); err != nil {
 		return "", fmt.Errorf("C producer source not found (%v); pass --repo or --producer go", err)
 	}
@@ -631,39 +625,25 @@ func (s *soak) buildCProducer() (string, error) {
 }
 
 func (s *soak) start(c *child, name string, args ...string) error {
-	c.done = make(chan struct{})
-	c.cmd = exec.Command(name, args...)
-	c.cmd.Env = append(os.Environ(), asMainEnv+"=1")
-	c.cmd.Env = append(c.cmd.Env, s.cudaEnv...)
+	env := append([]string{asMainEnv + "=1"}, s.cudaEnv...)
 	if c.kind == "python" {
-		c.cmd.Env = append(c.cmd.Env, s.pyEnv...)
+		env = append(env, s.pyEnv...)
 	}
-	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	c.cmd.Stderr = s.log
-	out, err := c.cmd.StdoutPipe()
+	if c.kind == "producer" {
+		c.lines = make(chan string, 64)
+	}
+	p, err := childproc.Start(name, args, childproc.Options{Label: c.kind, Env: env, Stderr: s.log,
+		Stdin: c.kind == "producer", OnLine: func(l string) { s.onLine(c, l) }, Keep: keptOutput})
 	if err != nil {
 		return err
 	}
-	if c.kind == "producer" {
-		if c.stdin, err = c.cmd.StdinPipe(); err != nil {
-			return err
-		}
-		c.lines = make(chan string, 64)
-	}
-	if err := c.cmd.Start(); err != nil {
-		return err
-	}
-	go func() {
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			s.onLine(c, sc.Text())
-		}
-		io.Copy(io.Discard, out)
-		c.cmd.Wait()
-		close(c.done)
-	}()
+	c.proc, c.cmd, c.stdin, c.done = p, p.Cmd, p.Stdin, p.Done()
 	return nil
 }
+
+// keptOutput bounds what is kept of a child's output (it runs for minutes;
+// its lines are handled as they come).
+const keptOutput = 16 << 10
 
 // onLine handles one output line of a child (its output goroutine).
 func (s *soak) onLine(c *child, l string) {
@@ -839,7 +819,7 @@ func (s *soak) startReader(slot int) error {
 		}
 		err = s.start(c, s.cReader, append(args, forkArg...)...)
 	case "python":
-		script := filepath.Join(s.repoRoot(), "bench", "soak", "pyreader", "soak_reader.py")
+		script := filepath.Join(s.repoRoot(), "tests", "soak", "pyreader", "soak_reader.py")
 		err = s.start(c, s.python, append([]string{script, s.cfg.name, strconv.Itoa(c.slowUs)}, forkArg...)...)
 	default:
 		err = s.start(c, s.self, "reader", s.cfg.name, strconv.Itoa(c.slowUs))
@@ -1464,16 +1444,4 @@ func printResult(w io.Writer, cfg config, r Result) {
 	for _, f := range r.Failures {
 		fmt.Fprintf(w, "  %s\n", f)
 	}
-}
-
-// lockedWriter serialises writes from the children's output copiers.
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }

@@ -1,6 +1,6 @@
 /*
- * soak_producer.c - the C producer of the chaos soak (bench/soak), the twin
- * of the Go producer role (bench/soak/roles.go): it publishes the test
+ * soak_producer.c - the C producer of the chaos soak (tests/soak), the twin
+ * of the Go producer role (tests/soak/roles.go): it publishes the test
  * stream of internal/batchgen through libtsock.so and, unlike a Go program,
  * can fork without exec: with --fork-every it forks children that sleep
  * --fork-life and exit, never calling tsock, as a DataLoader's workers do.
@@ -9,7 +9,7 @@
  * get "producer gone", a new producer takes the name at once).
  *
  * Built by the soak with:
- *   cc -O2 -std=c11 -Wall -Wextra -Werror -Iinclude bench/soak/cproducer/soak_producer.c \
+ *   cc -O2 -std=c11 -Wall -Wextra -Werror -Iinclude tests/soak/cproducer/soak_producer.c \
  *      -Lbuild -ltsock -Wl,-rpath,build
  *
  * Usage: soak_producer --name N [--slots S] [--rate R] [--inc K] [--epoch-every E]

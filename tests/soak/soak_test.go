@@ -24,7 +24,7 @@ func TestMain(m *testing.M) {
 // killed, stopped and restarted every ~100 ms, the producer (C on
 // libtsock.so and Go in turn) killed and restarted every ~3 s; the C
 // producer and the C and Python readers fork children without exec that
-// outlive them (issue 17). The long run is `go run ./bench/soak` (10
+// outlive them (issue 17). The long run is `go run ./tests/soak` (10
 // minutes).
 func TestSoakShort(t *testing.T) {
 	if testing.Short() {
