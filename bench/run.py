@@ -184,7 +184,7 @@ def measure(a, only: list[str]) -> dict:
     return res
 
 
-FIXES = """**Producer back-pressure** (`producer/producer.go`, `gate`; commit "Producer: check readers' liveness
+FIXES = """**Producer back-pressure** (`producer/gate.go`, `gate`; commit "Producer: check readers' liveness
 locks once per 10 ms..."). While the ring is full, every reader's release wakes the producer, and every
 wake-up ran `F_OFD_GETLK` on every reader's lock: with 64 readers, 64 system calls per release. The flat-out
 series above showed it (producer CPU per publish growing much faster than the readers). The checks are now

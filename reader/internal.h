@@ -30,7 +30,7 @@ TSOCK_INTERNAL void tsock__clear_error(void);
  * (futex, OFD byte locks, /proc/<pid>/stat) and ring/segment.go (Reopen):
  * the two libraries cannot share one body (libtsock_reader.so has no Go
  * runtime), so both follow one contract, which docs/ARCHITECTURE.md
- * ("Locks", "Acquire and release") and ring/layout.h (the lock bytes)
+ * ("Liveness", "Acquire and release") and ring/layout.h (the lock bytes)
  * state: change a twin together with its other half. */
 
 TSOCK_INTERNAL uint64_t tsock__now_ns(void); /* CLOCK_MONOTONIC */

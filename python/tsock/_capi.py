@@ -28,6 +28,11 @@ META_MAX = 256
 BATCH_EPOCH_END = 0x1
 START_NEXT_EPOCH = 0
 START_NOW = 1
+# The producer's option defaults (TSOCK_DEFAULT_*), written once in
+# producer/defaults.h; this mirror lets Producer check its arguments before
+# it starts a Pipeline's workers or loads libtsock.so, and
+# tests/python/test_capi.py fails when the two differ.
+PRODUCER_DEFAULTS = {"SLOT_COUNT": 16, "SLOT_BYTES": 1 << 20, "MAX_READERS": 64, "MODE": 0o600}
 
 # Status codes (tsock_status).
 OK = 0

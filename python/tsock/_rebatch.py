@@ -1,41 +1,49 @@
 """How a Consumer cuts the producer's batches into the batches it delivers.
 
-Two cutters, one interface: ``next()`` gives the next delivered batch of the
-epoch in progress (None at its end), ``drop()`` lets go of the producer
-batch in progress when the rest of an epoch is dropped, ``forget()`` stops
-referring to it at close. They read producer batches from the consumer's
-epoch (``take(rows_so_far)``, None at the epoch's end; ``release(raw)``) and
-make leaves with the consumer's output (``view``, ``owned``,
-``storage_dtype``): the epoch bookkeeping stays in the Consumer, where a
-batch lives (host, pinned, device) in the output (_placement.py).
+Two cutters, one interface: ``next(epoch)`` gives the next delivered batch
+of the epoch in progress (None at its end), ``drop(epoch)`` lets go of the
+producer batch in progress when the rest of an epoch is dropped,
+``forget()`` stops referring to it at close. They read producer batches
+from ``epoch``, the consumer (``_take(rows_so_far)``, None at the epoch's
+end; ``_release(raw)``), handed in at each call rather than kept: a cutter
+that referred to its consumer would make a cycle, and a consumer dropped
+without close() would stay attached (holding the producer back) until the
+cyclic garbage collector ran. They make leaves with the consumer's output
+(``view``, ``owned``, ``storage_dtype``): the epoch bookkeeping stays in
+the Consumer, where a batch lives (host, pinned, device) in the output
+(_placement.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 import numpy as np
 
 from ._output import NumpyOutput, numpy_view
 from ._reader import CODE, SHAPE, Raw, Reader
 
-Take = Callable[[int], "Raw | None"]
-Release = Callable[["Raw | None"], None]
+
+class Epoch(Protocol):
+    """What a cutter reads producer batches from (the Consumer)."""
+
+    def _take(self, rows_so_far: int) -> Raw | None: ...
+
+    def _release(self, raw: Raw | None) -> None: ...
 
 
 class Whole:
     """The producer's batches as they come (batch_size=None)."""
 
-    def __init__(self, take: Take, release: Release, out, reader: Reader):
-        self._take, self._release = take, release
+    def __init__(self, out, reader: Reader):
         self._out, self._reader = out, reader
         self._cur: Raw | None = None  # the batch last delivered
 
-    def next(self):
+    def next(self, epoch: Epoch):
         # The previous batch is the caller's no longer: free its slot first.
-        self._release(self._cur)
+        epoch._release(self._cur)
         self._cur = None
-        raw = self._take(0)
+        raw = epoch._take(0)
         if raw is None:
             return None
         self._cur = raw
@@ -46,10 +54,10 @@ class Whole:
             leaves = [out.view(reader, raw, i) for i in range(len(raw.leaves))]
         return raw.layout.build(leaves)
 
-    def drop(self) -> bool:
+    def drop(self, epoch: Epoch) -> bool:
         """Lets go of the batch in progress; whether the epoch's end was
         already read (never, for whole batches)."""
-        self._release(self._cur)
+        epoch._release(self._cur)
         self._cur = None
         return False
 
@@ -62,8 +70,7 @@ class Rebatched:
     dimension: zero-copy slices inside one producer batch, copies where a
     batch straddles two. Every sample once per epoch, in order."""
 
-    def __init__(self, take: Take, release: Release, out, reader: Reader, batch_size: int, drop_last: bool):
-        self._take, self._release = take, release
+    def __init__(self, out, reader: Reader, batch_size: int, drop_last: bool):
         self._out, self._reader = out, reader
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -71,17 +78,17 @@ class Rebatched:
         self._off = 0  # rows of _cur already delivered
         self._end_pending = False  # the epoch ended after a partial batch was delivered
 
-    def next(self):
+    def next(self, epoch: Epoch):
         if self._end_pending:
             self._end_pending = False
             return None
         size = self.batch_size
         cur = self._cur
         if cur is not None and self._off >= self.rows(cur):
-            self._release(cur)
+            epoch._release(cur)
             cur = self._cur = None
         if cur is None:
-            cur = self._take(0)
+            cur = epoch._take(0)
             if cur is None:
                 return None
             self._cur, self._off = cur, 0
@@ -92,13 +99,13 @@ class Rebatched:
             self._off += size
             out, reader = self._out, self._reader
             return cur.layout.build([out.view(reader, cur, i, start, start + size) for i in range(len(cur.leaves))])
-        return self._gather(cur, avail, size)
+        return self._gather(epoch, cur, avail, size)
 
-    def drop(self) -> bool:
+    def drop(self, epoch: Epoch) -> bool:
         """Lets go of the batch in progress; whether the epoch's end was
         already read (with the last, partial batch)."""
         end_seen, self._end_pending = self._end_pending, False
-        self._release(self._cur)
+        epoch._release(self._cur)
         self._cur, self._off = None, 0
         return end_seen
 
@@ -128,7 +135,7 @@ class Rebatched:
         raw.rows = n
         return n
 
-    def _gather(self, cur: Raw, avail: int, size: int):
+    def _gather(self, epoch: Epoch, cur: Raw, avail: int, size: int):
         """A batch that straddles producer batches: copied, piece by piece,
         releasing each producer batch once copied."""
         layout = cur.layout
@@ -138,10 +145,10 @@ class Rebatched:
         codes = [leaf[CODE] for leaf in cur.leaves]
         _copy_rows(cur, self._off, self._off + avail, bufs, codes, 0)
         filled = avail
-        self._release(cur)
+        epoch._release(cur)
         self._cur = None
         while filled < size:
-            raw = self._take(filled)
+            raw = epoch._take(filled)
             if raw is None:
                 break
             if raw.layout.spec != layout.spec or len(raw.leaves) != len(bufs):
@@ -156,7 +163,7 @@ class Rebatched:
             if take < n:
                 self._cur, self._off = raw, take
             else:
-                self._release(raw)
+                epoch._release(raw)
         if filled < size:
             # The epoch ended inside this batch.
             self._end_pending = True

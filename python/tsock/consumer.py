@@ -280,9 +280,9 @@ class Consumer:
             self.placement, self.placement_note = placed.where, placed.note
             self._undo.extend(placed.undo)
         if batch_size is None:
-            self._cutter = Whole(self._take, self._release, self._out, self._reader)
+            self._cutter = Whole(self._out, self._reader)
         else:
-            self._cutter = Rebatched(self._take, self._release, self._out, self._reader, batch_size, self.drop_last)
+            self._cutter = Rebatched(self._out, self._reader, batch_size, self.drop_last)
 
     # ---- lifecycle ----
 
@@ -362,7 +362,7 @@ class Consumer:
         broke off). The producer is shared, so it does not skip them: its
         batches up to the epoch's end are read and let go as they come."""
         self._skip = False
-        end_seen = self._cutter.drop()  # re-batching: read with the last, partial batch
+        end_seen = self._cutter.drop(self)  # re-batching: read with the last, partial batch
         if self._gpu is not None:
             # The batch staged (copied ahead) belongs to the dropped epoch.
             staged, self._gpu.staged = self._gpu.staged, None
@@ -380,7 +380,7 @@ class Consumer:
         """The next batch of the epoch in the output's form, or None at its
         end. Counted here, where it is made: the pinned host path makes batch
         n+1 before it hands batch n out."""
-        batch = self._cutter.next()
+        batch = self._cutter.next(self)
         if batch is not None:
             self._delivered += 1
         return batch

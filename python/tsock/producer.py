@@ -50,12 +50,10 @@ def _option_defaults(lib) -> _capi.ProducerOptions:
     return opts
 
 
-def _check_join_window(join_window, slots: int | None) -> None:
-    """ValueError unless join_window is in 0..slots-1 (slots None: not yet
-    known, checked again once it is)."""
-    if not isinstance(join_window, int) or join_window < 0 or (slots is not None and join_window >= slots):
-        bound = "slots-1" if slots is None else f"slots-1 ({slots - 1})"
-        raise ValueError(f"join_window must be in 0..{bound}, got {join_window!r}")
+def _check_join_window(join_window, slots: int) -> None:
+    """ValueError unless join_window is in 0..slots-1."""
+    if not isinstance(join_window, int) or join_window < 0 or join_window >= slots:
+        raise ValueError(f"join_window must be in 0..slots-1 ({slots - 1}), got {join_window!r}")
 
 
 def epoch_sizes(loader) -> tuple[int | None, int | None]:
@@ -374,6 +372,10 @@ class Producer:
             raise ValueError(f"slot_bytes must be a positive int or None, got {slot_bytes!r}")
         if not isinstance(headroom, (int, float)) or headroom < 1:
             raise ValueError(f"headroom must be a number >= 1, got {headroom!r}")
+        if slots is None:
+            slots = _capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
+        if max_readers is None:
+            max_readers = _capi.PRODUCER_DEFAULTS["MAX_READERS"]
         _check_join_window(join_window, slots)
         if max_readers is not None and (not isinstance(max_readers, int) or not 1 <= max_readers <= 1024):
             raise ValueError(f"max_readers must be in 1..1024, got {max_readers!r}")
@@ -399,18 +401,7 @@ class Producer:
         # Loaded now, so that a (DataLoader) loader's worker processes, forked
         # at every epoch, come from a process that already carries the Go
         # runtime (they never call it).
-        try:
-            self._lib = library()
-            defaults = _option_defaults(self._lib)
-            if slots is None:
-                self.slots = defaults.slot_count
-                _check_join_window(join_window, self.slots)
-        except BaseException:
-            if isinstance(loader, Pipeline):
-                loader.close()  # its workers were started for this producer
-            raise
-        if max_readers is None:
-            self.max_readers = defaults.max_readers
+        self._lib = library()
         self._handle = ctypes.c_void_p()
         self._pid = os.getpid()
         self._sizes = None  # (batches, samples) per epoch of the loader

@@ -120,3 +120,29 @@ def test_a_kept_batch_of_a_broken_epoch_stays_whole(channel, run_producer, outpu
         assert rest == [float(i) for i in range(6)]
         assert float(kept[0]) == 1.0 and float(kept[-1]) == 1.0
     t.join()
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_a_consumer_replaced_without_close_does_not_hold_the_producer(channel, batch_size):
+    # c = Consumer(...) a second time drops the first without close(): once
+    # nothing refers to it, it detaches at once (reference counting), not
+    # at the cyclic collector's next full run, which gc.disable() (common in
+    # training loops) postpones for good; the producer, gated by its
+    # slowest reader, would wait for it.
+    import gc
+
+    gc.disable()
+    try:
+        with tsock.Producer(None, channel, slots=2, timeout=10) as p:
+            p.publish(np.zeros((4, 1)))  # creates the channel
+            c = tsock.Consumer(channel, start="now", timeout=10, batch_size=batch_size)
+            c = tsock.Consumer(channel, start="now", timeout=10, batch_size=batch_size)
+            it = iter(c)
+            per_batch = 1 if batch_size is None else 4 // batch_size
+            for i in range(6):  # more than the ring holds: the first consumer must be gone
+                p.publish(np.full((4, 1), i))
+                for _ in range(per_batch):
+                    assert (next(it) == i).all()
+            c.close()
+    finally:
+        gc.enable()

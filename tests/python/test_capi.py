@@ -13,6 +13,7 @@ from pathlib import Path
 from tsock import _capi
 
 HEADER = Path(__file__).resolve().parents[2] / "include" / "tsock.h"
+DEFAULTS = Path(__file__).resolve().parents[2] / "producer" / "defaults.h"
 
 # `#define TSOCK_X value` (a number, maybe with a u suffix) and enum members
 # `TSOCK_X = value`; the include guard (no value) is not a constant.
@@ -79,14 +80,36 @@ def test_tensor_struct_is_tsock_tensor_t():
     assert fields[-3:] == (64, 24, 0x1000)
 
 
-def test_producer_takes_the_library_defaults(channel):
-    # slots and max_readers left out: the values tsock_producer_options_init
-    # writes (producer/defaults.h), which tsock.h and PYTHON.md document; the
-    # join window is checked against the default ring.
+def defaults_h(text: str) -> dict[str, int]:
+    """producer/defaults.h's `#define TSOCK_DEFAULT_X value`: a number (C
+    octal, u suffix) or a parenthesised shift."""
+    found = {}
+    for name, value in re.findall(r"^#define[ \t]+TSOCK_DEFAULT_(\w+)[ \t]+([^/\n]+?)\s*(?:/\*.*)?$", text, re.M):
+        value = re.sub(r"(\d)[uU]\b", r"\1", value)
+        value = re.sub(r"\b0([0-7]+)\b", r"0o\1", value)
+        assert re.fullmatch(r"[\d\sxXoO()<]+", value), f"TSOCK_DEFAULT_{name}: cannot read {value!r}"
+        found[name] = eval(value, {"__builtins__": {}})
+    return found
+
+
+def test_producer_defaults_match_defaults_h():
+    found = defaults_h(DEFAULTS.read_text())
+    assert set(found) == {"SLOT_COUNT", "SLOT_BYTES", "MAX_READERS", "MODE"}, found
+    assert found == _capi.PRODUCER_DEFAULTS, f"producer/defaults.h {found} vs _capi.PRODUCER_DEFAULTS"
+
+
+def test_producer_defaults_are_the_library_s(channel):
+    # What tsock_producer_options_init writes (from defaults.h) is what the
+    # Python mirror says, and a Producer given none gets them.
     import numpy as np
     import pytest
     import tsock
+    from tsock.producer import _option_defaults, library
 
+    opts = _option_defaults(library())
+    assert (opts.slot_count, opts.slot_bytes, opts.max_readers, opts.mode) == tuple(
+        _capi.PRODUCER_DEFAULTS[k] for k in ("SLOT_COUNT", "SLOT_BYTES", "MAX_READERS", "MODE")
+    )
     with tsock.Producer(None, channel) as p:
         assert (p.slots, p.max_readers) == (16, 64)
         p.publish(np.zeros(4))
