@@ -27,8 +27,9 @@ import numpy as np
 import tsock
 
 name, n, slots = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+WAIT = 100  # for the consumer to start: on a loaded 2-CPU machine, importing torch takes long
 batches = [(np.arange(4096, dtype=np.int32) + 7 * i, np.full((4,), i % 2 == 0)) for i in range(n)]
-with tsock.Producer(batches, name, slots=slots, wait_readers=1, device="cuda:0", timeout=30) as p:
+with tsock.Producer(batches, name, slots=slots, wait_readers=1, device="cuda:0", timeout=WAIT) as p:
     p.run()
 print("published", n)
 """
@@ -37,6 +38,7 @@ print("published", n)
 # reads fake device memory (host memory in the fake driver) through numpy.
 CONSUMER_PRELUDE = """
 import ctypes, os, sys
+WAIT = 100  # for the producer to start (see PRODUCER)
 import numpy as np
 import torch
 import tsock
@@ -123,6 +125,7 @@ def _run(tmp_path, consumer_code, n, slots, consumer_env=None, killed=False, con
         text=True,
     )
     cenv = dict(env, **(consumer_env or {}))
+    err = None
     try:
         consumer = subprocess.run(
             [sys.executable, "-c", CONSUMER_PRELUDE + textwrap.dedent(consumer_code), name, str(producer.pid)]
@@ -130,13 +133,15 @@ def _run(tmp_path, consumer_code, n, slots, consumer_env=None, killed=False, con
             env=cenv,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=200,
         )
-        out, err = producer.communicate(timeout=60)
+        err = producer.communicate(timeout=60)[1]
     finally:
         producer.kill()
         Path(f"/dev/shm/tsock.{name}").unlink(missing_ok=True)
-    assert consumer.returncode == 0, consumer.stderr + consumer.stdout
+    if err is None:
+        err = producer.communicate()[1]  # killed above: what it said
+    assert consumer.returncode == 0, consumer.stderr + consumer.stdout + "\nproducer: " + (err or "")
     assert producer.returncode == (-9 if killed else 0), err
     return consumer.stdout
 
@@ -147,7 +152,7 @@ def test_device_batches_are_zero_copy_and_ordered(tmp_path):
         tmp_path,
         """
         before = stats()
-        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30) as c:
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=WAIT) as c:
             assert c.placement == "device" and c.placement_note is None, (c.placement, c.placement_note)
             base, length = dev.guarded  # the pool's range is guarded against writes
             for i, (x, flag) in enumerate(c):
@@ -181,7 +186,7 @@ def test_queued_reads_keep_their_batch(tmp_path):
         """
         sums, want = [], []
         # Zero-copy device tensors (the default lifetime copies them).
-        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30, lifetime="step") as c:
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=WAIT, lifetime="step") as c:
             for x, _ in c:
                 s = ctypes.c_ulonglong(0)
                 sums.append(s)
@@ -212,7 +217,7 @@ def test_killed_producer_batches_come_from_host_memory(tmp_path):
         """
         import signal
         got = []
-        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30) as c:
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=WAIT) as c:
             assert c.placement == "device"
             try:
                 for i, (x, flag) in enumerate(c):
@@ -248,9 +253,9 @@ def test_other_gpu_or_mig_falls_back_or_refuses(tmp_path):
         tmp_path,
         """
         # The fallback consumer first: it keeps the producer (and channel) waiting.
-        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30) as c:
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=WAIT) as c:
             try:
-                tsock.Consumer(name, output="torch", device="cuda:0", device_path="require", timeout=30)
+                tsock.Consumer(name, output="torch", device="cuda:0", device_path="require", timeout=WAIT)
             except tsock.NoDevicePath as e:
                 assert "MIG" in str(e) and e.status == -23, e
             else:
@@ -294,7 +299,7 @@ def test_jax_objects_order_on_its_stream_or_wait(tmp_path, jax_stream):
             return dev.from_capsule(obj.__dlpack__(stream=STREAM))
         dev.from_object = from_object
         before = stats()
-        with tsock.Consumer(name, output="jax", device="cuda:0", timeout=30) as c:
+        with tsock.Consumer(name, output="jax", device="cuda:0", timeout=WAIT) as c:
             assert c.placement == "device", c.placement_note
             n = 0
             for i, (x, flag) in enumerate(c):
@@ -338,7 +343,7 @@ def test_dlpack_output_exports_the_device_copy(tmp_path):
         """
         _cuda.check_device, _cuda.backend = orig_check, orig_backend  # no framework stand-in
         before = stats()
-        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30) as c:
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=WAIT) as c:
             assert c.placement == "device"
             n = 0
             for i, (x, flag) in enumerate(c):
@@ -364,9 +369,9 @@ def test_dlpack_output_without_device_path_refuses(tmp_path):
         tmp_path,
         """
         _cuda.check_device, _cuda.backend = orig_check, orig_backend
-        with tsock.Consumer(name, timeout=30) as host:  # first: it keeps the producer (and channel) waiting
+        with tsock.Consumer(name, timeout=WAIT) as host:  # first: it keeps the producer (and channel) waiting
             try:
-                tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30)
+                tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=WAIT)
             except tsock.NoDevicePath as e:
                 assert "MIG" in str(e) and e.status == -23, e
             else:
@@ -394,7 +399,7 @@ def test_dlpack_capsule_keeps_the_pool_after_close(tmp_path):
         kept = None
         # The capsule outlives the batch: the old lifetime (the default would
         # hold the batch while the capsule lives).
-        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30, lifetime="step") as c:
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=WAIT, lifetime="step") as c:
             for x, _ in c:
                 if kept is None:
                     kept = x.__dlpack__(stream=stream.value)
@@ -443,7 +448,7 @@ def test_per_thread_stream_of_another_thread_is_fenced(tmp_path):
             s = ctypes.c_ulonglong(0)
             sums.append(s)
             fake.fake_cuda_launch_read(2, data, 4096 * 4, 20_000_000, ctypes.byref(s))
-        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30) as c:
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=WAIT) as c:
             for x, _ in c:
                 t = threading.Thread(target=work, args=(x,))
                 t.start()
@@ -471,7 +476,7 @@ def test_kept_device_batches_stay_whole(tmp_path, lifetime):
     out = _run(
         tmp_path,
         """
-        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=30, lifetime=sys.argv[3]) as c:
+        with tsock.Consumer(name, output="torch", device="cuda:0", timeout=WAIT, lifetime=sys.argv[3]) as c:
             assert c.placement == "device"
             kept = [x for x, _ in c]
             base, length = dev.guarded
@@ -502,7 +507,7 @@ def test_kept_dlpack_device_batches_are_refused_beyond_the_ring(tmp_path):
         """
         _cuda.check_device, _cuda.backend = orig_check, orig_backend
         # resume: the second loop goes on with the epoch the first broke off
-        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=30, carry_over=True) as c:
+        with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=WAIT, carry_over=True) as c:
             kept = []
             try:
                 for b in c:
