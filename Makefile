@@ -10,7 +10,8 @@ VENV_OLDEST ?= .venv-oldest
 PY = $(VENV)/bin/python
 PY_OLDEST = $(VENV_OLDEST)/bin/python
 export PYTHON PYTHON_OLDEST
-# Keys Go's build cache on the C sources cgo #includes (see scripts/cgo.sh).
+# Keys Go's build cache on the headers cgo #includes from outside a
+# package's folder, which Go does not track (see scripts/cgo.sh).
 export CGO_CFLAGS := $(shell sh scripts/cgo.sh)
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 

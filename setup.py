@@ -2,7 +2,7 @@
 and the operators' command into tsock/_bin.
 
     libtsock.so         go build -buildmode=c-shared ./cabi   (producer + reader)
-    libtsock_reader.so  cc reader/*.c cuda/{driver,host,device}.c (reader only, no Go runtime)
+    libtsock_reader.so  cc reader/*.c                       (reader only, no Go runtime)
     tsock               go build ./cmd/tsock (ls, stat, rm, gpus; run by the
                         `tsock` console script, python/tsock/_cli.py)
 
@@ -32,17 +32,9 @@ except ImportError:  # older setuptools with the wheel package
     from wheel.bdist_wheel import bdist_wheel
 
 ROOT = Path(__file__).resolve().parent
-READER_SOURCES = [
-    "reader/status.c",
-    "reader/platform.c",
-    "reader/reader.c",
-    "reader/join.c",
-    "reader/lease.c",
-    "reader/dlpack.c",
-    "cuda/driver.c",
-    "cuda/host.c",
-    "cuda/device.c",
-]
+# The reader's sources are the C files of reader/: the rule cgo applies to
+# package reader (in libtsock.so) and CMakeLists.txt follows too.
+READER_SOURCES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "reader").glob("*.c"))
 LIBS = ["libtsock.so", "libtsock_reader.so"]
 COMMAND = "tsock"  # in tsock/_bin
 # The soname of libtsock.so: versioned by the major version, as CMake names
@@ -88,12 +80,12 @@ def build_libraries(out_dir: Path) -> list[Path]:
     """Compiles libtsock.so and libtsock_reader.so into out_dir."""
     go, cc = _tools()
     out_dir.mkdir(parents=True, exist_ok=True)
-    for src in ["go.mod", "cabi", "cmd/tsock", *READER_SOURCES]:
+    for src in ["go.mod", "cabi", "cmd/tsock", "cuda", "reader", *READER_SOURCES]:
         if not (ROOT / src).exists():
             raise BuildError(f"tsock source {src} is missing from {ROOT} (build from a full checkout or sdist)")
 
     # Same flags as CMakeLists.txt, so both builds share Go's build cache;
-    # scripts/cgo.sh keys that cache on the C sources (see there).
+    # scripts/cgo.sh keys that cache on the headers cgo cannot track (see there).
     cflags = subprocess.run(["sh", str(ROOT / "scripts" / "cgo.sh")], capture_output=True, text=True, check=True)
     env = dict(os.environ, CGO_ENABLED="1", CC=" ".join(cc), CGO_CFLAGS=cflags.stdout.strip())
     lib = out_dir / "libtsock.so"

@@ -200,7 +200,7 @@ ratios that decide targets come from back-to-back pairs (a VM's vCPUs move betwe
 cache-line handoff changes several-fold with them); reading cost is timed without touching the payload.
 
 Looked at, measured, and left alone:
-- *Readers spinning on the next slot's stamp* instead of `published` (`reader/reader.c`, `wait_for_data`):
+- *Readers spinning on the next slot's stamp* instead of `published` (`reader/acquire.c`, `wait_for_data`):
   one dependent cache-line transfer less; in a scratch build, 4 back-to-back pairs each, the busy-polling
   median went from 0.34-0.78 to 0.28-0.65 µs (about 15% in the common placement, within this VM's noise
   otherwise). It changes the reader's wait protocol (`published` would no longer be the only signal) for

@@ -3,9 +3,10 @@
  * entry points filled at run time (internal, not installed).
  *
  * The types are the driver ABI's own (cuda.h), declared here so that no
- * CUDA header or toolkit is needed to build. load.c fills the table with
- * dlopen/dlsym; the reader (driver.c, host.c, device.c) and the producer's
- * device pool (pool.c) each compile their own copy of it.
+ * CUDA header or toolkit is needed to build. load.h fills the table with
+ * dlopen/dlsym; the reader (reader/cuda_driver.c, for cuda_host.c and
+ * cuda_device.c) and the producer's device pool (producer/pool.c) each
+ * compile their own copy of it.
  */
 #ifndef TSOCK_CUDA_API_H
 #define TSOCK_CUDA_API_H

@@ -3,7 +3,7 @@ package producer
 /*
 #cgo LDFLAGS: -ldl
 #include <stdlib.h>
-#include "../cuda/pool.h"
+#include "pool.h"
 */
 import "C"
 
@@ -17,7 +17,7 @@ import (
 )
 
 // devicePool is the producer's copy of every slot in GPU memory
-// (cuda/pool.c): one CUDA allocation exported once through CUDA IPC, one
+// (pool.c): one CUDA allocation exported once through CUDA IPC, one
 // interprocess event per slot that fires when the slot's copy has landed.
 type devicePool struct {
 	p *C.tsock_pool

@@ -1,6 +1,6 @@
 package reader
 
-// cuda_shim.c loads the CUDA driver at run time with dlopen (in libc since
+// cuda_driver.c loads the CUDA driver at run time with dlopen (in libc since
 // glibc 2.34, in libdl before). Nothing links CUDA itself.
 
 /*

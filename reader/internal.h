@@ -98,7 +98,7 @@ TSOCK_INTERNAL int tsock__join(const tsock_header *h, int seg_fd, uint32_t owner
  * and once the producer has freed the entry, 1 s at most). */
 TSOCK_INTERNAL void tsock__join_leave(tsock_join *j);
 
-/* ---- the read-only mapping (reader.c) ----
+/* ---- the read-only mapping (attach.c) ----
  * Tensor memory handed out (DLPack descriptors, pinned views) points into
  * the reader's read-only mapping; each such holder keeps a reference, so the
  * mapping outlives a detached reader until the last one is dropped. */
@@ -107,9 +107,9 @@ typedef struct tsock_map_ref {
   size_t len;
   uint32_t refs;
   /* Called once, just before the mapping is unmapped, when set (the CUDA
-   * host registration of cuda/host.c undoes itself there). */
+   * host registration of cuda_host.c undoes itself there). */
   void (*on_unmap)(struct tsock_map_ref *m);
-  void *cuda; /* owned by cuda/host.c */
+  void *cuda; /* owned by cuda_host.c */
   /* Slot ranges handed over to kept batches (lease.c): NULL until the
    * first; the final unmap leaves them to their new owners. */
   struct tsock_carve *carve;
@@ -161,8 +161,8 @@ TSOCK_INTERNAL void tsock__map_unmap(tsock_map_ref *m);
 TSOCK_INTERNAL tsock_lease *tsock__leases_current(const tsock_leases *t, uint32_t slot);
 
 /* The mapping and payload range of an open reader handle (fails like any
- * call on a bad handle). For cuda/host.c; keeps reader.c free of CUDA, so
- * programs that compile reader.c alone still link. */
+ * call on a bad handle). For cuda_host.c, so that the reader's core knows
+ * no CUDA. */
 TSOCK_INTERNAL int tsock__reader_map(tsock_reader_t *h, tsock_map_ref **m, const void **base,
                                      uint64_t *len);
 
@@ -177,7 +177,7 @@ typedef struct tsock_held_batch {
   tsock_lease *lease; /* where its tensors lie (a reference), NULL before the first batch */
   uint32_t slot;         /* slot index of the batch */
   uint32_t payload_kind; /* TSOCK_PAYLOAD_*, checked */
-  /* GPU use, owned by cuda/device.c; reader.c only resets them. */
+  /* GPU use, owned by cuda_device.c; acquire.c only resets them. */
   void *device;     /* the reader's device state, NULL before tsock_reader_open_device */
   uintptr_t stream; /* the stream of tsock_batch_cuda_use */
   int stream_set;
@@ -186,8 +186,9 @@ typedef struct tsock_held_batch {
   void *fence; /* armed at release: the slot goes back once it has fired */
 } tsock_held_batch;
 
-/* How reader.c, which knows no CUDA, lets cuda/device.c hold released
- * batches back while GPU work queued before the release may read them. */
+/* How the reader's core (release.c, acquire.c, attach.c), which knows no
+ * CUDA, lets cuda_device.c hold released batches back while GPU work
+ * queued before the release may read them. */
 typedef struct tsock_device_hooks {
   /* At release of a batch with stream_set: arms hb->fence (may leave it
    * NULL when nothing is pending). */
@@ -199,7 +200,72 @@ typedef struct tsock_device_hooks {
   void (*detach)(void *device);
 } tsock_device_hooks;
 
-/* What cuda/ needs to see of an open reader. */
+/* ---- an open reader ----
+ * Its state is split by mechanism: the handle table (handles.c), attach
+ * and detach (attach.c), acquire and its wait (acquire.c), release and
+ * its fences (release.c), what other parts see of it (reader.c). */
+#define TSOCK_READER_HANDLES 1024u /* open readers per process */
+
+struct reader_impl {
+  int fd;
+  uint64_t fork_gen;
+  const uint8_t *map; /* whole segment, read-only */
+  size_t map_len;
+  tsock_map_ref *map_ref; /* owns `map` once attached */
+  tsock_leases *leases; /* the current mapping of each slot's payload (lease.c) */
+  int send_fd; /* the mapping's descriptor, sent as the join's proof, then closed */
+  int sock;    /* connection to the producer (join.c), open while attached */
+  /* The header as validated at attach, private: every value the reader
+   * derives pointers, sizes or decisions from comes from here, never again
+   * from the shared page, which the producer (or anyone who can write the
+   * file) may change after the check. */
+  tsock_header h;
+  /* The live header page: only the words that change while the channel
+   * runs (published, state, producer_waiting, epoch_start), each used in a
+   * way a wrong value cannot turn into a bad address. */
+  const tsock_header *live;
+  const tsock_slot *slots;
+  const uint8_t *payload;
+  uint64_t mask;
+  uint64_t slot_payload_bytes;
+  uint32_t index;        /* our roster entry */
+  const tsock_roster_entry *entry; /* in the read-only mapping: the producer's verdict */
+  tsock_reader_record *rec; /* ours, read-write (a memfd of our own) */
+  uint64_t claim;        /* our entry's claim word while active */
+  uint64_t next;         /* next seq to acquire */
+  uint64_t released;     /* every seq below is released (mirror of rec->cursor) */
+  int skipping;          /* TSOCK_START_NEXT_EPOCH: drop batches until index 0 */
+  int producer_dead;     /* the producer's lock was seen free */
+  uint32_t max_held;       /* at most the slot count (see attach) */
+  uint32_t max_held_asked; /* the option, for messages */
+  int64_t spin_ns;
+  uint64_t last_live_check;
+  tsock_held_batch *held;      /* max_held entries, by seq % max_held */
+  /* GPU (cuda_device.c): released batches held back by fences (release.c) */
+  void *device;
+  const tsock_device_hooks *hooks;
+  uint32_t fenced; /* held batches with an armed fence */
+};
+
+/* The reader behind handle h, or NULL with *status set (TSOCK_EHANDLE for
+ * a stale or unknown handle, TSOCK_EFORKED in a child of its process).
+ * tsock__handle_new registers one (NULL when the table is full);
+ * tsock__handle_take also unregisters it (detach). handles.c. */
+TSOCK_INTERNAL tsock_reader_t *tsock__handle_new(struct reader_impl *impl);
+TSOCK_INTERNAL struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status);
+TSOCK_INTERNAL struct reader_impl *tsock__handle_take(tsock_reader_t *h, int *status);
+/* TSOCK_OK while the reader's roster entry is still its own, else
+ * TSOCK_EEVICTED with a message. acquire.c. */
+TSOCK_INTERNAL int tsock__check_claim(struct reader_impl *r);
+/* Whether the producer's liveness lock is held (an error counts as alive).
+ * attach.c. */
+TSOCK_INTERNAL int tsock__producer_alive(struct reader_impl *r);
+/* Moves the cursor past every batch the producer may have back; with
+ * wait_oldest, first waits for the oldest held batch's fence. release.c. */
+TSOCK_INTERNAL void tsock__advance(struct reader_impl *r, int wait_oldest);
+
+/* What the reader's CUDA files (cuda_host.c, cuda_device.c) need to see of
+ * an open reader. */
 typedef struct tsock_reader_view {
   /* The reader's private copy of the header, validated at attach: static
    * fields (gpu_pool, gpu_uuid, gpu_mem_handle, geometry) are read here,
@@ -230,7 +296,7 @@ TSOCK_INTERNAL int tsock__reader_held(tsock_reader_t *h, const tsock_batch_t *b,
 /* TSOCK_OK while the reader's record is still its own (not evicted). */
 TSOCK_INTERNAL int tsock__reader_claimed(tsock_reader_t *h);
 
-/* Pin table (reader.c): tokens are handles. tsock__pin_add registers
+/* Pin table (handles.c): tokens are handles. tsock__pin_add registers
  * `obj`, dropped by drop(obj) at tsock_mapping_unpin(token) (token may be
  * NULL: then only tsock__pin_take finds it); tsock__pin_take removes the
  * entry of obj with that drop and returns 1, or 0 if there is none (the

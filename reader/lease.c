@@ -166,7 +166,7 @@ void tsock__map_unmap(tsock_map_ref *m) {
 
 /* The descriptor fresh slot mappings are made through: a read-only open of
  * the segment, without a lock (a mapping holds its open file description,
- * and a forked child inherits mappings: see open_segment in reader.c),
+ * and a forked child inherits mappings: see open_segment in attach.c),
  * closed in a child by the fork guard. */
 static int map_fd(tsock_leases *t) {
   if (t->map_fd >= 0) return TSOCK_OK;

@@ -1,5 +1,5 @@
 // Package reader is tsock's reader side for Go programs and tools. It is a
-// thin cgo layer over the C reader (reader.c), the same code that
+// thin cgo layer over the C reader (reader/*.c), the same code that
 // libtsock_reader.so exports, so Go and C readers behave identically.
 //
 // A Reader is used by one goroutine at a time. Tensor data are slices of

@@ -22,23 +22,23 @@ import (
 // baseline sends messages of this size.
 const descriptorBytes = 224
 
-// buildHelper compiles helper/tbench.c with the C reader sources into dir,
-// with libzmq: the library file TBENCH_LIBZMQ names (bench/run.py names the
-// one inside pyzmq's wheel; helper/zmq_subset.h declares what tbench calls,
-// so no libzmq headers are needed), else the one pkg-config finds. It
-// returns the program and whether it has the ZMQ roles.
+// buildHelper compiles helper/tbench.c with the C reader sources (every C
+// file of reader/) into dir, with libzmq: the library file TBENCH_LIBZMQ
+// names (bench/run.py names the one inside pyzmq's wheel;
+// helper/zmq_subset.h declares what tbench calls, so no libzmq headers are
+// needed), else the one pkg-config finds. It returns the program and
+// whether it has the ZMQ roles.
 func buildHelper(repo, dir string) (string, bool, error) {
 	cc := os.Getenv("CC")
 	if cc == "" {
 		cc = "cc"
 	}
 	exe := filepath.Join(dir, "tbench")
-	args := []string{"-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror",
+	readerSources, _ := filepath.Glob(filepath.Join(repo, "reader", "*.c"))
+	args := append([]string{"-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror",
 		"-I" + filepath.Join(repo, "include"), "-I" + filepath.Join(repo, "ring"),
-		filepath.Join(repo, "bench", "latency", "helper", "tbench.c"),
-		filepath.Join(repo, "reader", "status.c"), filepath.Join(repo, "reader", "platform.c"),
-		filepath.Join(repo, "reader", "reader.c"), filepath.Join(repo, "reader", "join.c"),
-		filepath.Join(repo, "reader", "lease.c"), "-lpthread", "-o", exe}
+		filepath.Join(repo, "bench", "latency", "helper", "tbench.c")}, readerSources...)
+	args = append(args, "-ldl", "-lpthread", "-o", exe)
 	withZmq := false
 	if lib := os.Getenv("TBENCH_LIBZMQ"); lib != "" {
 		args = append(args, "-DTBENCH_ZMQ", "-DTBENCH_ZMQ_SUBSET", lib, "-Wl,-rpath,"+filepath.Dir(lib))

@@ -2,10 +2,9 @@
  * check_reader.c - a C reader program for multi-process tests. It reads the
  * test stream (below), verifies every batch, and prints one summary line.
  *
- * Builds standalone, without CMake or Go:
+ * Builds standalone, without CMake or Go, with every C file of reader/:
  *   cc -O2 -std=c11 -Iinclude -Iring tests/c/check_reader.c \
- *      reader/status.c reader/platform.c reader/reader.c reader/join.c reader/lease.c \
- *      -lpthread -o check_reader
+ *      reader/[a-z]*.c -ldl -lpthread -o check_reader
  *
  * Usage: check_reader NAME EXPECTED_BATCHES [next|now] [slow_us]
  *   Attaches (waiting up to 10 s for the channel), reads until

@@ -72,7 +72,7 @@ func channel(t *testing.T) string {
 }
 
 // needCheckReader builds tests/c/check_reader.c once (with the same C reader
-// sources as libtsock_reader.so) and returns its path.
+// sources as libtsock_reader.so: every C file of reader/) and returns its path.
 func needCheckReader(t *testing.T) string {
 	t.Helper()
 	checkOnce.Do(func() {
@@ -87,12 +87,11 @@ func needCheckReader(t *testing.T) string {
 		}
 		exe := filepath.Join(buildDir, "check_reader")
 		start := time.Now()
-		out, err := exec.Command(cc, "-O2", "-std=c11", "-Wall", "-Werror",
-			"-I"+filepath.Join(repoRoot, "include"), "-I"+filepath.Join(repoRoot, "ring"), src,
-			filepath.Join(repoRoot, "reader", "status.c"), filepath.Join(repoRoot, "reader", "platform.c"),
-			filepath.Join(repoRoot, "reader", "reader.c"), filepath.Join(repoRoot, "reader", "join.c"),
-			filepath.Join(repoRoot, "reader", "lease.c"),
-			"-lpthread", "-o", exe).CombinedOutput()
+		readerSources, _ := filepath.Glob(filepath.Join(repoRoot, "reader", "*.c"))
+		args := append([]string{"-O2", "-std=c11", "-Wall", "-Werror",
+			"-I" + filepath.Join(repoRoot, "include"), "-I" + filepath.Join(repoRoot, "ring"), src},
+			readerSources...)
+		out, err := exec.Command(cc, append(args, "-ldl", "-lpthread", "-o", exe)...).CombinedOutput()
 		checkBuildMs = time.Since(start)
 		if err != nil {
 			checkErr = fmt.Errorf("building check_reader: %v\n%s", err, out)

@@ -534,10 +534,8 @@ func (s *soak) setupPython() string {
 		}
 		args := []string{"-shared", "-fPIC", "-O2", "-std=c11", "-I" + filepath.Join(repo, "include"),
 			"-I" + filepath.Join(repo, "ring")}
-		for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/join.c", "reader/lease.c", "reader/dlpack.c",
-			"cuda/driver.c", "cuda/host.c"} {
-			args = append(args, filepath.Join(repo, f))
-		}
+		readerSources, _ := filepath.Glob(filepath.Join(repo, "reader", "*.c")) // as libtsock_reader.so
+		args = append(args, readerSources...)
 		args = append(args, "-ldl", "-lpthread", "-o", filepath.Join(libDir, "libtsock_reader.so"))
 		if out, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
 			return fmt.Sprintf("no build/libtsock_reader.so and building it failed: %v\n%s", err, out)
@@ -584,10 +582,8 @@ func (s *soak) buildCReader() (string, error) {
 	exe := filepath.Join(s.tmpDir, "soak_reader")
 	args := []string{"-O2", "-std=c11", "-Wall", "-Werror", "-I" + filepath.Join(repo, "include"),
 		"-I" + filepath.Join(repo, "ring"), src}
-	for _, f := range []string{"reader/status.c", "reader/platform.c", "reader/reader.c", "reader/join.c", "reader/lease.c", "reader/dlpack.c",
-		"cuda/driver.c", "cuda/host.c", "cuda/device.c"} {
-		args = append(args, filepath.Join(repo, f))
-	}
+	readerSources, _ := filepath.Glob(filepath.Join(repo, "reader", "*.c")) // as libtsock_reader.so
+	args = append(args, readerSources...)
 	out, err := exec.Command(cc, append(args, "-ldl", "-lpthread", "-o", exe)...).CombinedOutput()
 	if err != nil {
 		return "", fmt.Errorf("building the C reader: %v\n%s", err, out)

@@ -4,9 +4,9 @@
  * verifies every batch, and survives its producer: on "producer gone" it
  * reports and attaches again (to the producer that replaces it).
  *
- * Built by the soak with:
+ * Built by the soak with every C file of reader/:
  *   cc -O2 -std=c11 -Iinclude -Iring tests/soak/creader/soak_reader.c \
- *      reader/{status,platform,reader,join,lease,dlpack}.c cuda/{driver,host,device}.c -ldl -lpthread
+ *      reader/[a-z]*.c -ldl -lpthread
  *
  * Usage: soak_reader NAME SLOW_US [device] [fork=EVERY_MS:LIFE_MS]
  *   Attaches with TSOCK_START_NOW (waiting up to 30 s for the channel) and

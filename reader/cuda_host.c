@@ -1,5 +1,5 @@
 /*
- * host.c - tsock_reader_register_host: the reader's payload mapping as
+ * cuda_host.c - tsock_reader_register_host: the reader's payload mapping as
  * pinned (page-locked) host memory for the CUDA driver.
  *
  * The registration belongs to the mapping (tsock_map_ref), not to the
@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "driver.h"
+#include "cuda_driver.h"
 
 typedef struct cuda_reg {
   const tsock_cuda_driver *d;

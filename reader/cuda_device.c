@@ -1,5 +1,5 @@
 /*
- * device.c - the reader's device path: the producer's device pool opened
+ * cuda_device.c - the reader's device path: the producer's device pool opened
  * through CUDA IPC, batches read zero-copy on the GPU (see tsock.h, "GPU").
  *
  * The state belongs to the reader and to every DLPack descriptor of device
@@ -7,7 +7,7 @@
  * Each slot's interprocess event (recorded by the producer after its copy)
  * is opened once; fences, plain events recorded on the caller's stream at
  * release, hold the slot back from the producer until that stream's work
- * has run (reader.c polls them through tsock_device_hooks).
+ * has run (release.c polls them through tsock_device_hooks).
  *
  * While the pool is mapped, the process holds a read lock on the segment's
  * byte TSOCK_LOCK_DEVICE_MAP (layout.h), on an open file description of its
@@ -23,9 +23,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "driver.h"
+#include "cuda_driver.h"
 
-#define MAX_FENCES 64 /* = the most batches a reader holds (reader.c MAX_HELD) */
+#define MAX_FENCES 64 /* = the most batches a reader holds (attach.c MAX_HELD) */
 
 typedef struct device_state {
   const tsock_cuda_driver *d;

@@ -1,12 +1,19 @@
 /*
- * load.c - opens the CUDA driver and fills a tsock_cuda_driver table.
+ * load.h - opens the CUDA driver and fills a tsock_cuda_driver table
+ * (internal, not installed). The driver is libcuda.so.1, or the file named
+ * by the environment variable TSOCK_LIBCUDA.
  *
- * Included (not compiled alone) by driver.c for the reader and by pool.c
- * for the producer; everything here is static, so libtsock.so, which holds
- * both, has two private copies and no clash. The driver is libcuda.so.1,
- * or the file named by the environment variable TSOCK_LIBCUDA.
+ * A header, everything in it static, included by exactly one C file of
+ * each side: reader/cuda_driver.c and producer/pool.c. Not a C file
+ * compiled once and linked by both, because cgo compiles only the C files
+ * of a package's own folder and checks each package's C objects with a
+ * link of that package alone, which cannot resolve a C symbol defined in
+ * another Go package. So each side compiles a private copy, and
+ * libtsock.so, which holds both sides, has two with no clash.
  */
-#define _GNU_SOURCE
+#ifndef TSOCK_CUDA_LOAD_H
+#define TSOCK_CUDA_LOAD_H
+
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -132,3 +139,5 @@ static tsock_CUresult cuda_push_ctx(const tsock_cuda_driver *d, tsock_CUcontext 
 static void cuda_pop_ctx(const tsock_cuda_driver *d, tsock_CUcontext ctx, tsock_CUcontext prev) {
   if (prev != ctx) d->cuCtxSetCurrent(prev);
 }
+
+#endif

@@ -1,13 +1,10 @@
 /*
- * driver.c - the reader's handle on the CUDA driver (see driver.h).
- *
- * Compiled into libtsock_reader.so (CMake, setup.py) and, through the shim
- * reader/cuda_shim.c, into libtsock.so (cgo builds only the .c files of a
- * package's own folder).
+ * cuda_driver.c - the reader's handle on the CUDA driver (see
+ * cuda_driver.h): the reader's copy of the loader (cuda/load.h).
  */
-#include "driver.h"
+#include "cuda_driver.h"
 
-#include "load.c"
+#include "../cuda/load.h"
 
 int tsock__cuda_driver(const tsock_cuda_driver **out) {
   const char *why = NULL;

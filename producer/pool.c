@@ -1,13 +1,12 @@
 /*
- * pool.c - the producer's device pool (see pool.h).
- *
- * Compiled into the producer package (producer/cuda_shim.c), hence into
- * libtsock.so. Reader code never links it.
+ * pool.c - the producer's device pool (see pool.h), with the producer's
+ * copy of the CUDA loader (cuda/load.h). Compiled into the producer
+ * package, hence into libtsock.so; reader code never links it.
  */
 #include "pool.h"
 
+#include "../cuda/load.h"
 #include "../include/tsock.h"
-#include "load.c"
 
 struct tsock_pool {
   const tsock_cuda_driver *d;

@@ -1,18 +1,19 @@
 /*
- * driver.h - the reader's handle on the CUDA driver, loaded at run time
- * (internal, not installed).
+ * cuda_driver.h - the reader's handle on the CUDA driver, loaded at run
+ * time, shared by cuda_driver.c, cuda_host.c and cuda_device.c (internal,
+ * not installed).
  *
  * Neither library links CUDA: builds and CPU-only runs never need it. The
- * driver is opened with dlopen on first use (load.c) and the few entry
- * points tsock calls are resolved into a table (api.h).
+ * driver is opened with dlopen on first use (cuda/load.h) and the few entry
+ * points tsock calls are resolved into a table (cuda/api.h).
  */
-#ifndef TSOCK_CUDA_DRIVER_H
-#define TSOCK_CUDA_DRIVER_H
+#ifndef TSOCK_READER_CUDA_DRIVER_H
+#define TSOCK_READER_CUDA_DRIVER_H
 
 #include <stddef.h>
 
-#include "../reader/internal.h"
-#include "api.h"
+#include "../cuda/api.h"
+#include "internal.h"
 
 /* Loads and initialises the driver once per process (cuInit(0)); thread-safe.
  * Returns 0 and sets *out, or TSOCK_ENOCUDA with a message saying why
@@ -33,7 +34,7 @@ TSOCK_INTERNAL void tsock__cuda_pop_ctx(const tsock_cuda_driver *d, tsock_CUcont
                                         tsock_CUcontext prev);
 
 /* Records in the reader's record that it reads pinned host memory on the
- * device `ordinal` (device.c), unless it is on the device path. */
+ * device `ordinal` (cuda_device.c), unless it is on the device path. */
 TSOCK_INTERNAL void tsock__record_pinned(tsock_reader_t *h, int32_t ordinal, const void *uuid);
 
 #endif

@@ -12,8 +12,8 @@
  * left as it was: each call makes the pool's primary context current for
  * itself only.
  */
-#ifndef TSOCK_CUDA_POOL_H
-#define TSOCK_CUDA_POOL_H
+#ifndef TSOCK_PRODUCER_POOL_H
+#define TSOCK_PRODUCER_POOL_H
 
 #include <stddef.h>
 #include <stdint.h>

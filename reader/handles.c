@@ -1,0 +1,174 @@
+/*
+ * handles.c - the reader's handle tables. Open readers (tsock_reader_t)
+ * and pin tokens (tsock_reader_pin_mapping, tsock_batch_pin) are ids into
+ * tables here, never pointers, so that a stale or forged one is detected,
+ * not dereferenced; the fork handlers keep both tables usable in a child.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- handle table: handles are ids, so a stale handle is detected, not
+ * dereferenced. ---- */
+
+static struct {
+  struct reader_impl *impl;
+  uint32_t gen;
+} handles[TSOCK_READER_HANDLES];
+/* Guards allocation and free of handles. A mutex, not a spinlock: the
+ * fork handlers below take it, so a child never inherits it held. */
+static pthread_mutex_t handle_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t pin_mu = PTHREAD_MUTEX_INITIALIZER; /* the pin table (below) */
+
+static void handles_lock(void) { pthread_mutex_lock(&handle_mu); }
+static void handles_unlock(void) { pthread_mutex_unlock(&handle_mu); }
+
+/* fork() at any instant: the forking thread takes both locks first, so no
+ * other thread holds one at the fork, and both sides release them. No code
+ * holds one of them while taking the other, or the fork guard's lock. */
+static void tables_prepare(void) {
+  pthread_mutex_lock(&handle_mu);
+  pthread_mutex_lock(&pin_mu);
+}
+static void tables_release(void) {
+  pthread_mutex_unlock(&pin_mu);
+  pthread_mutex_unlock(&handle_mu);
+}
+__attribute__((constructor)) static void tables_fork_safe(void) {
+  pthread_atfork(tables_prepare, tables_release, tables_release);
+}
+
+tsock_reader_t *tsock__handle_new(struct reader_impl *impl) {
+  tsock_reader_t *h = NULL;
+  handles_lock();
+  for (uint32_t i = 0; i < TSOCK_READER_HANDLES; i++) {
+    if (handles[i].impl == NULL) {
+      handles[i].gen++;
+      __atomic_store_n(&handles[i].impl, impl, __ATOMIC_RELEASE);
+      h = (tsock_reader_t *)(uintptr_t)(((uint64_t)handles[i].gen << 16) | (i + 1));
+      break;
+    }
+  }
+  handles_unlock();
+  return h;
+}
+
+struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status) {
+  uint64_t v = (uint64_t)(uintptr_t)h;
+  uint32_t i = (uint32_t)(v & 0xffff) - 1;
+  if (h == NULL || i >= TSOCK_READER_HANDLES || handles[i].gen != (uint32_t)(v >> 16)) {
+    *status = tsock__fail(TSOCK_EHANDLE, "reader handle %p is not open", (void *)h);
+    return NULL;
+  }
+  struct reader_impl *impl = __atomic_load_n(&handles[i].impl, __ATOMIC_ACQUIRE);
+  if (impl == NULL) {
+    *status = tsock__fail(TSOCK_EHANDLE, "reader handle %p is not open", (void *)h);
+    return NULL;
+  }
+  if (impl->fork_gen != tsock__fork_generation()) {
+    *status = tsock__fail(TSOCK_EFORKED,
+                          "reader handle %p belongs to the parent process; attach again", (void *)h);
+    return NULL;
+  }
+  return impl;
+}
+
+struct reader_impl *tsock__handle_take(tsock_reader_t *h, int *status) {
+  handles_lock();
+  struct reader_impl *impl = tsock__handle_get(h, status);
+  if (impl != NULL) {
+    uint32_t i = (uint32_t)((uint64_t)(uintptr_t)h & 0xffff) - 1;
+    handles[i].gen++;
+    __atomic_store_n(&handles[i].impl, NULL, __ATOMIC_RELEASE);
+  }
+  handles_unlock();
+  return impl;
+}
+
+/* ---- pin tokens: handles too, so that a second unpin of a token (which
+ * would drop a reference someone else owns and unmap memory a live tensor
+ * uses) or a token that was never handed out is detected, not trusted.
+ * A token is (generation << PIN_INDEX_BITS) | (index + 1); the generation
+ * of an entry changes at every unpin. ---- */
+
+#define PIN_INDEX_BITS 24u
+#define PIN_MAX ((1u << PIN_INDEX_BITS) - 1u)
+static struct pin_entry {
+  void *obj; /* NULL: free */
+  void (*drop)(void *);
+  uint64_t gen;
+} *pins;
+static uint32_t pin_cap;
+
+int tsock__pin_add(void (*drop)(void *), void *obj, void **token) {
+  pthread_mutex_lock(&pin_mu);
+  uint32_t i = 0;
+  while (i < pin_cap && pins[i].obj != NULL) i++;
+  if (i == pin_cap) {
+    uint32_t cap = pin_cap == 0 ? 16 : pin_cap * 2;
+    struct pin_entry *grown = cap <= PIN_MAX ? realloc(pins, cap * sizeof *pins) : NULL;
+    if (grown == NULL) {
+      pthread_mutex_unlock(&pin_mu);
+      return tsock__fail(TSOCK_ENOMEM, "pin: out of memory (%u pins)", pin_cap);
+    }
+    memset(grown + pin_cap, 0, (cap - pin_cap) * sizeof *pins);
+    pins = grown;
+    pin_cap = cap;
+  }
+  pins[i].obj = obj;
+  pins[i].drop = drop;
+  pins[i].gen = (pins[i].gen + 1) & ((1ull << (64 - PIN_INDEX_BITS)) - 1);
+  if (pins[i].gen == 0) pins[i].gen = 1;
+  if (token != NULL) *token = (void *)(uintptr_t)((pins[i].gen << PIN_INDEX_BITS) | (i + 1));
+  pthread_mutex_unlock(&pin_mu);
+  return TSOCK_OK;
+}
+
+int tsock__pin_take(const void *obj, void (*drop)(void *)) {
+  int found = 0;
+  pthread_mutex_lock(&pin_mu);
+  for (uint32_t i = 0; obj != NULL && i < pin_cap && !found; i++) {
+    if (pins[i].obj == obj && pins[i].drop == drop) {
+      pins[i].obj = NULL;
+      found = 1;
+    }
+  }
+  pthread_mutex_unlock(&pin_mu);
+  return found;
+}
+
+static void drop_map(void *m) { tsock__map_unref(m); }
+
+int tsock_reader_pin_mapping(tsock_reader_t *h, void **token) {
+  int rc;
+  struct reader_impl *r = tsock__handle_get(h, &rc);
+  if (r == NULL) return rc;
+  if (token == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_pin_mapping: token is NULL");
+  tsock__map_ref(r->map_ref);
+  rc = tsock__pin_add(drop_map, r->map_ref, token);
+  if (rc != TSOCK_OK) tsock__map_unref(r->map_ref);
+  return rc;
+}
+
+int tsock_mapping_unpin(void *token) {
+  tsock__clear_error();
+  uint64_t v = (uint64_t)(uintptr_t)token;
+  uint64_t idx = v & ((1ull << PIN_INDEX_BITS) - 1);
+  struct pin_entry e = {0};
+  pthread_mutex_lock(&pin_mu);
+  if (idx != 0 && idx <= pin_cap && pins[idx - 1].obj != NULL &&
+      pins[idx - 1].gen == v >> PIN_INDEX_BITS) {
+    e = pins[idx - 1];
+    pins[idx - 1].obj = NULL;
+  }
+  pthread_mutex_unlock(&pin_mu);
+  if (e.obj == NULL)
+    return tsock__fail(TSOCK_EHANDLE, "tsock_mapping_unpin: %p is not a pin token in use "
+                                      "(already unpinned, or never returned by "
+                                      "tsock_reader_pin_mapping or tsock_batch_pin)",
+                       token);
+  e.drop(e.obj); /* outside the lock: it may unmap and call CUDA */
+  return TSOCK_OK;
+}
