@@ -154,3 +154,28 @@ def test_missing_tools_give_a_clear_error(tmp_path):
     assert p.returncode != 0
     assert "tsock needs tools that are not on PATH" in p.stderr, p.stderr
     assert "Go (the `go` command" in p.stderr and "a C compiler" in p.stderr, p.stderr
+
+
+def test_sdist_grafts_every_go_package_the_builds_import():
+    # setup.py builds ./cabi and ./cmd/tsock from the sdist, which holds only
+    # what MANIFEST.in grafts: a package of this module they import and the
+    # manifest misses fails `pip install` from the sdist (and the wheel).
+    import shutil
+
+    go = shutil.which(os.environ.get("GO", "go"))
+    if go is None:
+        pytest.skip("no Go toolchain to list the packages the builds import")
+    listed = subprocess.run(
+        [go, "list", "-deps", "-f", "{{.ImportPath}}", "./cabi", "./cmd/tsock"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, CGO_ENABLED="1"),
+    ).stdout.split()
+    prefix = "github.com/tsock/tsock/"
+    folders = [p[len(prefix) :] for p in listed if p.startswith(prefix)]
+    assert "ring" in folders and "cmd/tsock" in folders, folders
+    grafts = [line.split()[1] for line in (ROOT / "MANIFEST.in").read_text().splitlines() if line.startswith("graft ")]
+    missing = [f for f in folders if not any(f == g or f.startswith(g + "/") for g in grafts)]
+    assert not missing, f"MANIFEST.in grafts none of {missing}, which ./cabi or ./cmd/tsock import"
