@@ -131,3 +131,19 @@ def test_merge_keeps_the_sections_not_measured():
     res["seconds"] = 1.0
     md = report.markdown(res | {"python": None, "pipeline": None}, [], "make bench")  # the header only
     assert "Sections python: kept from an earlier run (`--merge`), on 2026-01-02 03:04, old box" in md
+
+
+def test_a_failure_text_stays_inside_its_table_cell():
+    # A failed child's error quotes its output (childproc: "...; it
+    # printed:\n..."): its newlines would end the row and its pipes add
+    # columns, which is how one FAILED row broke the read-cost table.
+    sys.path.insert(0, str(ROOT / "bench"))
+    from report.common import table
+
+    why = "child 123: exit status 1; it printed:\ntsock: bad | worse\n\n  last line"
+    md = table(["size", "result", "µs"], [["8 MiB", "FAILED: " + why, ""], ["4 KiB", "1.0", "2.0"]])
+    lines = md.split("\n")
+    assert len(lines) == 4, md
+    unescaped = [line.replace("\\|", "").count("|") for line in lines]
+    assert unescaped == [4, 4, 4, 4], md
+    assert "it printed: tsock: bad \\| worse last line" in lines[2]

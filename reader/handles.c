@@ -27,7 +27,11 @@ static void handles_unlock(void) { pthread_mutex_unlock(&handle_mu); }
 
 /* fork() at any instant: the forking thread takes both locks first, so no
  * other thread holds one at the fork, and both sides release them. No code
- * holds one of them while taking the other, or the fork guard's lock. */
+ * holds one of them while taking the other, or the fork guard's lock
+ * (platform.c). That is also why the order in which the two files'
+ * constructors install their handlers, which is the link order and so
+ * follows the files' names, does not matter: with no lock taken inside
+ * another, no order of prepare handlers can deadlock. */
 static void tables_prepare(void) {
   pthread_mutex_lock(&handle_mu);
   pthread_mutex_lock(&pin_mu);

@@ -30,8 +30,19 @@ def table(head: list[str], rows: list[list], left: int = 1) -> str:
         "| " + " | ".join(head) + " |",
         "|" + "|".join(" --- " if i < left else " ---: " for i in range(len(head))) + "|",
     ]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    out += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def one_line(value) -> str:
+    """value's text on one line: a failure's text may quote a child's
+    output, whose newlines would end a table row or a list item."""
+    return " ".join(str(value).split())
+
+
+def cell(value) -> str:
+    """value as one Markdown table cell: one line, its pipes escaped."""
+    return one_line(value).replace("|", "\\|")
 
 
 def latency_row(t: dict, transport: str, mode: str, readers: int) -> dict | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import MiB, e2e_run, num, ratio, table
+from .common import one_line, MiB, e2e_run, num, ratio, table
 
 
 def e2e_md(e: dict, png: bool) -> list[str]:
@@ -66,7 +66,7 @@ def e2e_md(e: dict, png: bool) -> list[str]:
     )
     L += [""]
     for key, why in e.get("failures", {}).items():
-        L += [f"- {key}: FAILED: {why}"]
+        L += [f"- {key}: FAILED: {one_line(why)}"]
     if png:
         L += ["![e2e](bench/e2e.png)", ""]
     L += [e.get("notes", ""), ""]

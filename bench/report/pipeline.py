@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import num, pipeline_row, ratio, table
+from .common import one_line, num, pipeline_row, ratio, table
 
 
 def pipeline_md(p: dict) -> list[str]:
@@ -54,6 +54,6 @@ def pipeline_md(p: dict) -> list[str]:
     )
     L += [""]
     for key, why in p.get("failures", {}).items():
-        L += [f"- {key}: FAILED: {why}"]
+        L += [f"- {key}: FAILED: {one_line(why)}"]
     L += [p.get("notes", ""), ""]
     return L

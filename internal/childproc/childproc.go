@@ -27,6 +27,12 @@ var ErrTimedOut = errors.New("did not finish in time")
 // tailBytes bounds the child's output quoted in Wait's errors.
 const tailBytes = 2048
 
+// drainDelay bounds how long the child's output is still read after the
+// child has exited: a grandchild that inherited its stdout or stderr (a
+// DataLoader worker, a `sleep &`) keeps the pipe open, and Done and Wait's
+// bound must not wait for it.
+const drainDelay = 2 * time.Second
+
 // Options says how to run a child. The zero value runs it in this
 // process's environment and directory, killed with SIGKILL when its parent
 // dies, its stdout read as lines and kept with its stderr.
@@ -91,42 +97,79 @@ func Start(name string, args []string, o Options) (*Process, error) {
 		c.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	}
 	c.Stderr = p.outputWriter(o.Stderr)
-	var stdout io.ReadCloser
-	var err error
+	c.WaitDelay = drainDelay
+	// Stdout is our own pipe rather than Cmd.StdoutPipe: exec requires
+	// such a pipe be read to its end before Wait, and its end may never
+	// come (see drainDelay).
+	var stdout *os.File
 	if o.Stdout != nil {
 		c.Stdout = o.Stdout
-	} else if stdout, err = c.StdoutPipe(); err != nil {
-		return nil, err
+	} else {
+		r, w, err := os.Pipe()
+		if err != nil {
+			return nil, err
+		}
+		c.Stdout, stdout = w, r
+		defer w.Close() // the child holds its own copy once started
 	}
 	if o.Stdin {
+		var err error
 		if p.Stdin, err = c.StdinPipe(); err != nil {
+			closeFile(stdout)
 			return nil, err
 		}
 	}
 	if err := c.Start(); err != nil {
+		closeFile(stdout)
 		return nil, fmt.Errorf("start %s: %w", p.label, err)
 	}
 	go p.reap(stdout, o.OnLine)
 	return p, nil
 }
 
-// reap reads the child's stdout lines (when piped) to the end, then waits
-// for the child: exec requires the pipe be read before Wait.
-func (p *Process) reap(stdout io.Reader, onLine func(string)) {
+func closeFile(f *os.File) {
+	if f != nil {
+		_ = f.Close()
+	}
+}
+
+// reap reads the child's stdout lines (when piped) and waits for the
+// child; Done closes once both are over, or drainDelay after the child
+// exited if something else still holds its stdout.
+func (p *Process) reap(stdout *os.File, onLine func(string)) {
+	read := make(chan struct{})
 	if stdout != nil {
-		sc := bufio.NewScanner(stdout)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			p.keepOutput([]byte(sc.Text() + "\n"))
-			if onLine != nil {
-				onLine(sc.Text())
-			}
-		}
-		_, _ = io.Copy(io.Discard, stdout) // a line too long for the scanner
+		go p.readLines(stdout, onLine, read)
+	} else {
+		close(read)
 	}
 	p.err = p.Cmd.Wait()
+	if errors.Is(p.err, exec.ErrWaitDelay) {
+		p.err = nil // it exited 0; something it started still holds stderr
+	}
 	p.ended = time.Now()
+	select {
+	case <-read:
+	case <-time.After(drainDelay):
+		_ = stdout.SetReadDeadline(time.Now()) // ends the read under way
+		<-read
+	}
+	closeFile(stdout)
 	close(p.done)
+}
+
+// readLines keeps and passes on each stdout line until the pipe ends.
+func (p *Process) readLines(stdout io.Reader, onLine func(string), read chan<- struct{}) {
+	defer close(read)
+	sc := bufio.NewScanner(stdout)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		p.keepOutput([]byte(sc.Text() + "\n"))
+		if onLine != nil {
+			onLine(sc.Text())
+		}
+	}
+	_, _ = io.Copy(io.Discard, stdout) // a line too long for the scanner
 }
 
 // outputWriter is where the child's stderr goes: Output, and also also.
@@ -227,8 +270,10 @@ func (p *Process) Wait(timeout time.Duration) error {
 	select {
 	case <-p.done:
 	case <-t.C:
-		p.Kill()
-		return p.failure(fmt.Errorf("%w (%v)", ErrTimedOut, timeout))
+		if !p.Exited() { // both ready: select picks either, and the child is done
+			p.Kill()
+			return p.failure(fmt.Errorf("%w (%v)", ErrTimedOut, timeout))
+		}
 	}
 	if p.err != nil {
 		return p.failure(p.err)

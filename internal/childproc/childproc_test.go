@@ -214,3 +214,36 @@ func TestSerializedSharedStderr(t *testing.T) {
 	}
 	assert.Equal(t, 4*1000, strings.Count(shared.String(), "\n"))
 }
+
+// TestWaitBoundHoldsWhenAGrandchildKeepsTheOutput: a child whose own child
+// inherited its stdout and stderr and outlives it. Before the output was
+// drained with a bound, Wait(200ms) waited for the grandchild (here 20 s).
+func TestWaitBoundHoldsWhenAGrandchildKeepsTheOutput(t *testing.T) {
+	for _, script := range []string{
+		"sleep 20 & echo started; exec sleep 100",            // holds stdout and stderr
+		"sleep 20 >/dev/null & echo started; exec sleep 100", // stderr only
+	} {
+		p, err := Start("sh", []string{"-c", script}, Options{Label: "sh"})
+		require.NoError(t, err)
+		t0 := time.Now()
+		err = p.Wait(200 * time.Millisecond)
+		require.ErrorIs(t, err, ErrTimedOut)
+		assert.Less(t, time.Since(t0), drainDelay+10*time.Second, script)
+	}
+	// A child that exits 0 while its child still holds the output passes.
+	p, err := Start("sh", []string{"-c", "sleep 20 & echo done"}, Options{})
+	require.NoError(t, err)
+	require.NoError(t, p.Wait(time.Minute))
+	assert.Contains(t, p.Output(), "done")
+}
+
+// TestWaitOnAnExitedChildIsNotATimeout: with the child reaped, Wait(0)
+// finds both its cases ready; it must report the exit, never ErrTimedOut.
+func TestWaitOnAnExitedChildIsNotATimeout(t *testing.T) {
+	p, err := Start("true", nil, Options{})
+	require.NoError(t, err)
+	<-p.Done()
+	for range 200 {
+		require.NoError(t, p.Wait(0))
+	}
+}
