@@ -82,6 +82,11 @@ def run_in_session(cmd: list[str], timeout: float) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+# The failure-mode tests need the processes, not the learning: a smaller
+# dataset than --quick's makes each epoch (and the wait for the first) short.
+SMALL = ("--train-size", "300", "--val-size", "100")
+
+
 class Sweep:
     """A sweep running in its own session (process group), its output read
     line by line. Use it as a context manager: the session is killed whole
@@ -90,7 +95,7 @@ class Sweep:
     def __init__(self, name: str, *extra: str, cmd: list[str] | None = None):
         self.name = name
         self.proc = subprocess.Popen(
-            cmd or [sys.executable, "-u", str(SWEEP), "--quick", "--no-baseline", "--name", name, *extra],
+            cmd or [sys.executable, "-u", str(SWEEP), "--quick", "--no-baseline", *SMALL, "--name", name, *extra],
             env=sweep_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
