@@ -19,6 +19,7 @@ build folder (see tsock._capi).
 
 from ._collate import default_collate
 from ._dlpack import DLPackTensor
+from ._shared import SharedLoader, shared
 from .consumer import Consumer
 from .errors import (
     BatchTooLarge,
@@ -43,6 +44,8 @@ __all__ = [
     "Producer",
     "Consumer",
     "Pipeline",
+    "shared",
+    "SharedLoader",
     "BatchInfo",
     "Position",
     "default_collate",

@@ -7,7 +7,7 @@ import numbers
 import sys
 import weakref
 
-from . import _capi, _lifetime, _placement
+from . import _capi, _lifetime, _placement, _structure
 from ._reader import Raw, Reader
 from ._rebatch import Rebatched, Whole
 from .errors import ChannelClosed, TsockError
@@ -236,6 +236,10 @@ class Consumer:
         self._closed_seen = False
         self._started = False  # a batch was taken
         self._closed = False
+        #: tsock.shared sets it: last_tag is then the pipeline tag (or None)
+        #: of the producer batch the last batch came from
+        self.track_tags = False
+        self.last_tag = None
         # What refers to shared memory is tracked where the caller gets
         # views of it: host batches, and output="dlpack" on the device path
         # (the only zero-copy device output by default). Copies need none.
@@ -441,6 +445,8 @@ class Consumer:
             return None
         self._started = True
         self._layout = raw.layout
+        if self.track_tags:
+            self.last_tag = _structure.decode_tag(raw.meta)
         return raw
 
     def _release(self, raw: Raw | None) -> None:

@@ -411,6 +411,10 @@ class Producer:
         self._packed: dict[tuple, bytes] = {}
         self._slot_views: dict[int, memoryview] = {}
         self._closed = False
+        #: called with the producer before each batch is written, once the
+        #: channel exists (tsock.shared's producer waits for its trainers
+        #: and lingers there); it may raise to stop run()
+        self.before_publish = None
         self._finalizer = weakref.finalize(self, _close_handle, self._lib, self._handle, self._pid)
 
     # ---- channel ----
@@ -473,6 +477,8 @@ class Producer:
         self._usable()
         prepared = self._prepare(batch)
         self._ensure_channel(prepared)
+        if self.before_publish is not None:
+            self.before_publish(self)
         self._write(prepared, self._plain_meta(prepared.spec))
 
     def _plain_meta(self, spec: str) -> bytes:
@@ -666,6 +672,8 @@ class Producer:
                 else:
                     _remove_resume_note(self.name)  # a note of an earlier run no longer applies
             self._ensure_channel(prepared)
+            if self.before_publish is not None:
+                self.before_publish(self)
             if marker_first:
                 self.end_epoch()
                 marker_first = False

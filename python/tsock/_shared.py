@@ -1,0 +1,610 @@
+"""tsock.shared: trainers launched independently share one producer process,
+started by whichever comes first, lingering after the last, and replaced by
+one of them if it dies (docs/SHARED.md: the protocol and its failure cases)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import pickle
+import stat
+import subprocess
+import sys
+import warnings
+import weakref
+
+from . import _capi
+from .consumer import Consumer
+from .errors import ChannelClosed, ChannelNotFound, ProducerGone, TsockError
+
+KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
+ATTACH_SLICE_S = 0.25
+START_ATTEMPTS = 5  # producers that die without a word before a trainer gives up
+HANDSHAKE_TIMEOUT_S = 120.0  # the producer process's interpreter start, under load
+CONSUMER_OPTIONS = ("output", "copy", "lifetime")
+PRODUCER_OPTIONS = ("slots", "slot_bytes", "headroom", "join_window", "max_readers", "evict_after")
+
+
+# ---- the runtime directory and its lock files ----
+
+
+def runtime_dir() -> str:
+    """The user's directory for the lock files: $TSOCK_RUNTIME_DIR, else
+    $XDG_RUNTIME_DIR/tsock, else /tmp/tsock-UID; created 0700, refused unless
+    it is a real directory of ours that nobody else can write."""
+    path = os.environ.get("TSOCK_RUNTIME_DIR")
+    if not path:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        path = os.path.join(xdg, "tsock") if xdg and os.path.isdir(xdg) else f"/tmp/tsock-{os.geteuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise TsockError(
+            f"tsock.shared: {path} must be a directory owned by uid {os.geteuid()} with mode 0700 (it holds the "
+            "lock files that elect the producer); remove it or set TSOCK_RUNTIME_DIR to another one",
+            _capi.EPERM,
+        )
+    return path
+
+
+# Lock descriptors a forked child must not inherit: a child of a dead
+# trainer (a DataLoader worker) would keep its locks, so the trainer "alive".
+_held_fds: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    for fd in list(_held_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def open_lock(path: str) -> int:
+    """A descriptor of lock file `path` (created 0600), refused unless it is
+    a regular file of ours."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise TsockError(f"tsock.shared: {path} is not a regular file of uid {os.geteuid()}", _capi.ESYS)
+    _held_fds.add(fd)
+    return fd
+
+
+def close_lock(fd: int) -> None:
+    _held_fds.discard(fd)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def try_lock(fd: int) -> bool:
+    """flock(LOCK_EX | LOCK_NB): False when another holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+
+
+def lock_is_held(path: str) -> bool:
+    """Whether a process holds the lock of `path` (a missing file: no)."""
+    try:
+        fd = open_lock(path)
+    except FileNotFoundError:
+        return False
+    try:
+        if try_lock(fd):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        return True
+    finally:
+        close_lock(fd)
+
+
+class Paths:
+    """The files of one key (docs/SHARED.md, "Files")."""
+
+    def __init__(self, directory: str, key: str):
+        self.dir = directory
+        self.key = key
+        base = os.path.join(directory, key)
+        self.start = base + ".start"
+        self.alive = base + ".alive"
+        self.error = base + ".error"
+        self.log = base + ".log"
+        self.trainer_prefix = key + ".trainer."
+
+    def trainer(self, pid: int) -> str:
+        return os.path.join(self.dir, self.trainer_prefix + str(pid))
+
+    def live_trainers(self) -> int:
+        """Trainers whose roster file is locked; removes dead ones' files."""
+        live = 0
+        try:
+            entries = os.listdir(self.dir)
+        except OSError:
+            return 0
+        for entry in entries:
+            if not entry.startswith(self.trainer_prefix):
+                continue
+            path = os.path.join(self.dir, entry)
+            if lock_is_held(path):
+                live += 1
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return live
+
+    def read_error(self) -> str | None:
+        try:
+            fd = os.open(self.error, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                return None
+            return os.read(fd, 1 << 16).decode(errors="replace")
+        finally:
+            os.close(fd)
+
+    def read_alive(self) -> dict:
+        """The running producer's pid and arguments' fingerprint ({} when unreadable)."""
+        try:
+            with open(self.alive, "rb") as f:
+                return json.loads(f.read(4096) or b"{}")
+        except (OSError, ValueError):
+            return {}
+
+
+# ---- the key ----
+
+
+def factory_ref(factory) -> dict:
+    """How the producer process finds `factory`: its module and qualified
+    name, and for the running script its file. TypeError naming the fix for
+    what it cannot import."""
+    module = getattr(factory, "__module__", None)
+    qualname = getattr(factory, "__qualname__", None)
+    if not callable(factory) or module is None or qualname is None:
+        raise TypeError(f"tsock.shared needs a function or class as the factory, got {factory!r}")
+    fix = (
+        "the producer runs in its own process and imports the factory by name: define it at the top level "
+        "of a .py module (say data.py beside the script) and import it from there"
+    )
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise TypeError(f"tsock.shared: factory {qualname} is a lambda or a nested function; {fix}")
+    ref = {"module": module, "qualname": qualname, "file": None}
+    if module == "__main__":
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        if not path or not path.endswith(".py"):
+            raise TypeError(
+                f"tsock.shared: factory {qualname} is defined in __main__ of an interactive session or notebook; {fix}"
+            )
+        ref["file"] = os.path.abspath(path)
+    obj = _resolve(ref) if ref["file"] is None else _lookup(sys.modules["__main__"], qualname)
+    if obj is not factory:
+        raise TypeError(f"tsock.shared: {module}.{qualname} does not name the factory given; {fix}")
+    return ref
+
+
+def _lookup(module, qualname: str):
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _resolve(ref: dict):
+    import importlib
+
+    try:
+        return _lookup(importlib.import_module(ref["module"]), ref["qualname"])
+    except ImportError:
+        return None
+
+
+def _canonical(value, where: str):
+    """A JSON form of an argument that is the same in every process, or
+    TypeError naming name= as the fix."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return {"int": str(value)}
+    if isinstance(value, float):
+        return {"float": value.hex()}
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__: [_canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"tsock.shared: {where} is a dict with non-str keys: cannot fingerprint it; pass name=")
+        return {"dict": {k: _canonical(v, f"{where}[{k!r}]") for k, v in sorted(value.items())}}
+    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if (callable(value) or isinstance(value, type)) and module and qualname and "<" not in qualname:
+        return {"ref": f"{module}.{qualname}"}
+    raise TypeError(
+        f"tsock.shared: argument {where} is a {type(value).__name__}, which has no form that is the same in every "
+        "process; pass name='...' to name the pipeline yourself (trainers with the same name share it)"
+    )
+
+
+def fingerprint(ref: dict, args: tuple, kwargs: dict) -> str:
+    """The key of a factory call: 20 hex digits of blake2b of its canonical form."""
+    where = ref["file"] or ref["module"]
+    form = {
+        "factory": f"{where}:{ref['qualname']}",
+        "args": [_canonical(a, f"args[{i}]") for i, a in enumerate(args)],
+        "kwargs": {k: _canonical(v, k) for k, v in sorted(kwargs.items())},
+    }
+    text = json.dumps(form, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+def channel_of(key: str) -> str:
+    return f"shared.{os.geteuid()}.{key}"
+
+
+# ---- starting the producer ----
+
+
+def start_producer(paths: Paths, spec: dict) -> int:
+    """Starts the producer process (its own session, re-parented to init) and
+    returns its pid once it holds KEY.alive; TsockError with its stderr if
+    it could not start."""
+    env = dict(os.environ)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tsock._shared_run"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        close_fds=True,
+        env=env,
+        cwd=spec["cwd"],
+    )
+    try:
+        out, err = proc.communicate(pickle.dumps(spec), timeout=HANDSHAKE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    answer = out.decode(errors="replace").split()
+    if len(answer) == 2 and answer[0] == "ok" and answer[1].isdigit():
+        return int(answer[1])
+    if answer[:1] == ["busy"]:
+        return 0  # another producer holds KEY.alive: attach to it
+    detail = err.decode(errors="replace").strip()[-2000:] or f"exit status {proc.returncode}, no output"
+    raise TsockError(f"tsock.shared: the producer process for '{paths.key}' did not start: {detail}", _capi.ESYS)
+
+
+# ---- the trainer's loader ----
+
+
+class SharedLoader:
+    """What tsock.shared returns: a loader over the shared producer's batches
+    (see tsock.shared)."""
+
+    def __init__(self, factory, args, kwargs, *, name, linger, producer, consumer):
+        ref = factory_ref(factory)
+        if name is None:
+            self.description = fingerprint(ref, args, kwargs)
+            key = self.description
+        else:
+            if not isinstance(name, str) or not name or len(name) > KEY_MAX:
+                raise ValueError(f"name must be a str of 1..{KEY_MAX} characters, got {name!r}")
+            try:
+                self.description = fingerprint(ref, args, kwargs)
+            except TypeError:
+                self.description = None  # name= is how such arguments are shared
+            key = name
+        if not isinstance(linger, (int, float)) or linger < 0:
+            raise ValueError(f"linger must be seconds >= 0, got {linger!r}")
+        from .producer import check_name
+
+        #: the channel the producer publishes on
+        self.channel = check_name(channel_of(key))
+        #: the key trainers share a producer by (name, or the fingerprint)
+        self.key = key
+        self._spec = {
+            "factory": ref,
+            "args": pickle.dumps((tuple(args), dict(kwargs))),
+            "sys_path": list(sys.path),
+            "cwd": os.getcwd(),
+            "channel": self.channel,
+            "key": key,
+            "description": self.description,
+            "linger": float(linger),
+            "producer": dict(producer),
+        }
+        self._options = consumer
+        self._paths = Paths(runtime_dir(), key)
+        self._pid = os.getpid()
+        #: producer crashes this trainer went through (each time a successor took over)
+        self.recoveries = 0
+        #: epochs that started over after a crash (the loader's order is not reproducible)
+        self.restarts = 0
+        #: batches a successor did not publish again for this trainer (0 unless something is wrong)
+        self.lost_batches = 0
+        #: batches a successor published again that this trainer had (dropped; 0 when it resumed exactly)
+        self.repeated_batches = 0
+        #: epochs completed (each for-loop that ran to its end)
+        self.epoch = 0
+        #: pid of the producer this trainer reads from
+        self.producer_pid = 0
+        self._position = None  # (fingerprint, epoch, next index) in a pipeline's order
+        self._tagged = None  # the stream carries pipeline tags (None: no batch seen yet)
+        self._open = False  # the trainer's epoch in progress has handed out a batch
+        self._epoch_done = False  # ended by a tag; the ring's marker may still come
+        self._consumer = None
+        self._roster = open_lock(self._paths.trainer(self._pid))
+        try_lock(self._roster)
+        self._finalizer = weakref.finalize(self, _detach, self._box())
+        try:
+            self._consumer = self._connect(recovering=False)
+        except BaseException:
+            self.close()
+            raise
+
+    def _box(self) -> list:
+        self._state = [None, self._roster, self._paths.trainer(self._pid), self._pid]
+        return self._state
+
+    # ---- attaching ----
+
+    def _connect(self, recovering: bool) -> Consumer:
+        paths = self._paths
+        start = open_lock(paths.start)
+        try:
+            fcntl.flock(start, fcntl.LOCK_EX)
+            for _attempt in range(START_ATTEMPTS):
+                if not lock_is_held(paths.alive):
+                    error = paths.read_error() if recovering else None
+                    if error is not None:
+                        raise self._failed(error)
+                    start_producer(paths, self._spec)
+                alive = paths.read_alive()
+                self._check_description(alive)
+                consumer = self._attach("now" if recovering else "epoch")
+                if consumer is not None:
+                    self.producer_pid = int(alive.get("pid", 0))
+                    return consumer
+                # The producer died before its channel took this trainer.
+                error = paths.read_error()
+                if error is not None:
+                    raise self._failed(error)
+                recovering = True  # the next one resumes what this one recorded
+            raise ProducerGone(
+                f"tsock.shared: {START_ATTEMPTS} producers of '{self.key}' in a row died before publishing "
+                f"(killed?); see {paths.log}",
+                _capi.EPRODUCER_GONE,
+            )
+        finally:
+            close_lock(start)  # releases KEY.start
+
+    def _failed(self, error: str) -> ProducerGone:
+        return ProducerGone(
+            f"tsock.shared: the producer of '{self.key}' failed, so no successor was started: {error}",
+            _capi.EPRODUCER_GONE,
+        )
+
+    def _check_description(self, alive: dict) -> None:
+        theirs = alive.get("description")
+        if self.description is not None and theirs is not None and theirs != self.description:
+            raise ValueError(
+                f"tsock.shared: the producer named '{self.key}' runs another pipeline (arguments' fingerprint "
+                f"{theirs}, this trainer's {self.description}); use another name= or the same arguments"
+            )
+
+    def _attach(self, start: str) -> Consumer | None:
+        """A Consumer of the channel, tried in slices while the producer lives
+        (it creates the channel at its first batch); None if it died."""
+        while lock_is_held(self._paths.alive):
+            try:
+                consumer = Consumer(self.channel, start=start, timeout=ATTACH_SLICE_S, **self._options)
+            except (ChannelNotFound, ProducerGone):
+                continue  # not created yet, or a dead predecessor's segment not yet replaced
+            consumer.track_tags = True
+            self._state[0] = consumer
+            return consumer
+        return None
+
+    def _recover(self) -> None:
+        """The producer died: attach to its successor (starting it if this
+        trainer is the first to notice)."""
+        old, self._consumer = self._consumer, None
+        if old is not None:
+            old.close()
+        self.recoveries += 1
+        self._consumer = self._connect(recovering=True)
+        if self._tagged is False and self._open:
+            self.restarts += 1
+            warnings.warn(
+                f"tsock.shared: the producer of '{self.key}' died and its successor started the loader over: "
+                f"epoch {self.epoch} restarted in this loop (its order is not known to be reproducible: return a "
+                "tsock.Pipeline from the factory for exact resume)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    # ---- iterating ----
+
+    def _usable(self) -> Consumer:
+        if self._consumer is None:
+            raise TsockError("tsock.shared loader is closed", _capi.EHANDLE)
+        if os.getpid() != self._pid:
+            raise TsockError(
+                "a tsock.shared loader cannot be used in a forked child; call tsock.shared there", _capi.EFORKED
+            )
+        return self._consumer
+
+    def _next_batch(self):
+        """The next batch of the trainer's epoch, or None at its end."""
+        if self._epoch_done:
+            self._epoch_done = False
+            return None
+        while True:
+            consumer = self._usable()
+            try:
+                batch = next(consumer)
+            except StopIteration:
+                if self._tagged:
+                    continue  # pipeline epochs end by their tags
+                if not self._open:
+                    continue  # an end marker before anything: not an epoch
+                return None
+            except (ProducerGone, ChannelClosed):
+                # Closed: a producer closes only with no reader attached, or
+                # when its loader failed (its KEY.error says so).
+                self._recover()
+                continue
+            tag = consumer.last_tag
+            self._tagged = tag is not None
+            if tag is None or self._take(tag, len(consumer)):
+                self._open = True
+                return batch
+
+    def _take(self, tag, batches: int) -> bool:
+        """Whether a pipeline batch is this trainer's next one; moves the position."""
+        pos = self._position
+        if pos is not None and tag.fingerprint != pos[0]:
+            self.restarts += 1
+            warnings.warn(
+                f"tsock.shared: the producer of '{self.key}' was replaced by one whose pipeline has another "
+                f"fingerprint (not reproducible): epoch {self.epoch} restarts at the next epoch start",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            pos = self._position = None
+        if pos is None:
+            if tag.index != 0:
+                return False  # attached mid-epoch: start with the next one
+        else:
+            here, want = (tag.epoch, tag.index), (pos[1], pos[2])
+            if here < want:
+                self.repeated_batches += 1
+                return False  # handed out before the crash
+            if here > want:
+                missed = (tag.index - pos[2]) if tag.epoch == pos[1] else tag.index + max(0, batches - pos[2])
+                self.lost_batches += missed
+                warnings.warn(
+                    f"tsock.shared: {missed} batch(es) of '{self.key}' were not published again after a producer "
+                    f"crash (at epoch {pos[1]}, batch {pos[2]}; went on at {tag.epoch}, {tag.index})",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        if tag.index + 1 >= batches:
+            self._position = (tag.fingerprint, tag.epoch + 1, 0)
+            self._epoch_done = True
+        else:
+            self._position = (tag.fingerprint, tag.epoch, tag.index + 1)
+        return True
+
+    def _end_epoch(self) -> None:
+        self.epoch += 1
+        self._open = False
+
+    def __iter__(self):
+        """One epoch, as a DataLoader's iterator; a loop that broke off
+        before drops the rest of its epoch first (the producer is shared)."""
+        if self._open:
+            while self._next_batch() is not None:
+                pass
+            self._end_epoch()
+        return self._epoch()
+
+    def _epoch(self):
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                self._end_epoch()
+                return
+            yield batch
+
+    def __len__(self) -> int:
+        while True:
+            try:
+                return len(self._usable())
+            except ProducerGone:
+                self._recover()
+
+    # ---- lifecycle ----
+
+    def close(self) -> None:
+        """Detaches (the producer lingers, then exits, once no trainer is
+        attached). Idempotent."""
+        self._consumer = None
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<tsock.SharedLoader key={self.key!r} channel={self.channel!r} producer_pid={self.producer_pid}>"
+
+
+def _detach(state: list) -> None:
+    consumer, roster, path, pid = state
+    if os.getpid() != pid:
+        return
+    if consumer is not None:
+        consumer.close()
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    close_lock(roster)
+
+
+def shared(
+    factory,
+    *args,
+    name: str | None = None,
+    linger: float = 5.0,
+    producer: dict | None = None,
+    output: str = "numpy",
+    copy: bool = False,
+    lifetime: str = "referenced",
+    **kwargs,
+) -> SharedLoader:
+    """A loader over `factory(*args, **kwargs)`'s batches, made once by one
+    producer process that every trainer calling shared() with the same
+    factory and arguments (or the same `name`) shares: the first caller
+    starts it (in its own session: it outlives the trainer that started
+    it), later ones attach, it exits `linger` seconds after the last one
+    detaches, and if it dies a trainer starts a successor that resumes
+    where it stopped. docs/SHARED.md has the details.
+
+    Args:
+      factory: an importable function (module level, not a lambda, not
+        defined in a notebook) returning a tsock.Pipeline (exact resume after
+        a crash) or any iterable of batches (a DataLoader: after a crash the
+        epoch restarts, with a RuntimeWarning). It runs in the producer.
+      args, kwargs: its arguments, pickled to the producer; part of the key.
+      name: the key instead of the arguments' fingerprint (needed when an
+        argument has no canonical form, such as an object); at most 40 of
+        [A-Za-z0-9._-].
+      linger: seconds the producer stays once no trainer is attached.
+      producer: Producer options (slots, slot_bytes, headroom, join_window,
+        max_readers, evict_after), used if this call starts the producer.
+      output, copy, lifetime: the Consumer's options.
+    """
+    producer = dict(producer or {})
+    unknown = set(producer) - set(PRODUCER_OPTIONS)
+    if unknown:
+        raise TypeError(f"producer= takes {PRODUCER_OPTIONS}, not {sorted(unknown)}")
+    consumer = {"output": output, "copy": copy, "lifetime": lifetime}
+    return SharedLoader(factory, args, kwargs, name=name, linger=linger, producer=producer, consumer=consumer)

@@ -1,0 +1,183 @@
+"""The producer process of tsock.shared: `python -m tsock._shared_run`, the
+pickled spec on stdin (docs/SHARED.md, "Starting the producer")."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import sys
+import time
+import traceback
+
+from . import _shared as shared
+from .pipeline import Pipeline
+
+POLL_S = 0.01
+
+
+class Stop(Exception):
+    """No trainer for `linger` seconds: run() ends here."""
+
+
+def _detach() -> None:
+    """Forks; the parent exits at once (the trainer reaps it), the child is
+    re-parented to init, in the session start_new_session made."""
+    if os.fork() > 0:
+        os._exit(0)
+
+
+def _load_factory(ref: dict):
+    if ref["file"] is None:
+        import importlib
+
+        module = importlib.import_module(ref["module"])
+    else:
+        # The running script of the trainer, loaded as a module (not as
+        # __main__: its `if __name__ == "__main__":` part does not run), as
+        # multiprocessing's spawn does.
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("__tsock_main__", ref["file"])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["__main__"] = sys.modules["__tsock_main__"] = module
+        spec.loader.exec_module(module)
+    return shared._lookup(module, ref["qualname"])
+
+
+class Gate:
+    """Producer.before_publish: before the first batch, waits for every live
+    trainer of the roster; later, lingers while no trainer is attached."""
+
+    def __init__(self, paths: shared.Paths, linger: float, alive: int):
+        self.paths = paths
+        self.alive = alive
+        self.linger = linger
+        self.first = True
+
+    def __call__(self, producer) -> None:
+        if self.first:
+            self.first = False
+            self._wait(producer, lambda readers, trainers: readers >= max(1, trainers))
+        elif producer.stats()["readers"] == 0:
+            self._wait(producer, lambda readers, trainers: readers >= 1)
+
+    def _wait(self, producer, enough) -> None:
+        idle_since = None
+        while True:
+            readers = producer.stats()["readers"]
+            trainers = self.paths.live_trainers()
+            if enough(readers, trainers):
+                return
+            if readers == 0 and trainers == 0:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since >= self.linger and self._may_stop(producer):
+                    raise Stop
+            else:
+                idle_since = None
+            time.sleep(POLL_S)
+
+    def _may_stop(self, producer) -> bool:
+        """Decided under KEY.start: a trainer attaching holds it until it is
+        attached, so none can come between this check and the exit."""
+        start = shared.open_lock(self.paths.start)
+        if not shared.try_lock(start):
+            shared.close_lock(start)
+            return False
+        if producer.stats()["readers"] or self.paths.live_trainers():
+            shared.close_lock(start)
+            return False
+        producer.close()  # the segment is unlinked now
+        shared.close_lock(self.alive)  # then KEY.start, at the exit: a trainer taking it finds no producer
+        self.start_lock = start
+        return True
+
+
+def _start_position(producer, pipe: Pipeline):
+    """Where the dead predecessor stopped; the beginning when there is none or
+    it published another pipeline (then trainers see the new fingerprint)."""
+    try:
+        return producer.recorded_position(producer.name, pipe) or (0, 0)
+    except (ValueError, shared.TsockError) as e:
+        print(f"tsock.shared: not resuming ({e}); starting at epoch 0", flush=True)
+        return (0, 0)
+
+
+def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
+    from .producer import Producer
+
+    sys.path[:] = spec["sys_path"]
+    factory = _load_factory(spec["factory"])
+    args, kwargs = pickle.loads(spec["args"])
+    loader = factory(*args, **kwargs)
+    options = dict(spec["producer"])
+    slots = options.get("slots") or shared._capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
+    options.setdefault("join_window", slots // 2)
+    producer = Producer(loader, spec["channel"], **options)
+    producer.before_publish = Gate(paths, spec["linger"], alive)
+    try:
+        if isinstance(loader, Pipeline):
+            producer.run(epochs=None, start=_start_position(producer, loader))
+        else:
+            producer.run(epochs=None)
+    except Stop:
+        pass
+    except BaseException as e:
+        _record_error(paths, f"{type(e).__name__}: {e}")  # before the channel closes: trainers then look
+        raise
+    finally:
+        producer.close()
+        if isinstance(loader, Pipeline):
+            loader.close()
+
+
+def _record_error(paths: shared.Paths, text: str) -> None:
+    tmp = f"{paths.error}.{os.getpid()}"
+    with contextlib.suppress(OSError):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, text.encode(errors="replace")[: 1 << 16])
+        finally:
+            os.close(fd)
+        os.replace(tmp, paths.error)
+
+
+def main() -> int:
+    spec = pickle.loads(sys.stdin.buffer.read())
+    _detach()
+    paths = shared.Paths(shared.runtime_dir(), spec["key"])
+    alive = shared.open_lock(paths.alive)
+    if not shared.try_lock(alive):
+        print("busy", flush=True)
+        return 0
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(paths.error)
+    os.ftruncate(alive, 0)
+    os.pwrite(alive, json.dumps({"pid": os.getpid(), "description": spec["description"]}).encode(), 0)
+    # The answer, then stdout and stderr go to the log: the trainer reads
+    # until both pipes close.
+    print(f"ok {os.getpid()}", flush=True)
+    log = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    print(f"tsock.shared: producer {os.getpid()} of '{spec['key']}' started", flush=True)
+    try:
+        _run(spec, paths, alive)
+    except BaseException as e:  # noqa: BLE001 - reported to the trainers, then the process ends
+        traceback.print_exc()
+        _record_error(paths, f"{type(e).__name__}: {e}")
+        return 1
+    finally:
+        print(f"tsock.shared: producer {os.getpid()} of '{spec['key']}' exits", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # the pipeline's workers and the library's threads are gone or going

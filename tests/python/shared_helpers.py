@@ -1,0 +1,101 @@
+"""Factories and a trainer for the tsock.shared tests: a module of its own,
+so that the producer process imports the factories by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import tsock
+
+
+class Ids:
+    """Sample i: a small array made from i, and the label i (the sample id)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return np.full((4,), i, np.float32), i
+
+
+def slow(sample, rng):
+    """About 1 ms a sample: the producer is the bottleneck, so a kill lands
+    in the middle of an epoch rather than between runs."""
+    time.sleep(0.001)
+    return sample
+
+
+def pipeline(n: int, batch_size: int, token: str = ""):
+    """A shuffled Pipeline over Ids(n); `token` only makes the key unique to a test."""
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7)
+
+
+def slow_pipeline(n: int, batch_size: int, token: str = ""):
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7, augment=slow)
+
+
+def plain(n: int, batch_size: int, token: str = ""):
+    """Not a Pipeline: a list of (x, ids) batches, in order (no resume)."""
+    return [
+        (np.zeros((min(batch_size, n - s), 4), np.float32), np.arange(s, min(s + batch_size, n)))
+        for s in range(0, n, batch_size)
+    ]
+
+
+def failing(n: int, batch_size: int, token: str = ""):
+    raise ValueError(f"dataset {n} is not there (token {token})")
+
+
+def failing_later(n: int, batch_size: int, token: str = ""):
+    """A pipeline whose stage raises from epoch 1 on: the producer fails after epoch 0."""
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=1, augment=RaiseAfter(n))
+
+
+class RaiseAfter:
+    """An augment stage that raises after its first `n` samples (epoch 0's,
+    with workers=0: it counts in the producer process)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.calls = 0
+
+    def __call__(self, sample, rng):
+        self.calls += 1
+        if self.calls > self.n:
+            raise ValueError("bad sample in the second epoch")
+        return sample
+
+
+def train(factory_name: str, n: int, batch_size: int, token: str, epochs: int, stop_file: str = "") -> None:
+    """A trainer: prints one JSON line per epoch (the sample ids it got, the
+    producer's pid) and a last one with its counters. With stop_file, it runs
+    epochs until that file exists (at least `epochs`)."""
+    factory = getattr(sys.modules[__name__], factory_name)
+    loader = tsock.shared(factory, n, batch_size, token, linger=0.5, output="numpy")
+    print(json.dumps({"attached": loader.producer_pid}), flush=True)
+    e = 0
+    while e < epochs or (stop_file and not os.path.exists(stop_file)):
+        ids = []
+        for _x, y in loader:
+            ids += np.asarray(y).tolist()
+        print(json.dumps({"epoch": e, "ids": ids, "pid": loader.producer_pid}), flush=True)
+        e += 1
+    print(
+        json.dumps(
+            {
+                "recoveries": loader.recoveries,
+                "restarts": loader.restarts,
+                "lost": loader.lost_batches,
+                "repeated": loader.repeated_batches,
+            }
+        ),
+        flush=True,
+    )
+    loader.close()

@@ -1,0 +1,335 @@
+"""tsock.shared: independently started trainers elect one producer process,
+which lingers after the last and is replaced, exactly, when it dies
+(docs/SHARED.md)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import signal
+import sys
+import time
+import types
+
+import pytest
+import shared_helpers as h
+import tsock
+from tsock import _shared
+from tsock.producer import resume_note_path
+
+BOUND_S = 60.0  # only a failure waits this long
+
+
+def wait_for(condition, what: str, timeout: float = BOUND_S):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    """A runtime directory of this test's (children inherit it); afterwards
+    every producer still running is killed and its channel removed."""
+    path = tmp_path / "rt"
+    monkeypatch.setenv("TSOCK_RUNTIME_DIR", str(path))
+    yield path
+    for alive_file in glob.glob(str(path / "*.alive")):
+        key = os.path.basename(alive_file)[: -len(".alive")]
+        if _shared.lock_is_held(alive_file):
+            pid = _shared.Paths(str(path), key).read_alive().get("pid")
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+            wait_for(lambda f=alive_file: not _shared.lock_is_held(f), "the producer to die")
+        channel = _shared.channel_of(key)
+        for leftover in (f"/dev/shm/tsock.{channel}", resume_note_path(channel)):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+def token() -> str:
+    return f"{os.getpid()}-{time.monotonic_ns()}"
+
+
+def start_trainer(spawn, factory: str, n: int, batch_size: int, tok: str, epochs: int, stop_file: str = "", **kw):
+    code = """
+        import sys, shared_helpers as h
+        h.train(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6])
+    """
+    return spawn(code, factory, n, batch_size, tok, epochs, stop_file, **kw)
+
+
+def finish(proc, timeout: float = BOUND_S) -> list:
+    """The JSON lines a trainer printed; fails with its stderr unless it exited 0."""
+    # Waited for, then read: the output is small (pipes hold 64 KiB), and
+    # read through the text wrappers that a readline() may have filled.
+    try:
+        proc.wait(timeout)
+    except Exception:
+        proc.kill()
+        raise
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert proc.returncode == 0, f"trainer failed ({proc.returncode}):\n{err[-3000:]}"
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def epochs_of(lines: list) -> list:
+    return [line for line in lines if "epoch" in line]
+
+
+def starts(runtime, key_suffix: str = "") -> list:
+    """The 'started' lines of every producer log in the runtime directory."""
+    out = []
+    for log in glob.glob(str(runtime / f"*{key_suffix}.log")):
+        with open(log) as f:
+            out += [line for line in f if "started" in line]
+    return out
+
+
+def producer_pid(runtime) -> int:
+    files = glob.glob(str(runtime / "*.alive"))
+    if not files:
+        return 0
+    (alive_file,) = files
+    key = os.path.basename(alive_file)[: -len(".alive")]
+    if not _shared.lock_is_held(alive_file):
+        return 0
+    return _shared.Paths(str(runtime), key).read_alive().get("pid", 0)
+
+
+# ---- one producer per pipeline ----
+
+
+def test_eight_simultaneous_trainers_start_one_producer(runtime, spawn, tmp_path):
+    go = tmp_path / "go"
+    tok = token()
+    code = """
+        import os, sys, time, shared_helpers as h
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.001)
+        h.train("pipeline", 64, 8, sys.argv[2], 2)
+    """
+    trainers = [spawn(code, go, tok) for _ in range(8)]
+    time.sleep(0.5)  # let them all reach the wait: a head start only makes the race easier
+    go.touch()
+    results = [finish(p) for p in trainers]
+    pids = {line["pid"] for r in results for line in epochs_of(r)}
+    assert len(pids) == 1, pids
+    assert len(starts(runtime)) == 1
+    for r in results:
+        for line in epochs_of(r):
+            assert sorted(line["ids"]) == list(range(64))
+
+
+def test_different_arguments_get_different_producers(runtime, spawn):
+    tok = token()
+    a = start_trainer(spawn, "pipeline", 40, 4, tok, 1)
+    b = start_trainer(spawn, "pipeline", 48, 4, tok, 1)
+    ra, rb = finish(a), finish(b)
+    assert sorted(epochs_of(ra)[0]["ids"]) == list(range(40))
+    assert sorted(epochs_of(rb)[0]["ids"]) == list(range(48))
+    assert epochs_of(ra)[0]["pid"] != epochs_of(rb)[0]["pid"]
+    assert len(glob.glob(str(runtime / "*.alive"))) == 2
+
+
+def test_the_key_is_the_name_or_the_arguments(runtime):
+    ref = _shared.factory_ref(h.pipeline)
+    same = _shared.fingerprint(ref, (40, 4), {})
+    assert same == _shared.fingerprint(ref, (40, 4), {})
+    assert same != _shared.fingerprint(ref, (40, 5), {})
+    assert same != _shared.fingerprint(_shared.factory_ref(h.plain), (40, 4), {})
+    with pytest.raises(TypeError, match="pass name="):
+        tsock.shared(h.pipeline, object(), 4)
+
+
+def test_same_name_other_arguments_is_refused(runtime):
+    name = f"n{os.getpid()}"
+    with tsock.shared(h.pipeline, 40, 4, name=name, linger=0.5) as first:
+        assert first.channel.endswith(name)
+        with pytest.raises(ValueError, match="runs another pipeline"):
+            tsock.shared(h.pipeline, 44, 4, name=name)
+
+
+# ---- what cannot be shared ----
+
+
+def nested_factory():
+    def make(n):
+        return h.pipeline(n, 4)
+
+    return make
+
+
+def test_a_factory_the_producer_cannot_import_is_refused_naming_the_fix(runtime, monkeypatch):
+    with pytest.raises(TypeError, match="lambda or a nested function.*top level of a .py module"):
+        tsock.shared(lambda: h.pipeline(40, 4))
+    with pytest.raises(TypeError, match="lambda or a nested function"):
+        tsock.shared(nested_factory(), 40)
+
+    def notebook_factory(n):
+        return h.pipeline(n, 4)
+
+    notebook_factory.__module__ = "__main__"
+    notebook_factory.__qualname__ = "notebook_factory"
+    kernel_main = types.ModuleType("__main__")  # an ipykernel's __main__ has no __file__
+    kernel_main.notebook_factory = notebook_factory
+    monkeypatch.setitem(sys.modules, "__main__", kernel_main)
+    with pytest.raises(TypeError, match="notebook.*top level of a .py module"):
+        tsock.shared(notebook_factory, 40)
+    assert not glob.glob(str(runtime / "*.alive"))  # refused before anything started
+
+
+def test_a_runtime_directory_others_can_write_is_refused(tmp_path, monkeypatch):
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    monkeypatch.setenv("TSOCK_RUNTIME_DIR", str(loose))
+    with pytest.raises(tsock.TsockError, match="mode 0700"):
+        tsock.shared(h.pipeline, 40, 4)
+
+
+# ---- failures of the factory ----
+
+
+def test_a_factory_that_raises_reaches_the_trainers(runtime):
+    tok = token()
+    for _ in range(2):  # each call tries again: the cause may have been fixed in between
+        with pytest.raises(tsock.ProducerGone, match=f"ValueError: dataset 40 is not there \\(token {tok}\\)"):
+            tsock.shared(h.failing, 40, 4, tok)
+    assert len(starts(runtime)) == 2
+
+
+def test_a_loader_that_fails_later_ends_every_trainer_with_its_message_and_no_successor(runtime):
+    with tsock.shared(h.failing_later, 40, 4, token(), linger=0.5) as loader:
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+        with pytest.raises(tsock.ProducerGone, match="no successor.*bad sample in the second epoch"):
+            list(loader)
+    assert len(starts(runtime)) == 1
+
+
+# ---- lifetime ----
+
+
+def test_the_producer_lingers_then_exits_leaving_nothing_in_dev_shm(runtime):
+    loader = tsock.shared(h.pipeline, 40, 4, token(), linger=0.3)
+    channel = loader.channel
+    assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+    pid = loader.producer_pid
+    loader.close()
+    assert os.path.exists(f"/dev/shm/tsock.{channel}")  # lingering
+    wait_for(lambda: not alive(pid), "the producer to exit after its linger time")
+    assert not os.path.exists(f"/dev/shm/tsock.{channel}")
+    assert not os.path.exists(resume_note_path(channel))
+    assert not glob.glob(str(runtime / "*.trainer.*"))
+
+
+def test_the_trainer_that_started_the_producer_can_be_killed(runtime, spawn, tmp_path):
+    tok = token()
+    stop = tmp_path / "stop"
+    first = start_trainer(spawn, "slow_pipeline", 64, 4, tok, 1, stop, start_new_session=True)
+    pid = json.loads(first.stdout.readline())["attached"]
+    others = [start_trainer(spawn, "slow_pipeline", 64, 4, tok, 2) for _ in range(2)]
+    assert [json.loads(p.stdout.readline())["attached"] for p in others] == [pid, pid]
+    os.killpg(first.pid, signal.SIGKILL)  # the trainer and its process group
+    first.wait()
+    for r in (finish(p) for p in others):
+        lines = epochs_of(r)
+        assert len(lines) == 2
+        for line in lines:
+            assert sorted(line["ids"]) == list(range(64))
+            assert line["pid"] == pid
+    assert len(starts(runtime)) == 1
+
+
+# ---- a producer crash is survived ----
+
+
+def test_producer_killed_at_random_points_every_trainer_gets_each_sample_once_per_epoch(runtime, spawn, tmp_path):
+    tok = token()
+    stop = tmp_path / "stop"
+    trainers = [start_trainer(spawn, "slow_pipeline", 96, 4, tok, 1, stop) for _ in range(3)]
+    rng = random.Random(13)
+    killed = []
+    for _ in range(10):
+        pid = wait_for(lambda: (p := producer_pid(runtime)) not in killed and p, "a producer")
+        time.sleep(rng.uniform(0, 0.3))  # while it starts, waits for trainers or publishes
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    stop.touch()
+    results = [finish(p) for p in trainers]
+    for r in results:
+        lines = epochs_of(r)
+        assert lines, r
+        for line in lines:
+            assert sorted(line["ids"]) == list(range(96)), (line["epoch"], len(line["ids"]))
+        # The successors started where the dead producer stopped: nothing
+        # was published again for a trainer to drop.
+        assert (r[-1]["lost"], r[-1]["repeated"], r[-1]["restarts"]) == (0, 0, 0)
+    assert sum(r[-1]["recoveries"] for r in results) >= 1
+
+
+def test_a_plain_loader_restarts_the_epoch_and_tells_the_trainer(runtime):
+    loader = tsock.shared(h.plain, 400, 4, token(), linger=0.3)
+    it = iter(loader)
+    first = next(it)[1].tolist()
+    assert first == [0, 1, 2, 3]
+    os.kill(loader.producer_pid, signal.SIGKILL)
+    with pytest.warns(RuntimeWarning, match="epoch 0 restarted"):
+        rest = [y for _, ys in it for y in ys.tolist()]
+    assert loader.restarts == 1 and loader.recoveries == 1
+    # The successor's first epoch came whole, after what was read before.
+    assert rest[-400:] == list(range(400))
+    loader.close()
+
+
+class FakeProducer:
+    def __init__(self):
+        self.readers = 0
+
+    def stats(self):
+        return {"readers": self.readers}
+
+
+def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime):
+    """The successor publishes nothing until every trainer of the roster is
+    attached again: one attaching later would miss batches (start="now")."""
+    from tsock import _shared_run
+
+    runtime.mkdir()
+    paths = _shared.Paths(str(runtime), "k")
+    rosters = [_shared.open_lock(paths.trainer(pid)) for pid in (1, 2)]
+    for fd in rosters:
+        assert _shared.try_lock(fd)
+    producer = FakeProducer()
+    gate = _shared_run.Gate(paths, linger=60.0, alive=-1)
+    passed = []
+    import threading
+
+    t = threading.Thread(target=lambda: passed.append(gate(producer)), daemon=True)
+    t.start()
+    producer.readers = 1
+    time.sleep(0.2)  # long enough for the gate's 10 ms polls to let it through, were it to
+    assert not passed
+    producer.readers = 2
+    t.join(BOUND_S)
+    assert passed == [None]
+    # A trainer that dies is counted out: one live trainer, one reader.
+    gate.first = True
+    _shared.close_lock(rosters[0])
+    producer.readers = 1
+    gate(producer)
+    _shared.close_lock(rosters[1])
