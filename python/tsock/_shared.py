@@ -8,6 +8,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -26,6 +27,9 @@ ATTACH_SLICE_S = 0.25
 START_ATTEMPTS = 5  # producers that die without a word before a trainer gives up
 HANDSHAKE_TIMEOUT_S = 120.0  # the producer process's interpreter start, under load
 CONSUMER_OPTIONS = ("output", "copy", "lifetime")
+# The running script: __main__, or __mp_main__ in a child multiprocessing
+# started with spawn or forkserver (the same file, another module name).
+MAIN_MODULES = ("__main__", "__mp_main__")
 PRODUCER_OPTIONS = ("slots", "slot_bytes", "headroom", "join_window", "max_readers", "evict_after")
 
 
@@ -124,8 +128,10 @@ class Paths:
         self.log = base + ".log"
         self.trainer_prefix = key + ".trainer."
 
-    def trainer(self, pid: int) -> str:
-        return os.path.join(self.dir, self.trainer_prefix + str(pid))
+    def trainer(self, pid: int, serial: int = 0) -> str:
+        """A loader's roster file: one per loader, so that a process with two
+        loaders of the same key (a notebook cell run twice) counts twice."""
+        return os.path.join(self.dir, f"{self.trainer_prefix}{pid}.{serial}")
 
     def live_trainers(self) -> int:
         """Trainers whose roster file is locked; removes dead ones' files."""
@@ -184,15 +190,15 @@ def factory_ref(factory) -> dict:
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise TypeError(f"tsock.shared: factory {qualname} is a lambda or a nested function; {fix}")
     ref = {"module": module, "qualname": qualname, "file": None}
-    if module == "__main__":
-        main = sys.modules.get("__main__")
+    if module in MAIN_MODULES:
+        main = sys.modules.get(module)
         path = getattr(main, "__file__", None)
         if not path or not path.endswith(".py"):
             raise TypeError(
                 f"tsock.shared: factory {qualname} is defined in __main__ of an interactive session or notebook; {fix}"
             )
         ref["file"] = os.path.abspath(path)
-    obj = _resolve(ref) if ref["file"] is None else _lookup(sys.modules["__main__"], qualname)
+    obj = _resolve(ref) if ref["file"] is None else _lookup(sys.modules[module], qualname)
     if obj is not factory:
         raise TypeError(f"tsock.shared: {module}.{qualname} does not name the factory given; {fix}")
     return ref
@@ -292,6 +298,8 @@ def start_producer(paths: Paths, spec: dict) -> int:
 
 # ---- the trainer's loader ----
 
+_serials = itertools.count()
+
 
 class SharedLoader:
     """What tsock.shared returns: a loader over the shared producer's batches
@@ -349,18 +357,18 @@ class SharedLoader:
         self._open = False  # the trainer's epoch in progress has handed out a batch
         self._epoch_done = False  # ended by a tag; the ring's marker may still come
         self._consumer = None
-        self._roster = open_lock(self._paths.trainer(self._pid))
-        try_lock(self._roster)
-        self._finalizer = weakref.finalize(self, _detach, self._box())
+        roster = self._paths.trainer(self._pid, next(_serials))
+        self._roster = open_lock(roster)
+        try_lock(self._roster)  # a new file of this process's: free
+        # What the finalizer undoes: the consumer (replaced at each
+        # recovery), the roster lock and its file.
+        self._state = [None, self._roster, roster, self._pid]
+        self._finalizer = weakref.finalize(self, _detach, self._state)
         try:
             self._consumer = self._connect(recovering=False)
         except BaseException:
             self.close()
             raise
-
-    def _box(self) -> list:
-        self._state = [None, self._roster, self._paths.trainer(self._pid), self._pid]
-        return self._state
 
     # ---- attaching ----
 
@@ -519,6 +527,7 @@ class SharedLoader:
     def __iter__(self):
         """One epoch, as a DataLoader's iterator; a loop that broke off
         before drops the rest of its epoch first (the producer is shared)."""
+        self._usable()  # now, not at the first next()
         if self._open:
             while self._next_batch() is not None:
                 pass

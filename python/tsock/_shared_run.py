@@ -41,7 +41,8 @@ def _load_factory(ref: dict):
 
         spec = importlib.util.spec_from_file_location("__tsock_main__", ref["file"])
         module = importlib.util.module_from_spec(spec)
-        sys.modules["__main__"] = sys.modules["__tsock_main__"] = module
+        for name in (*shared.MAIN_MODULES, "__tsock_main__"):  # where pickled arguments look for its classes
+            sys.modules[name] = module
         spec.loader.exec_module(module)
     return shared._lookup(module, ref["qualname"])
 

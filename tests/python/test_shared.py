@@ -309,9 +309,9 @@ def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime)
     attached again: one attaching later would miss batches (start="now")."""
     from tsock import _shared_run
 
-    runtime.mkdir()
+    runtime.mkdir(mode=0o700)
     paths = _shared.Paths(str(runtime), "k")
-    rosters = [_shared.open_lock(paths.trainer(pid)) for pid in (1, 2)]
+    rosters = [_shared.open_lock(paths.trainer(1, serial)) for serial in (0, 1)]
     for fd in rosters:
         assert _shared.try_lock(fd)
     producer = FakeProducer()
@@ -333,3 +333,103 @@ def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime)
     producer.readers = 1
     gate(producer)
     _shared.close_lock(rosters[1])
+
+
+SCRIPT = """
+import multiprocessing as mp
+import sys
+
+import numpy as np
+import shared_helpers as h
+import tsock
+
+
+def make(n, batch_size, tok):  # in the script itself: the producer loads it as a module
+    return tsock.Pipeline(h.Ids(n), batch_size=batch_size, seed=3)
+
+
+def child(tok, out, inherited):
+    if inherited is not None:
+        try:
+            iter(inherited)
+            out.put("the inherited loader was usable")
+            return
+        except tsock.TsockError:
+            pass
+    loader = tsock.shared(make, 40, 4, tok, linger=0.5)
+    ids = sorted(int(y) for _, ys in loader for y in np.asarray(ys).tolist())
+    out.put((ids == list(range(40)), loader.producer_pid))
+    loader.close()
+
+
+if __name__ == "__main__":
+    tok = sys.argv[1]
+    loader = tsock.shared(make, 40, 4, tok, linger=0.5)
+    children = []
+    for method in ("fork", "spawn"):
+        ctx = mp.get_context(method)
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(tok, q, loader if method == "fork" else None))
+        p.start()
+        children.append((method, p, q))
+    results = {}
+    while len(results) < len(children):  # read epochs until each child has had one
+        assert sum(1 for _ in loader) == 10
+        for method, p, q in children:
+            if method not in results and not q.empty():
+                results[method] = q.get()
+    for _, p, _ in children:
+        p.join()
+    for method, (ok, pid) in results.items():
+        assert ok and pid == loader.producer_pid, (method, ok, pid, loader.producer_pid)
+    print("ok", loader.producer_pid)
+    loader.close()
+"""
+
+
+def test_a_script_factory_shared_by_fork_and_spawn_children(runtime, spawn, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = spawn(code, script, token())
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert proc.returncode == 0 and out.startswith("ok "), err[-3000:]
+    assert len(starts(runtime)) == 1
+
+
+def test_a_killed_trainers_forked_children_do_not_keep_it_in_the_roster(runtime, spawn):
+    """A DataLoader worker (say) forked by a trainer that is then killed must
+    not hold the trainer's roster lock: the producer would wait for it."""
+    code = """
+        import os, sys, time, shared_helpers as h, tsock
+        loader = tsock.shared(h.pipeline, 40, 4, sys.argv[1], linger=0.3)
+        if os.fork() == 0:
+            time.sleep(600)  # the worker, alive after its parent (killed at the end)
+            os._exit(0)
+        print(loader.key, flush=True)
+        time.sleep(60)
+    """
+    trainer = spawn(code, token(), start_new_session=True)
+    key = trainer.stdout.readline().strip()
+    paths = _shared.Paths(str(runtime), key)
+    assert paths.live_trainers() == 1
+    os.kill(trainer.pid, signal.SIGKILL)  # the trainer only: its child lives on
+    trainer.wait()
+    try:
+        wait_for(lambda: paths.live_trainers() == 0, "the killed trainer to leave the roster")
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+
+
+def test_a_lock_file_of_another_user_is_refused(runtime):
+    runtime.mkdir(mode=0o700)
+    key = _shared.fingerprint(_shared.factory_ref(h.pipeline), (40, 4, "x"), {})
+    planted = runtime / f"{key}.start"
+    planted.touch()
+    os.chown(planted, 65534, 65534)
+    with pytest.raises(tsock.TsockError, match="not a regular file of uid"):
+        tsock.shared(h.pipeline, 40, 4, "x")
