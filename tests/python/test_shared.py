@@ -119,12 +119,15 @@ def test_eight_simultaneous_trainers_start_one_producer(runtime, spawn, tmp_path
     tok = token()
     code = """
         import os, sys, time, shared_helpers as h
+        open(sys.argv[3], "w").close()
         while not os.path.exists(sys.argv[1]):
             time.sleep(0.001)
         h.train("pipeline", 64, 8, sys.argv[2], 2)
     """
-    trainers = [spawn(code, go, tok) for _ in range(8)]
-    time.sleep(0.5)  # let them all reach the wait: a head start only makes the race easier
+    ready = [tmp_path / f"ready{i}" for i in range(8)]
+    trainers = [spawn(code, go, tok, r) for r in ready]
+    # All at the same instant: each has imported tsock and spins on `go`.
+    wait_for(lambda: all(r.exists() for r in ready), "the trainers to start")
     go.touch()
     results = [finish(p) for p in trainers]
     pids = {line["pid"] for r in results for line in epochs_of(r)}
