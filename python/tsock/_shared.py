@@ -21,6 +21,7 @@ import weakref
 from . import _capi
 from .consumer import Consumer
 from .errors import ChannelClosed, ChannelNotFound, ProducerGone, TsockError
+from .pipeline import Position
 
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
 ATTACH_SLICE_S = 0.25
@@ -258,6 +259,16 @@ def fingerprint(ref: dict, args: tuple, kwargs: dict) -> str:
     return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
 
 
+def _pickled(args: tuple, kwargs: dict) -> bytes:
+    try:
+        return pickle.dumps((tuple(args), dict(kwargs)))
+    except Exception as e:
+        raise TypeError(
+            f"tsock.shared: the factory's arguments are sent to the producer process pickled, and pickle refused "
+            f"them: {type(e).__name__}: {e}"
+        ) from None
+
+
 def channel_of(key: str) -> str:
     return f"shared.{os.geteuid()}.{key}"
 
@@ -328,7 +339,7 @@ class SharedLoader:
         self.key = key
         self._spec = {
             "factory": ref,
-            "args": pickle.dumps((tuple(args), dict(kwargs))),
+            "args": _pickled(args, kwargs),
             "sys_path": list(sys.path),
             "cwd": os.getcwd(),
             "channel": self.channel,
@@ -382,7 +393,10 @@ class SharedLoader:
                     error = paths.read_error() if recovering else None
                     if error is not None:
                         raise self._failed(error)
-                    start_producer(paths, self._spec)
+                    # A successor resumes its predecessor's run; a first
+                    # producer starts at the beginning, whatever a dead one
+                    # left in /dev/shm.
+                    start_producer(paths, {**self._spec, "resume": recovering})
                 alive = paths.read_alive()
                 self._check_description(alive)
                 consumer = self._attach("now" if recovering else "epoch")
@@ -519,6 +533,12 @@ class SharedLoader:
         else:
             self._position = (tag.fingerprint, tag.epoch, tag.index + 1)
         return True
+
+    @property
+    def position(self):
+        """(epoch, batch): the pipeline position of the next batch this
+        trainer takes; None before its first pipeline batch."""
+        return None if self._position is None else Position(self._position[1], self._position[2])
 
     def _end_epoch(self) -> None:
         self.epoch += 1

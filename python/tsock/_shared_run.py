@@ -119,7 +119,8 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
     producer.before_publish = Gate(paths, spec["linger"], alive)
     try:
         if isinstance(loader, Pipeline):
-            producer.run(epochs=None, start=_start_position(producer, loader))
+            start = _start_position(producer, loader) if spec["resume"] else (0, 0)
+            producer.run(epochs=None, start=start)
         else:
             producer.run(epochs=None)
     except Stop:

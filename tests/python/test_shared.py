@@ -436,3 +436,51 @@ def test_a_lock_file_of_another_user_is_refused(runtime):
     os.chown(planted, 65534, 65534)
     with pytest.raises(tsock.TsockError, match="not a regular file of uid"):
         tsock.shared(h.pipeline, 40, 4, "x")
+
+
+def test_a_stale_channel_of_a_dead_producer_is_replaced_and_a_new_run_starts_at_the_beginning(runtime):
+    tok = token()
+    loader = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    it = iter(loader)
+    next(it)
+    os.kill(loader.producer_pid, signal.SIGKILL)  # mid-epoch, then its only trainer goes
+    dead = loader.producer_pid
+    wait_for(lambda: not _shared.lock_is_held(str(runtime / f"{loader.key}.alive")), "the producer to die")
+    loader._consumer.close()  # what a killed trainer leaves: no detach by this loader
+    loader._consumer = None
+    loader.close()
+    assert os.path.exists(f"/dev/shm/tsock.{loader.channel}")  # the dead producer's segment
+    with tsock.shared(h.pipeline, 40, 4, tok, linger=0.3) as fresh:
+        assert fresh.producer_pid != dead
+        ids = [y for _, ys in fresh for y in ys.tolist()]
+        assert sorted(ids) == list(range(40))
+        assert fresh.position == (1, 0)  # it read epoch 0, not the rest of the dead run's epoch
+        assert fresh.repeated_batches == 0
+
+
+def test_a_trainer_killed_holding_the_start_lock_blocks_nobody(runtime, spawn):
+    tok = token()
+    key = _shared.fingerprint(_shared.factory_ref(h.pipeline), (40, 4, tok), {})
+    runtime.mkdir(mode=0o700)
+    holder = spawn(
+        """
+        import fcntl, os, sys, time
+        fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(600)
+        """,
+        runtime / f"{key}.start",
+    )
+    assert holder.stdout.readline().strip() == "held"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    with tsock.shared(h.pipeline, 40, 4, tok, linger=0.3) as loader:
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+
+
+def test_arguments_pickle_refuses_are_named(runtime):
+    import threading
+
+    with pytest.raises(TypeError, match="pickle refused"):
+        tsock.shared(h.pipeline, 40, 4, threading.Lock(), name=f"p{os.getpid()}")
