@@ -38,7 +38,9 @@ def pipeline(n: int, batch_size: int, token: str = ""):
 
 
 def slow_pipeline(n: int, batch_size: int, token: str = ""):
-    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7, augment=slow)
+    """With worker processes: forked by the producer, they must not keep its
+    KEY.alive lock (a successor would wait for them) and die with it."""
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7, augment=slow, workers=2)
 
 
 def plain(n: int, batch_size: int, token: str = ""):

@@ -111,6 +111,30 @@ def producer_pid(runtime) -> int:
     return _shared.Paths(str(runtime), key).read_alive().get("pid", 0)
 
 
+def producer_processes(runtime) -> list:
+    """Pids of the shared producers of this test and of their pipeline
+    workers (forked from them: the same command line and environment)."""
+    mine = f"TSOCK_RUNTIME_DIR={runtime}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"tsock._shared_run" not in f.read():
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mine not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue  # a zombie: exited, waiting for its parent
+        except OSError:
+            continue
+        pids.append(int(entry))
+    return pids
+
+
 # ---- one producer per pipeline ----
 
 
@@ -283,6 +307,8 @@ def test_producer_killed_at_random_points_every_trainer_gets_each_sample_once_pe
         # was published again for a trainer to drop.
         assert (r[-1]["lost"], r[-1]["repeated"], r[-1]["restarts"]) == (0, 0, 0)
     assert sum(r[-1]["recoveries"] for r in results) >= 1
+    # The last producer lingers, then exits; the killed ones' workers died with them.
+    wait_for(lambda: not producer_processes(runtime), "every producer and pipeline worker to exit")
 
 
 def test_a_plain_loader_restarts_the_epoch_and_tells_the_trainer(runtime):
