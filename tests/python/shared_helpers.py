@@ -43,6 +43,12 @@ def slow_pipeline(n: int, batch_size: int, token: str = ""):
     return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7, augment=slow, workers=2)
 
 
+def unseeded(n: int, batch_size: int, token: str = ""):
+    """A Pipeline whose seed is drawn anew by each producer: not reproducible
+    (its fingerprint changes), so a successor cannot resume it."""
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=int.from_bytes(os.urandom(7), "little"))
+
+
 def plain(n: int, batch_size: int, token: str = ""):
     """Not a Pipeline: a list of (x, ids) batches, in order (no resume)."""
     return [

@@ -252,7 +252,7 @@ def test_a_loader_that_fails_later_ends_every_trainer_with_its_message_and_no_su
 
 
 def test_the_producer_lingers_then_exits_leaving_nothing_in_dev_shm(runtime):
-    loader = tsock.shared(h.pipeline, 40, 4, token(), linger=0.3)
+    loader = tsock.shared(h.pipeline, 40, 4, token(), linger=1.5)  # long enough to see it linger, under load
     channel = loader.channel
     assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
     pid = loader.producer_pid
@@ -510,3 +510,16 @@ def test_arguments_pickle_refuses_are_named(runtime):
 
     with pytest.raises(TypeError, match="pickle refused"):
         tsock.shared(h.pipeline, 40, 4, threading.Lock(), name=f"p{os.getpid()}")
+
+
+def test_a_pipeline_built_differently_by_the_successor_restarts_the_epoch_and_tells_the_trainer(runtime):
+    loader = tsock.shared(h.unseeded, 400, 4, token(), linger=0.3)
+    it = iter(loader)
+    next(it)
+    os.kill(loader.producer_pid, signal.SIGKILL)
+    with pytest.warns(RuntimeWarning, match="another fingerprint"):
+        rest = [y for _, ys in it for y in ys.tolist()]
+    assert loader.restarts == 1 and loader.recoveries == 1 and loader.repeated_batches == 0
+    # The successor's pipeline from its first batch: its whole epoch, in this loop.
+    assert sorted(rest[-400:]) == list(range(400))
+    loader.close()
