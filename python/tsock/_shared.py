@@ -438,6 +438,10 @@ class SharedLoader:
                 consumer = Consumer(self.channel, start=start, timeout=ATTACH_SLICE_S, **self._options)
             except (ChannelNotFound, ProducerGone):
                 continue  # not created yet, or a dead predecessor's segment not yet replaced
+            except TsockError as e:
+                if e.status != _capi.ETIMEDOUT:
+                    raise
+                continue  # the producer answered no join in the slice (stopped, starved of CPU): it still lives
             consumer.track_tags = True
             self._state[0] = consumer
             return consumer

@@ -523,3 +523,22 @@ def test_a_pipeline_built_differently_by_the_successor_restarts_the_epoch_and_te
     # The successor's pipeline from its first batch: its whole epoch, in this loop.
     assert sorted(rest[-400:]) == list(range(400))
     loader.close()
+
+
+def test_a_producer_that_answers_a_join_late_does_not_end_the_trainer(runtime, spawn):
+    # The producer stopped (SIGSTOP) while a second trainer joins: its join
+    # slices time out, and it waits on while the producer lives. Before,
+    # the first timed-out slice (TsockError ETIMEDOUT) ended the trainer;
+    # the 10-kill test hit it beside four CPU hogs (review 24).
+    tok = token()
+    first = tsock.shared(h.pipeline, 40, 4, tok, linger=1.5)
+    pid = first.producer_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        second = start_trainer(spawn, "pipeline", 40, 4, tok, 1)
+        time.sleep(2)  # its slices of 0.25 s time out meanwhile
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert sorted(y for _, ys in first for y in ys.tolist()) == list(range(40))
+    assert sorted(epochs_of(finish(second))[0]["ids"]) == list(range(40))
+    first.close()
