@@ -15,6 +15,7 @@ import pickle
 import stat
 import subprocess
 import sys
+import types
 import warnings
 import weakref
 
@@ -190,6 +191,8 @@ def factory_ref(factory) -> dict:
     )
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise TypeError(f"tsock.shared: factory {qualname} is a lambda or a nested function; {fix}")
+    if _bound_to_an_object(factory):
+        raise TypeError(f"tsock.shared: factory {qualname} is a method bound to an object; {fix}")
     ref = {"module": module, "qualname": qualname, "file": None}
     if module in MAIN_MODULES:
         main = sys.modules.get(module)
@@ -221,6 +224,13 @@ def _resolve(ref: dict):
         return None
 
 
+def _bound_to_an_object(value) -> bool:
+    """Whether value is a method bound to an instance (not to a class or a
+    module, which its qualified name does say)."""
+    owner = getattr(value, "__self__", None)
+    return owner is not None and not isinstance(owner, (type, types.ModuleType))
+
+
 def _canonical(value, where: str):
     """A JSON form of an argument that is the same in every process, or
     TypeError naming name= as the fix."""
@@ -239,7 +249,15 @@ def _canonical(value, where: str):
             raise TypeError(f"tsock.shared: {where} is a dict with non-str keys: cannot fingerprint it; pass name=")
         return {"dict": {k: _canonical(v, f"{where}[{k!r}]") for k, v in sorted(value.items())}}
     module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
-    if (callable(value) or isinstance(value, type)) and module and qualname and "<" not in qualname:
+    named = (callable(value) or isinstance(value, type)) and module and qualname and "<" not in qualname
+    if named and _bound_to_an_object(value):
+        # A bound method's name is its class's: Scale(1).apply and
+        # Scale(1000).apply would share one producer (review 24).
+        raise TypeError(
+            f"tsock.shared: argument {where} is a method bound to an object ({qualname}), whose state its name "
+            "does not say; pass name='...' to name the pipeline yourself, or pass a module-level function"
+        )
+    if named:
         return {"ref": f"{module}.{qualname}"}
     raise TypeError(
         f"tsock.shared: argument {where} is a {type(value).__name__}, which has no form that is the same in every "

@@ -4,6 +4,7 @@ which lingers after the last and is replaced, exactly, when it dies
 
 from __future__ import annotations
 
+import fractions
 import glob
 import json
 import os
@@ -181,6 +182,15 @@ def test_the_key_is_the_name_or_the_arguments(runtime):
     assert same != _shared.fingerprint(_shared.factory_ref(h.plain), (40, 4), {})
     with pytest.raises(TypeError, match="pass name="):
         tsock.shared(h.pipeline, object(), 4)
+    # A method bound to an object is named by its class: two objects of one
+    # class in different states would share a producer (review 24). A
+    # function of a module, a class, or a method bound to a class are named
+    # by what they are.
+    with pytest.raises(TypeError, match="bound to an object"):
+        _shared.fingerprint(ref, (json.JSONEncoder(indent=2).encode,), {})
+    with pytest.raises(TypeError, match="bound to an object"):
+        _shared.factory_ref(json.JSONDecoder().decode)
+    assert _shared.fingerprint(ref, (os.path.join, dict, fractions.Fraction.from_float), {})
 
 
 def test_same_name_other_arguments_is_refused(runtime):
