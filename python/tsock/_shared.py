@@ -135,8 +135,28 @@ class Paths:
         loaders of the same key (a notebook cell run twice) counts twice."""
         return os.path.join(self.dir, f"{self.trainer_prefix}{pid}.{serial}")
 
+    def join_roster(self, roster: str) -> int:
+        """Enters a loader in the roster: its file is made and locked under a
+        name the roster does not list, then renamed into it, so a roster
+        file is locked from the moment it appears (a producer counting
+        trainers removed one made but not yet locked: review 24). Returns
+        the locked descriptor, held for the loader's life."""
+        joining = os.path.join(self.dir, f"{self.key}.joining.{os.path.basename(roster)}")
+        fd = open_lock(joining)
+        try:
+            if not try_lock(fd):
+                raise TsockError(f"tsock.shared: {joining} is locked by another process", _capi.ESYS)
+            os.rename(joining, roster)
+        except BaseException:
+            close_lock(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(joining)
+            raise
+        return fd
+
     def live_trainers(self) -> int:
-        """Trainers whose roster file is locked; removes dead ones' files."""
+        """Trainers whose roster file is locked; removes dead ones' files,
+        each while holding its lock (so never a live one's)."""
         live = 0
         try:
             entries = os.listdir(self.dir)
@@ -146,11 +166,18 @@ class Paths:
             if not entry.startswith(self.trainer_prefix):
                 continue
             path = os.path.join(self.dir, entry)
-            if lock_is_held(path):
-                live += 1
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                if not try_lock(fd):
+                    live += 1
+                elif os.path.exists(path) and os.path.samestat(os.fstat(fd), os.stat(path)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+            finally:
+                os.close(fd)
         return live
 
     def read_error(self) -> str | None:
@@ -387,8 +414,7 @@ class SharedLoader:
         self._epoch_done = False  # ended by a tag; the ring's marker may still come
         self._consumer = None
         roster = self._paths.trainer(self._pid, next(_serials))
-        self._roster = open_lock(roster)
-        try_lock(self._roster)  # a new file of this process's: free
+        self._roster = self._paths.join_roster(roster)
         # What the finalizer undoes: the consumer (replaced at each
         # recovery), the roster lock and its file.
         self._state = [None, self._roster, roster, self._pid]
