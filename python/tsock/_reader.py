@@ -91,9 +91,9 @@ class Raw:
     memoryview numpy arrays of leaf i are built on (or None), after those
     DLPackTensor objects handed out (their leaf in `leaf`)."""
 
-    __slots__ = ("lease", "mem", "epoch", "index", "end", "leaves", "layout", "rows", "exporters", "done")
+    __slots__ = ("lease", "mem", "epoch", "index", "end", "leaves", "layout", "tag", "rows", "exporters", "done")
 
-    def __init__(self, lease: Lease, mem: Memory, epoch: int, index: int, end: bool, leaves: list, layout):
+    def __init__(self, lease: Lease, mem: Memory, epoch: int, index: int, end: bool, leaves: list, layout, tag=None):
         self.lease = lease
         self.mem = mem
         self.epoch = epoch
@@ -101,6 +101,7 @@ class Raw:
         self.end = end
         self.leaves = leaves
         self.layout = layout
+        self.tag = tag  # a Pipeline batch's place (_structure.Tag), else None
         self.rows = None  # shared first dimension, computed when re-batching
         self.exporters = None
         self.done = False  # the consumer has delivered all of it
@@ -228,8 +229,11 @@ class Reader:
                 f = unpack(tview, i * _TENSOR.size)
                 nd = f[1]
                 leaves.append((f[0], f[2 : 2 + nd], f[10 : 10 + nd], f[20], f[19]))
-            raw = Raw(lease, mem, epoch, index, False, leaves, _structure.decode(bytes(mview[:mlen]), n))
+            meta = bytes(mview[:mlen])
+            raw = Raw(lease, mem, epoch, index, False, leaves, _structure.decode(meta, n))
         self.held.append(raw)
+        if not raw.end and meta[:4] == _structure.MAGIC_TAGGED:
+            raw.tag = _structure.decode_tag(meta)  # held first: a corrupt tag's batch is still released
         return raw
 
     def _slot_memory(self, batch: int, payload: int, capacity: int, live: int) -> Memory:
