@@ -7,10 +7,10 @@ import numbers
 import sys
 import weakref
 
-from . import _capi, _lifetime, _placement
+from . import _capi, _lifetime, _placement, _structure
 from ._reader import Raw, Reader
 from ._rebatch import Rebatched, Whole
-from .errors import ChannelClosed, PartitionMismatch, TsockError
+from .errors import ChannelClosed, CorruptSegment, PartitionMismatch, TsockError
 
 _START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW}
 LIFETIMES = ("referenced", "step")
@@ -275,10 +275,15 @@ class Consumer:
         # referenced, up to half the ring (_lifetime.Referenced.limit; the C
         # reader clamps HOLD_MAX to the ring).
         max_held = _lifetime.HOLD_MAX if keeping else 2 if device is None else 4
+        if keeping and world_size:
+            # A batch of this rank still referenced holds the other ranks'
+            # after it (see _lifetime.Referenced.ranks).
+            max_held = min(_capi.MAX_HELD, max_held * world_size)
         self._reader = Reader(name, _START[start], timeout, max_held=max_held, keeping=keeping)
         self._keeping = keeping
         if keeping:
             self._life = _lifetime.Referenced(self._reader, output, device is not None)
+            self._life.max_held = max_held
         else:
             self._life = _lifetime.Step(self._reader)
         unprotect = None
@@ -437,8 +442,9 @@ class Consumer:
             if self._keeping:
                 self._life.settle()
             raw = self._reader.acquire()
-            if not raw.end:
-                self._partition_of(raw)
+            if not raw.end and not self._mine(raw):
+                self._release(raw)  # another rank's: let go unread
+                continue
             self._pending.append(raw)
             if not raw.end:
                 self._layout = raw.layout
@@ -476,7 +482,6 @@ class Consumer:
             if not self._mine(raw):
                 self._release(raw)  # another rank's: let go unread
                 continue
-            self._started = True
             self._layout = raw.layout
             return raw
 
@@ -484,40 +489,52 @@ class Consumer:
 
     def _partition_of(self, raw: Raw) -> int:
         """The rank raw is for (0 on a channel that is not partitioned),
-        once its partitioning is checked against this consumer's."""
-        tag = raw.tag
-        world = tag.world_size if tag is not None else 0
-        if world and self.rank is None:
+        once the channel's partitioning is checked against this consumer's.
+        On an error raw is let go first: the consumer can still be closed,
+        or read on past a batch it refused."""
+        try:
+            found = _structure.partition(raw.meta)
+        except CorruptSegment:
             self._release(raw)
-            raise PartitionMismatch(
+            raise
+        world = found[1] if found is not None else 0
+        why = None
+        if world and self.rank is None:
+            why = (
                 f"channel '{self.name}' is partitioned among {world} ranks (a tsock.Pipeline with world_size="
                 f"{world}): open it with Consumer('{self.name}', rank=<this process's rank>, world_size={world})"
             )
-        if self.rank is None:
-            return 0
-        if not world:
-            self._release(raw)
-            raise PartitionMismatch(
+        elif self.rank is not None and not world:
+            why = (
                 f"channel '{self.name}' is not partitioned (its producer is not a tsock.Pipeline with world_size=): "
                 "open it without rank= and world_size="
             )
-        if world != self.world_size:
-            self._release(raw)
-            raise PartitionMismatch(
+        elif world != (self.world_size or 0):
+            why = (
                 f"channel '{self.name}' is partitioned among {world} ranks, not world_size={self.world_size}: "
                 "it serves another job"
             )
-        self._ranks = tag.ranks
-        return tag.rank
+        if why is not None:
+            self._release(raw)
+            raise PartitionMismatch(why)
+        if not world:
+            return 0
+        self._ranks = found[2]
+        if self._keeping:
+            self._life.ranks = found[2]
+        return found[0]
 
     def _mine(self, raw: Raw) -> bool:
-        """Whether raw is for this consumer's rank. Each step of an epoch
-        carries one batch of each rank the channel makes, in a fixed order,
-        so that many batches in a row for other ranks mean this rank is not
-        made at all: an error rather than a wait for ever."""
+        """Whether raw (a batch, not a marker) is for this consumer's rank.
+        Each step of an epoch carries one batch of each rank the channel
+        makes, in a fixed order, so that many batches in a row for other
+        ranks mean this rank is not made at all: an error rather than a
+        wait for ever."""
+        self._started = True  # an epoch with batches of other ranks only is an (empty) epoch
         if self._partition_of(raw) == (self.rank or 0):
             self._others = 0
             return True
+        raw.foreign = True
         self._others += 1
         if self._others >= self._ranks:
             self._release(raw)
