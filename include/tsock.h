@@ -45,6 +45,7 @@ extern "C" {
 #define TSOCK_MAX_DIMS 8      /* dimensions per tensor */
 #define TSOCK_MAX_TENSORS 16  /* tensors per batch */
 #define TSOCK_META_MAX 256    /* bytes of user metadata per batch */
+#define TSOCK_MAX_HELD 64     /* batches a reader may hold (max_held) */
 
 /* ---- Status codes ----------------------------------------------------- */
 
@@ -271,7 +272,7 @@ typedef struct tsock_reader_options {
                                  producer that does not answer (stopped);
                                  < 0 waits without limit */
   uint32_t max_held;          /* batches held at once (acquired, not released),
-                                 1..64; default 4. Clamped at attach, silently,
+                                 1..TSOCK_MAX_HELD; default 4. Clamped at attach, silently,
                                  to the channel's slot count: a reader holding
                                  the whole ring cannot get another batch until
                                  it releases one, so acquire then returns

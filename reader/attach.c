@@ -17,7 +17,7 @@
 #include "internal.h"
 
 #define ATTACH_POLL_NS 5000000ll      /* retry period while waiting for a channel */
-#define MAX_HELD 64u
+#define MAX_HELD ((uint32_t)TSOCK_MAX_HELD)
 
 /* ---- options ---- */
 

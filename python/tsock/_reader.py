@@ -91,9 +91,22 @@ class Raw:
     memoryview numpy arrays of leaf i are built on (or None), after those
     DLPackTensor objects handed out (their leaf in `leaf`)."""
 
-    __slots__ = ("lease", "mem", "epoch", "index", "end", "leaves", "layout", "rows", "exporters", "done")
+    __slots__ = (
+        "lease",
+        "mem",
+        "epoch",
+        "index",
+        "end",
+        "leaves",
+        "layout",
+        "meta",
+        "rows",
+        "exporters",
+        "done",
+        "foreign",
+    )
 
-    def __init__(self, lease: Lease, mem: Memory, epoch: int, index: int, end: bool, leaves: list, layout):
+    def __init__(self, lease: Lease, mem: Memory, epoch: int, index: int, end: bool, leaves: list, layout, meta=b""):
         self.lease = lease
         self.mem = mem
         self.epoch = epoch
@@ -101,9 +114,11 @@ class Raw:
         self.end = end
         self.leaves = leaves
         self.layout = layout
+        self.meta = meta  # the metadata's bytes (a private copy): a Pipeline batch's tag is in it
         self.rows = None  # shared first dimension, computed when re-batching
         self.exporters = None
         self.done = False  # the consumer has delivered all of it
+        self.foreign = False  # another rank's batch, let go unread (partition mode)
 
 
 _pinned_types: dict[int, type] = {}
@@ -228,7 +243,8 @@ class Reader:
                 f = unpack(tview, i * _TENSOR.size)
                 nd = f[1]
                 leaves.append((f[0], f[2 : 2 + nd], f[10 : 10 + nd], f[20], f[19]))
-            raw = Raw(lease, mem, epoch, index, False, leaves, _structure.decode(bytes(mview[:mlen]), n))
+            meta = bytes(mview[:mlen])
+            raw = Raw(lease, mem, epoch, index, False, leaves, _structure.decode(meta, n), meta)
         self.held.append(raw)
         return raw
 

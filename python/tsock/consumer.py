@@ -7,10 +7,10 @@ import numbers
 import sys
 import weakref
 
-from . import _capi, _lifetime, _placement
+from . import _capi, _lifetime, _placement, _structure
 from ._reader import Raw, Reader
 from ._rebatch import Rebatched, Whole
-from .errors import ChannelClosed, TsockError
+from .errors import ChannelClosed, CorruptSegment, PartitionMismatch, TsockError
 
 _START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW}
 LIFETIMES = ("referenced", "step")
@@ -76,6 +76,21 @@ def _profiled():
     if profiler is None or not getattr(profiler, "_is_profiler_enabled", False):
         return None
     return profiler.record_function
+
+
+def _check_rank(rank, world_size) -> tuple[int | None, int | None]:
+    """rank and world_size, checked: both None, or ints with
+    0 <= rank < world_size <= 65535 (a tag's u16)."""
+    if rank is None and world_size is None:
+        return None, None
+    if rank is None or world_size is None:
+        raise ValueError("rank= and world_size= go together (partition mode), or neither is given")
+    for what, v in (("rank", rank), ("world_size", world_size)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{what} must be an int, got {v!r}")
+    if not 1 <= world_size <= 65535 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size <= 65535, got rank={rank}, world_size={world_size}")
+    return int(rank), int(world_size)
 
 
 def _closed_message(name: str, epochs: int) -> str:
@@ -172,6 +187,13 @@ class Consumer:
       device_path: with device, "auto" (default): the device path where it
         opens, else the pinned host path; "require": NoDevicePath where it
         does not open; "never": always copy (the pinned host path).
+      rank, world_size: read a partitioned channel (a tsock.Pipeline with
+        world_size=) as rank `rank` of `world_size`: only this rank's
+        batches are delivered, the same samples per epoch as
+        torch.utils.data.DistributedSampler(num_replicas=world_size,
+        rank=rank) gives it; the other ranks' batches are let go unread.
+        Both or neither. PartitionMismatch when they do not fit the
+        channel (see docs/PIPELINE.md, "Partition mode").
 
     Raises ProducerGone when the producer dies (after every batch it
     published), ChannelClosed when an epoch is asked for after the producer
@@ -193,6 +215,8 @@ class Consumer:
         device_path: str = "auto",
         lifetime: str = "referenced",
         carry_over: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
     ):
         if not isinstance(name, str):
             raise TypeError(f"channel name must be str, got {type(name).__name__}")
@@ -208,6 +232,7 @@ class Consumer:
             raise ValueError(f"timeout must be None or seconds >= 0, got {timeout!r}")
         if lifetime not in LIFETIMES:
             raise ValueError(f"lifetime must be one of {LIFETIMES}, got {lifetime!r}")
+        rank, world_size = _check_rank(rank, world_size)
         from ._output import OUTPUTS
 
         if output not in OUTPUTS:
@@ -235,6 +260,10 @@ class Consumer:
         self._delivered = 0  # batches made in the epoch in progress
         self._closed_seen = False
         self._started = False  # a batch was taken
+        #: this consumer's rank and the job's world size (None: not partitioned)
+        self.rank, self.world_size = rank, world_size
+        self._ranks = 1  # ranks whose batches the channel carries (from the tags)
+        self._others = 0  # other ranks' batches let go since this rank's last
         self._closed = False
         # What refers to shared memory is tracked where the caller gets
         # views of it: host batches, and output="dlpack" on the device path
@@ -246,10 +275,15 @@ class Consumer:
         # referenced, up to half the ring (_lifetime.Referenced.limit; the C
         # reader clamps HOLD_MAX to the ring).
         max_held = _lifetime.HOLD_MAX if keeping else 2 if device is None else 4
+        if keeping and world_size:
+            # A batch of this rank still referenced holds the other ranks'
+            # after it (see _lifetime.Referenced.ranks).
+            max_held = min(_capi.MAX_HELD, max_held * world_size)
         self._reader = Reader(name, _START[start], timeout, max_held=max_held, keeping=keeping)
         self._keeping = keeping
         if keeping:
             self._life = _lifetime.Referenced(self._reader, output, device is not None)
+            self._life.max_held = max_held
         else:
             self._life = _lifetime.Step(self._reader)
         unprotect = None
@@ -393,20 +427,24 @@ class Consumer:
         if self.batch_size is None:
             if layout.batches is None:
                 raise TypeError("the producer's loader has no len(), so neither has this consumer")
-            return layout.batches
+            return layout.batches // self._ranks  # a rank's share: every rank has as many
         if layout.samples is None:
             raise TypeError(
                 "the producer's loader does not tell its number of samples, so a re-batching consumer has no len()"
             )
+        samples = layout.samples // self._ranks
         if self.drop_last:
-            return layout.samples // self.batch_size
-        return math.ceil(layout.samples / self.batch_size)
+            return samples // self.batch_size
+        return math.ceil(samples / self.batch_size)
 
     def _peek_layout(self):
         while True:
             if self._keeping:
                 self._life.settle()
             raw = self._reader.acquire()
+            if not raw.end and not self._mine(raw):
+                self._release(raw)  # another rank's: let go unread
+                continue
             self._pending.append(raw)
             if not raw.end:
                 self._layout = raw.layout
@@ -416,32 +454,95 @@ class Consumer:
             self._release(raw)
 
     def _take(self, rows_so_far: int) -> Raw | None:
-        """The next producer batch of this epoch, or None at its end."""
-        if self._pending:
-            raw = self._pending.pop(0)
-        else:
-            if self._keeping:
-                self._life.settle()
-            try:
-                raw = self._reader.acquire()
-            except ChannelClosed as closed:
-                # Closed without an epoch-end marker: what was read is an
-                # epoch. Asking for another raises.
-                if self._closed_seen or (self._delivered == 0 and rows_so_far == 0):
-                    raise ChannelClosed(_closed_message(self.name, self.epoch), closed.status) from None
-                self._closed_seen = True
+        """The next producer batch of this epoch (of this consumer's rank),
+        or None at its end."""
+        while True:
+            if self._pending:
+                raw = self._pending.pop(0)
+            else:
+                if self._keeping:
+                    self._life.settle()
+                try:
+                    raw = self._reader.acquire()
+                except ChannelClosed as closed:
+                    # Closed without an epoch-end marker: what was read is an
+                    # epoch. Asking for another raises.
+                    if self._closed_seen or (self._delivered == 0 and rows_so_far == 0):
+                        raise ChannelClosed(_closed_message(self.name, self.epoch), closed.status) from None
+                    self._closed_seen = True
+                    return None
+            self.producer_epoch = raw.epoch
+            if raw.end:
+                self._release(raw)
+                if not self._started:
+                    # Joined ("now") just before an epoch-end marker: the
+                    # first epoch starts after it, not empty.
+                    continue
                 return None
-        self.producer_epoch = raw.epoch
-        if raw.end:
+            if not self._mine(raw):
+                self._release(raw)  # another rank's: let go unread
+                continue
+            self._layout = raw.layout
+            return raw
+
+    # ---- partition mode ----
+
+    def _partition_of(self, raw: Raw) -> int:
+        """The rank raw is for (0 on a channel that is not partitioned),
+        once the channel's partitioning is checked against this consumer's.
+        On an error raw is let go first: the consumer can still be closed,
+        or read on past a batch it refused."""
+        try:
+            found = _structure.partition(raw.meta)
+        except CorruptSegment:
             self._release(raw)
-            if not self._started:
-                # Joined ("now") just before an epoch-end marker: the first
-                # epoch starts after it, not empty.
-                return self._take(rows_so_far)
-            return None
-        self._started = True
-        self._layout = raw.layout
-        return raw
+            raise
+        world = found[1] if found is not None else 0
+        why = None
+        if world and self.rank is None:
+            why = (
+                f"channel '{self.name}' is partitioned among {world} ranks (a tsock.Pipeline with world_size="
+                f"{world}): open it with Consumer('{self.name}', rank=<this process's rank>, world_size={world})"
+            )
+        elif self.rank is not None and not world:
+            why = (
+                f"channel '{self.name}' is not partitioned (its producer is not a tsock.Pipeline with world_size=): "
+                "open it without rank= and world_size="
+            )
+        elif world != (self.world_size or 0):
+            why = (
+                f"channel '{self.name}' is partitioned among {world} ranks, not world_size={self.world_size}: "
+                "it serves another job"
+            )
+        if why is not None:
+            self._release(raw)
+            raise PartitionMismatch(why)
+        if not world:
+            return 0
+        self._ranks = found[2]
+        if self._keeping:
+            self._life.ranks = found[2]
+        return found[0]
+
+    def _mine(self, raw: Raw) -> bool:
+        """Whether raw (a batch, not a marker) is for this consumer's rank.
+        Each step of an epoch carries one batch of each rank the channel
+        makes, in a fixed order, so that many batches in a row for other
+        ranks mean this rank is not made at all: an error rather than a
+        wait for ever."""
+        self._started = True  # an epoch with batches of other ranks only is an (empty) epoch
+        if self._partition_of(raw) == (self.rank or 0):
+            self._others = 0
+            return True
+        raw.foreign = True
+        self._others += 1
+        if self._others >= self._ranks:
+            self._release(raw)
+            raise PartitionMismatch(
+                f"channel '{self.name}' carries the batches of {self._ranks} of its {self.world_size} ranks, not "
+                f"those of rank {self.rank}: its producer makes another node's share (Pipeline(ranks=...))"
+            )
+        return False
 
     def _release(self, raw: Raw | None) -> None:
         """The consumer is done with raw: its slot goes back now (Step), or
