@@ -303,7 +303,7 @@ class Consumer:
         self.placement = "host"
         #: why the device path is not used (None when it is, or not asked for)
         self.placement_note = None
-        self._gpu = None  # the copy pipeline of the pinned host path (_cuda.Staging)
+        self._gpu = None  # the copy pipeline of the pinned host path (_staging.Staging)
         if device is not None:
             try:
                 placed = _placement.place(self._reader, self._out, device, device_path, self.copy, lifetime)

@@ -181,7 +181,7 @@ def _cuda_ordinal(device) -> int:
     """The CUDA ordinal of a device= argument; -1 for None."""
     if device is None:
         return -1
-    from ._cuda import cuda_index
+    from ._devices import cuda_index
 
     return cuda_index(device)
 
