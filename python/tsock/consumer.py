@@ -7,10 +7,10 @@ import numbers
 import sys
 import weakref
 
-from . import _capi, _lifetime, _placement, _structure
+from . import _capi, _lifetime, _partition, _placement
 from ._reader import Raw, Reader
 from ._rebatch import Rebatched, Whole
-from .errors import ChannelClosed, CorruptSegment, PartitionMismatch, TsockError
+from .errors import ChannelClosed, TsockError
 
 _START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW}
 LIFETIMES = ("referenced", "step")
@@ -76,21 +76,6 @@ def _profiled():
     if profiler is None or not getattr(profiler, "_is_profiler_enabled", False):
         return None
     return profiler.record_function
-
-
-def _check_rank(rank, world_size) -> tuple[int | None, int | None]:
-    """rank and world_size, checked: both None, or ints with
-    0 <= rank < world_size <= 65535 (a tag's u16)."""
-    if rank is None and world_size is None:
-        return None, None
-    if rank is None or world_size is None:
-        raise ValueError("rank= and world_size= go together (partition mode), or neither is given")
-    for what, v in (("rank", rank), ("world_size", world_size)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{what} must be an int, got {v!r}")
-    if not 1 <= world_size <= 65535 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size <= 65535, got rank={rank}, world_size={world_size}")
-    return int(rank), int(world_size)
 
 
 def _closed_message(name: str, epochs: int) -> str:
@@ -232,7 +217,7 @@ class Consumer:
             raise ValueError(f"timeout must be None or seconds >= 0, got {timeout!r}")
         if lifetime not in LIFETIMES:
             raise ValueError(f"lifetime must be one of {LIFETIMES}, got {lifetime!r}")
-        rank, world_size = _check_rank(rank, world_size)
+        rank, world_size = _partition.check(rank, world_size)
         from ._output import OUTPUTS
 
         if output not in OUTPUTS:
@@ -262,8 +247,7 @@ class Consumer:
         self._started = False  # a batch was taken
         #: this consumer's rank and the job's world size (None: not partitioned)
         self.rank, self.world_size = rank, world_size
-        self._ranks = 1  # ranks whose batches the channel carries (from the tags)
-        self._others = 0  # other ranks' batches let go since this rank's last
+        self._ranks = _partition.Ranks(name, rank, world_size)
         self._closed = False
         # What refers to shared memory is tracked where the caller gets
         # views of it: host batches, and output="dlpack" on the device path
@@ -427,12 +411,12 @@ class Consumer:
         if self.batch_size is None:
             if layout.batches is None:
                 raise TypeError("the producer's loader has no len(), so neither has this consumer")
-            return layout.batches // self._ranks  # a rank's share: every rank has as many
+            return layout.batches // self._ranks.ranks  # a rank's share: every rank has as many
         if layout.samples is None:
             raise TypeError(
                 "the producer's loader does not tell its number of samples, so a re-batching consumer has no len()"
             )
-        samples = layout.samples // self._ranks
+        samples = layout.samples // self._ranks.ranks
         if self.drop_last:
             return samples // self.batch_size
         return math.ceil(samples / self.batch_size)
@@ -485,64 +469,19 @@ class Consumer:
             self._layout = raw.layout
             return raw
 
-    # ---- partition mode ----
-
-    def _partition_of(self, raw: Raw) -> int:
-        """The rank raw is for (0 on a channel that is not partitioned),
-        once the channel's partitioning is checked against this consumer's.
-        On an error raw is let go first: the consumer can still be closed,
-        or read on past a batch it refused."""
+    def _mine(self, raw: Raw) -> bool:
+        """Whether raw (a batch, not a marker) is for this consumer's rank
+        (_partition.Ranks); raw is let go before an error is raised, so the
+        consumer can still be closed, or read on past a batch it refused."""
+        self._started = True  # an epoch with batches of other ranks only is an (empty) epoch
         try:
-            found = _structure.partition(raw.meta)
-        except CorruptSegment:
+            mine = self._ranks.mine(raw)
+        except TsockError:
             self._release(raw)
             raise
-        world = found[1] if found is not None else 0
-        why = None
-        if world and self.rank is None:
-            why = (
-                f"channel '{self.name}' is partitioned among {world} ranks (a tsock.Pipeline with world_size="
-                f"{world}): open it with Consumer('{self.name}', rank=<this process's rank>, world_size={world})"
-            )
-        elif self.rank is not None and not world:
-            why = (
-                f"channel '{self.name}' is not partitioned (its producer is not a tsock.Pipeline with world_size=): "
-                "open it without rank= and world_size="
-            )
-        elif world != (self.world_size or 0):
-            why = (
-                f"channel '{self.name}' is partitioned among {world} ranks, not world_size={self.world_size}: "
-                "it serves another job"
-            )
-        if why is not None:
-            self._release(raw)
-            raise PartitionMismatch(why)
-        if not world:
-            return 0
-        self._ranks = found[2]
         if self._keeping:
-            self._life.ranks = found[2]
-        return found[0]
-
-    def _mine(self, raw: Raw) -> bool:
-        """Whether raw (a batch, not a marker) is for this consumer's rank.
-        Each step of an epoch carries one batch of each rank the channel
-        makes, in a fixed order, so that many batches in a row for other
-        ranks mean this rank is not made at all: an error rather than a
-        wait for ever."""
-        self._started = True  # an epoch with batches of other ranks only is an (empty) epoch
-        if self._partition_of(raw) == (self.rank or 0):
-            self._others = 0
-            return True
-        raw.foreign = True
-        self._others += 1
-        if self._others >= self._ranks:
-            self._release(raw)
-            raise PartitionMismatch(
-                f"channel '{self.name}' carries the batches of {self._ranks} of its {self.world_size} ranks, not "
-                f"those of rank {self.rank}: its producer makes another node's share (Pipeline(ranks=...))"
-            )
-        return False
+            self._life.ranks = self._ranks.ranks
+        return mine
 
     def _release(self, raw: Raw | None) -> None:
         """The consumer is done with raw: its slot goes back now (Step), or
