@@ -25,8 +25,6 @@
 
 #include "cuda_driver.h"
 
-#define MAX_FENCES 64 /* = the most batches a reader holds (attach.c MAX_HELD) */
-
 typedef struct device_state {
   const tsock_cuda_driver *d;
   uint32_t refs; /* the reader, and each DLPack descriptor (atomic) */
@@ -40,7 +38,10 @@ typedef struct device_state {
   uint64_t slot_bytes;
   uint32_t slot_count;
   tsock_CUevent *copied; /* per slot: the producer's interprocess event */
-  tsock_CUevent spare[MAX_FENCES]; /* fence events not in use */
+  /* Fence events not in use: at most one per held batch (TSOCK_MAX_HELD,
+   * the bound attach.c applies to max_held), since a batch has one fence
+   * at a time. */
+  tsock_CUevent spare[TSOCK_MAX_HELD];
   uint32_t n_spare;
 } device_state;
 
@@ -102,7 +103,7 @@ static char fence_unproven_tag;
 #define FENCE_UNPROVEN ((void *)&fence_unproven_tag)
 
 static void spare_event(device_state *g, tsock_CUevent ev) {
-  if (g->n_spare < MAX_FENCES)
+  if (g->n_spare < TSOCK_MAX_HELD)
     g->spare[g->n_spare++] = ev;
   else
     g->d->cuEventDestroy(ev);

@@ -208,6 +208,11 @@ static void test_bad_options(void) {
   tsock_reader_options_init(&ro);
   ro.max_held = 0;
   CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
+  ro.max_held = TSOCK_MAX_HELD + 1; /* the public bound is the one applied */
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
+  char why[64];
+  snprintf(why, sizeof why, "max_held %d outside 1..%d", TSOCK_MAX_HELD + 1, TSOCK_MAX_HELD);
+  CHECK(strstr(tsock_last_error(), why) != NULL);
   tsock_reader_options_init(&ro);
   ro.start = 7;
   CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
