@@ -14,7 +14,7 @@ import weakref
 from collections import deque
 
 from . import _capi, _structure
-from ._dlpack import Lease
+from ._dlpack import Lease, capsule_destructors
 from ._waiting import AttachProgress
 from .errors import TsockError, check, error_for
 
@@ -39,8 +39,14 @@ class _Lib:
         self.cdll = cdll
         self.acquire = self._fn("tsock_reader_acquire", [_P, ctypes.POINTER(_P), ctypes.c_int64])
         self.release = self._fn("tsock_reader_release", [_P, _P])
-        self.dlpack = self._fn("tsock_batch_dlpack", [_P, ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(_P)])
-        self.dlpack_cuda = self._fn("tsock_batch_dlpack_cuda", [_P, ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(_P)])
+        self.dlpack = self._fn(
+            "tsock_batch_dlpack_export",
+            [_P, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_P)],
+        )
+        # The destructors of capsules never consumed free their struct
+        # through the library that made it (tsock_dlpack_delete).
+        delete = self._fn("tsock_dlpack_delete", [_P, ctypes.c_int])
+        self.destroy_legacy, self.destroy_versioned = capsule_destructors(delete)
         self.cuda_use = self._fn("tsock_batch_cuda_use", [_P, ctypes.c_size_t, ctypes.c_uint32])
         self.keep = self._fn("tsock_batch_keep", [_P, _P, ctypes.c_uint32, ctypes.POINTER(_P)])
         self.free = self._fn("tsock_batch_free", [_P])

@@ -167,11 +167,15 @@ def test_dlpack_output_speaks_the_protocol(channel, run_producer):
         assert x.__dlpack_device__() == (1, 0)
         assert name(x.__dlpack__()) == b"dltensor"
         assert name(x.__dlpack__(max_version=(1, 0))) == b"dltensor_versioned"
-        # Unconsumed capsules free their struct through the capsule destructor.
+        # Unconsumed capsules free their struct through the capsule destructor
+        # (tsock_dlpack_delete): the C library counts none of them alive after.
+        batch = tsock._capi.Batch.from_address(x._lease.batch)
         for _ in range(1000):
             x.__dlpack__(max_version=(1, 2))
             x.__dlpack__()
+        assert batch.dlpack_live[tsock._capi.MAX_TENSORS] == 0
         a = np.from_dlpack(x)
+        assert batch.dlpack_live[0] == 1  # the array holds its descriptor
         assert not a.flags.writeable
         np.testing.assert_array_equal(a, data[0][0])
         t = torch.utils.dlpack.from_dlpack(y)
