@@ -15,29 +15,41 @@ import tsock
 from torch.utils.data import DistributedSampler
 
 
-def _read_ranks(channel, world, epochs, **kw) -> dict:
-    """{rank: [[labels of epoch e] for e]} read by one consumer per rank,
-    each in its own thread, with len() checked every epoch."""
-    got, errors, lens = {}, [], {}
+def _each_rank(world: int, read) -> dict:
+    """{rank: read(rank)} for every rank, each in its own thread (the
+    consumers of one step must all be reading); the first error re-raised."""
+    got, errors = {}, []
 
-    def read(rank):
+    def run(rank):
         try:
-            with tsock.Consumer(channel, rank=rank, world_size=world, timeout=30, **kw) as c:
-                got[rank] = []
-                for _ in range(epochs):
-                    lens.setdefault(rank, []).append(len(c))
-                    got[rank].append([int(v) for _, y in c for v in y])
-        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            got[rank] = read(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
-    threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     if errors:
         raise errors[0]
-    return got, lens
+    return got
+
+
+def _read_ranks(channel, world, epochs, **kw) -> tuple[dict, dict]:
+    """{rank: [[labels of epoch e] for e]} read by one consumer per rank,
+    and {rank: [len() at each epoch's start]}."""
+
+    def read(rank):
+        with tsock.Consumer(channel, rank=rank, world_size=world, timeout=30, **kw) as c:
+            lens, labels = [], []
+            for _ in range(epochs):
+                lens.append(len(c))
+                labels.append([int(v) for _, y in c for v in y])
+            return labels, lens
+
+    got = _each_rank(world, read)
+    return {r: v[0] for r, v in got.items()}, {r: v[1] for r, v in got.items()}
 
 
 def _sampler(n, world, rank, seed, drop_last, epoch) -> list[int]:
@@ -141,28 +153,17 @@ def test_eight_ranks_read_in_place_with_the_default_lifetime(channel, run_produc
         p = tsock.Producer(pipe, channel, wait_readers=world)
         assert p.slots == 32  # 4 per rank
         t = run_producer(p, epochs=1)
-        kept, got, errors = {}, {}, []
 
         def read(rank):
-            try:
-                with tsock.Consumer(channel, rank=rank, world_size=world, timeout=30) as c:
-                    got[rank] = [int(v) for x, y in c for v in y]
-                    kept[rank] = c._life.kept
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
+            with tsock.Consumer(channel, rank=rank, world_size=world, timeout=30) as c:
+                return [int(v) for x, y in c for v in y], c._life.kept
 
-        threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
+        got = _each_rank(world, read)
         t.join()
     finally:
         pipe.close()
-    assert not errors, errors[0]
-    assert kept == {r: 0 for r in range(world)}
     for rank in range(world):
-        assert got[rank] == _sampler(8 * 24, world, rank, 2, False, 0)
+        assert got[rank] == (_sampler(8 * 24, world, rank, 2, False, 0), 0)  # 0: nothing kept
 
 
 @pytest.mark.parametrize("lifetime", ["referenced", "step"])
@@ -217,24 +218,15 @@ def test_a_producer_resumed_mid_epoch_keeps_the_ranks_epochs_in_step(channel, ru
         p = tsock.Producer(pipe, channel, wait_readers=world, timeout=60)
         t = threading.Thread(target=lambda: (p.run(epochs=3, start=(1, start)), p.close()), daemon=True)
         t.start()
-        got, errors = {}, []
 
         def read(rank):
-            try:
-                with tsock.Consumer(channel, rank=rank, world_size=world, timeout=30) as c:
-                    got[rank] = [[int(v) for x, y in c for v in y] for _ in range(2)]
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
+            with tsock.Consumer(channel, rank=rank, world_size=world, timeout=30) as c:
+                return [[int(v) for x, y in c for v in y] for _ in range(2)]
 
-        threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
+        got = _each_rank(world, read)
         t.join(60)
     finally:
         pipe.close()
-    assert not errors, errors[0]
     for rank in range(world):
         first_step = start // world + (start % world > rank)  # its first batch at or after `start`
         rest = _sampler(n, world, rank, 3, False, 1)[first_step * 3 :]
