@@ -500,8 +500,11 @@ int tsock_batch_dlpack_export(const tsock_batch_t *batch, uint32_t i, uint32_t f
  * DLManagedTensorVersioned when `versioned` is non-zero, else a legacy
  * DLManagedTensor), as its owner must: so that a binding (Python's capsule
  * destructor) frees one without knowing the struct's layout. A NULL
- * deleter is no error. TSOCK_EINVAL for a NULL managed. Thread-safe; never
- * needs the GIL. */
+ * deleter is no error. TSOCK_EINVAL for a NULL managed. Unlike every other
+ * call, it leaves tsock_last_error() as it was: it runs as a deleter, at
+ * any moment (a garbage collector freeing a capsule), and must not erase
+ * the message of a failure its thread has not read yet. Thread-safe;
+ * never needs the GIL. */
 int tsock_dlpack_delete(void *managed, int versioned);
 
 /* ---- Kept batches (both libraries) --------------------------------------- */

@@ -73,8 +73,10 @@ static void delete_legacy(dl_managed *self) { delete_block(self); }
 static void delete_versioned(dl_managed_versioned *self) { delete_block(self); }
 
 int tsock_dlpack_delete(void *managed, int versioned) {
-  tsock__clear_error();
-  if (managed == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_dlpack_delete: managed is NULL");
+  /* No tsock__clear_error(): this runs as a deleter, from a capsule's
+   * destructor whenever the garbage collector frees one, possibly between
+   * a failing call and its caller's read of tsock_last_error(). */
+  if (managed == NULL) return TSOCK_EINVAL;
   if (versioned) {
     dl_managed_versioned *m = managed;
     if (m->deleter != NULL) m->deleter(m);

@@ -45,6 +45,8 @@ _api.PyCapsule_IsValid.restype = ctypes.c_int
 _api.PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _api.PyCapsule_GetPointer.restype = ctypes.c_void_p
 _api.PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_api.Py_IncRef.restype = None
+_api.Py_IncRef.argtypes = [ctypes.py_object]
 
 
 def capsule_destructors(delete) -> tuple:
@@ -55,15 +57,25 @@ def capsule_destructors(delete) -> tuple:
     def destructor(name: bytes, versioned: int):
         # A consumer that takes the tensor renames the capsule ("used_dltensor")
         # and owns the struct from then on; only a capsule that was never
-        # consumed still names our struct, which its deleter must free.
+        # consumed still names our struct, which its deleter must free. What
+        # destroy calls is bound here, not looked up in this module's dict,
+        # which the interpreter clears at shutdown.
+        is_valid, pointer = _api.PyCapsule_IsValid, _api.PyCapsule_GetPointer
+
         def destroy(capsule: int) -> None:
             try:
-                if _api.PyCapsule_IsValid(capsule, name):
-                    delete(_api.PyCapsule_GetPointer(capsule, name), versioned)
+                if is_valid(capsule, name):
+                    delete(pointer(capsule, name), versioned)
             except Exception:  # noqa: BLE001 - a destructor must not raise (interpreter shutdown)
                 pass
 
-        return _CapsuleDestructor(destroy)
+        fn = _CapsuleDestructor(destroy)
+        # Never freed: a capsule kept somewhere the interpreter clears late
+        # at shutdown (a global of a module imported before tsock, sys) is
+        # destroyed after this module and the library object are gone, and
+        # a freed callback would crash the process then (review 25).
+        _api.Py_IncRef(fn)
+        return fn
 
     return destructor(LEGACY, 0), destructor(VERSIONED, 1)
 

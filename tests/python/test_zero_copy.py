@@ -231,3 +231,36 @@ def test_batches_kept_after_close_never_fault(spawn, channel, output):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert float(out.strip()) == 2 * 16
+
+
+LATE_CAPSULE = """
+import sys, threading
+import numpy as np, tsock
+from tsock._dlpack import capsule
+
+name, where = sys.argv[1], sys.argv[2]
+p = tsock.Producer([(np.arange(32, dtype=np.int32).reshape(8, 4),)] * 2, name, slots=4, wait_readers=1)
+threading.Thread(target=p.run, daemon=True).start()
+c = tsock.Consumer(name, output="dlpack", timeout=30, lifetime="step")
+it = iter(c)
+(x,) = next(it)
+late = capsule(x._lib, x._lease, 0, where != "sys-legacy")  # never consumed
+setattr(np if where == "numpy" else sys, "_tsock_late_capsule", late)
+del x, late
+for _ in it:
+    pass
+c.close()
+p.close()
+print("end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["sys", "sys-legacy", "numpy"])
+def test_a_capsule_left_until_shutdown_is_freed_without_a_crash(spawn, channel, where):
+    # An unconsumed capsule held where the interpreter clears late at exit
+    # (sys, a module imported before tsock) is destroyed after tsock's
+    # modules: its destructor crashed the process there (SIGSEGV or SIGILL,
+    # review 25), as the ctypes callback had been freed with them.
+    proc = spawn(LATE_CAPSULE, channel, where)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out == "end\n", (proc.returncode, out, err[-2000:])
