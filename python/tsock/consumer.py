@@ -7,7 +7,7 @@ import numbers
 import sys
 import weakref
 
-from . import _capi, _lifetime, _partition, _placement
+from . import _capi, _lifetime, _partition, _placement, _structure
 from ._reader import Raw, Reader
 from ._rebatch import Rebatched, Whole
 from .errors import ChannelClosed, TsockError
@@ -474,6 +474,8 @@ class Consumer:
         (_partition.Ranks); raw is let go before an error is raised, so the
         consumer can still be closed, or read on past a batch it refused."""
         self._started = True  # an epoch with batches of other ranks only is an (empty) epoch
+        if self.rank is None and raw.meta[:4] != _structure.MAGIC_TAGGED:
+            return True  # the common case, per batch: no rank asked, no pipeline tag to check
         try:
             mine = self._ranks.mine(raw)
         except TsockError:
