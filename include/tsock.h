@@ -491,17 +491,22 @@ int tsock_batch_dlpack(const tsock_batch_t *batch, uint32_t i, int versioned, vo
  * which, for a NULL batch or out, a tensor the batch does not have,
  * unknown flags, rows of a tensor with no dimensions, or a row range not
  * within 0 <= row_start <= row_stop <= shape[0]; TSOCK_EDTYPE for a dtype
- * with no DLPack form; with TSOCK_DLPACK_DEVICE, TSOCK_ENODEVICE as
- * tsock_batch_cuda_ptr. *out is written only on success. Thread-safe. */
+ * with no DLPack form; TSOCK_ESTATE for a batch already released that
+ * was not kept (the producer may be rewriting its slot); with
+ * TSOCK_DLPACK_DEVICE, TSOCK_ENODEVICE as tsock_batch_cuda_ptr. *out is
+ * written only on success. Thread-safe. */
 int tsock_batch_dlpack_export(const tsock_batch_t *batch, uint32_t i, uint32_t flags,
                               int64_t row_start, int64_t row_stop, void **out);
 
 /* Calls the deleter of a DLPack managed tensor that no consumer took (a
  * DLManagedTensorVersioned when `versioned` is non-zero, else a legacy
  * DLManagedTensor), as its owner must: so that a binding (Python's capsule
- * destructor) frees one without knowing the struct's layout. A NULL
- * deleter is no error. TSOCK_EINVAL for a NULL managed. Unlike every other
- * call, it leaves tsock_last_error() as it was: it runs as a deleter, at
+ * destructor) frees one without knowing the struct's layout. Only tsock's
+ * own descriptors: TSOCK_EINVAL, calling nothing, for a NULL managed, for
+ * one of the other kind than `versioned` names, or for one tsock did not
+ * make (a descriptor deleted twice is the caller's bug, as with any
+ * deleter). Unlike every other
+ * call, on success it leaves tsock_last_error() as it was: it runs as a deleter, at
  * any moment (a garbage collector freeing a capsule), and must not erase
  * the message of a failure its thread has not read yet. Thread-safe;
  * never needs the GIL. */

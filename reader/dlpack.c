@@ -75,16 +75,27 @@ static void delete_versioned(dl_managed_versioned *self) { delete_block(self); }
 int tsock_dlpack_delete(void *managed, int versioned) {
   /* No tsock__clear_error(): this runs as a deleter, from a capsule's
    * destructor whenever the garbage collector frees one, possibly between
-   * a failing call and its caller's read of tsock_last_error(). */
-  if (managed == NULL) return TSOCK_EINVAL;
-  if (versioned) {
-    dl_managed_versioned *m = managed;
-    if (m->deleter != NULL) m->deleter(m);
-  } else {
-    dl_managed *m = managed;
-    if (m->deleter != NULL) m->deleter(m);
+   * a failing call and its caller's read of tsock_last_error(). Only a
+   * refusal (misuse, which the bindings never commit) sets a message. */
+  if (managed == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_dlpack_delete: managed is NULL");
+  /* Only tsock's own descriptors, by the deleter each kind holds. The
+   * deleter words of both kinds (offsets 16 and 56) lie inside either
+   * struct, so a descriptor of the other kind is recognised, not called
+   * through a word of its tensor. */
+  dl_managed_versioned *v = managed;
+  dl_managed *l = managed;
+  if (versioned && v->deleter == delete_versioned) {
+    delete_versioned(v);
+    return TSOCK_OK;
   }
-  return TSOCK_OK;
+  if (!versioned && l->deleter == delete_legacy) {
+    delete_legacy(l);
+    return TSOCK_OK;
+  }
+  /* The other kind, or not tsock's: left alone. */
+  return tsock__fail(TSOCK_EINVAL, "tsock_dlpack_delete: not a %s that tsock made (its deleter "
+                                   "is not tsock's): left alone",
+                     versioned ? "DLManagedTensorVersioned" : "DLManagedTensor");
 }
 
 /* The DLPack dtype of a tsock dtype; booleans as uint8 with bool_as_uint8. */
@@ -200,6 +211,13 @@ static int dlpack_export(const char *fn, const tsock_batch_t *b, uint32_t i, uin
   if (b == NULL) return tsock__fail(TSOCK_EINVAL, "%s: batch is NULL", fn);
   if ((flags & ~DLPACK_FLAGS) != 0)
     return tsock__fail(TSOCK_EINVAL, "%s: unknown flags 0x%x", fn, flags & ~DLPACK_FLAGS);
+  /* The batch came from tsock_reader_acquire or tsock_batch_keep, so it
+   * heads a held batch. A released one that was not kept is refused: the
+   * producer may already be writing its slot. */
+  const tsock_held_batch *hb = (const tsock_held_batch *)b;
+  if (__atomic_load_n(&hb->user_released, __ATOMIC_RELAXED) && !hb->kept)
+    return tsock__fail(TSOCK_ESTATE, "%s: batch %llu was released (keep it to use it after "
+                                     "its release)", fn, (unsigned long long)b->seq);
   tsock_dlpack_where at = {0};
   if (flags & TSOCK_DLPACK_DEVICE) {
     int st = tsock__dlpack_device_where(fn, b, i, &at); /* takes a reference on the pool */
@@ -211,9 +229,7 @@ static int dlpack_export(const char *fn, const tsock_batch_t *b, uint32_t i, uin
     at.data = (uintptr_t)b->tensors[i].data;
     at.device_type = DL_CPU;
   }
-  /* The batch came from tsock_reader_acquire or tsock_batch_keep, so it
-   * heads a held batch. */
-  at.lease = ((const tsock_held_batch *)b)->lease;
+  at.lease = hb->lease;
   int st = out == NULL ? tsock__fail(TSOCK_EINVAL, "%s: out is NULL", fn)
                        : dlpack_make(fn, b, i, flags, row_start, row_stop, &at, out);
   if (st != TSOCK_OK && at.ref != NULL) at.unref(at.ref);

@@ -174,6 +174,7 @@ typedef struct tsock_held_batch {
   uint8_t meta[TSOCK_META_MAX];
   int handed;        /* handed out to the caller (not skipped or rejected) */
   int user_released; /* the caller released it (GPU work may still read it) */
+  int kept;          /* a copy made by tsock_batch_keep: valid after its release */
   tsock_lease *lease; /* where its tensors lie (a reference), NULL before the first batch */
   uint32_t slot;         /* slot index of the batch */
   uint32_t payload_kind; /* TSOCK_PAYLOAD_*, checked */

@@ -109,20 +109,24 @@ def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool 
     describes a boolean tensor as uint8, for consumers that predate kDLBool
     (view the result as bool); other dtypes are unchanged. rows=(start,
     stop) narrows the tensor to those rows of its first dimension, still
-    without a copy. One call to tsock_batch_dlpack_export makes it all."""
+    without a copy. One call to tsock_batch_dlpack_export (tsock_batch_dlpack,
+    its shorter case, for a whole host tensor) makes it all."""
     if not lease.valid:
         raise BufferError(_RELEASED)
-    flags = _VERSIONED_FLAG if versioned else 0
-    if bool_as_uint8:
-        flags |= _BOOL_AS_UINT8_FLAG
-    if device:
-        flags |= _DEVICE_FLAG
-    start = stop = 0
-    if rows is not None:
-        flags |= _ROWS_FLAG
-        start, stop = rows
     out = ctypes.c_void_p()
-    rc = lib.dlpack(lease.batch, index, flags, start, stop, ctypes.byref(out))
+    if rows is None and not (bool_as_uint8 or device):
+        rc = lib.dlpack_whole(lease.batch, index, versioned, ctypes.byref(out))
+    else:
+        flags = _VERSIONED_FLAG if versioned else 0
+        if bool_as_uint8:
+            flags |= _BOOL_AS_UINT8_FLAG
+        if device:
+            flags |= _DEVICE_FLAG
+        start = stop = 0
+        if rows is not None:
+            flags |= _ROWS_FLAG
+            start, stop = rows
+        rc = lib.dlpack(lease.batch, index, flags, start, stop, ctypes.byref(out))
     if rc:
         check(lib, rc, "DLPack export")
     if versioned:

@@ -43,6 +43,9 @@ class _Lib:
             "tsock_batch_dlpack_export",
             [_P, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_P)],
         )
+        # The same export for the common case (a whole host tensor, dtype
+        # as is): two arguments fewer cost ~0.7 us less a tensor in ctypes.
+        self.dlpack_whole = self._fn("tsock_batch_dlpack", [_P, ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(_P)])
         # The destructors of capsules never consumed free their struct
         # through the library that made it (tsock_dlpack_delete).
         delete = self._fn("tsock_dlpack_delete", [_P, ctypes.c_int])

@@ -829,7 +829,41 @@ static void test_dlpack_export(void) {
   if (lg != NULL) CHECK_RC(tsock_dlpack_delete(lg, 0), TSOCK_OK);
   CHECK(strstr(tsock_last_error(), "tensor 3") != NULL);
 
+  /* A descriptor handed back as the other kind, or one tsock did not make,
+   * is refused and left alone: its deleter word is not the one the caller
+   * named (each jumped through a word of the tensor, review 25 L3). */
+  lg = NULL;
+  v = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 0, 0, (void **)&lg), TSOCK_OK);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_VERSIONED, 0, 0, (void **)&v), TSOCK_OK);
+  if (lg != NULL) CHECK_RC(tsock_dlpack_delete(lg, 1), TSOCK_EINVAL);
+  if (v != NULL) CHECK_RC(tsock_dlpack_delete(v, 0), TSOCK_EINVAL);
+  CHECK(live[0] == 2);
+  uint64_t foreign[10] = {0};
+  CHECK_RC(tsock_dlpack_delete(foreign, 0), TSOCK_EINVAL);
+  CHECK_RC(tsock_dlpack_delete(foreign, 1), TSOCK_EINVAL);
+  if (lg != NULL) CHECK_RC(tsock_dlpack_delete(lg, 0), TSOCK_OK);
+  if (v != NULL) CHECK_RC(tsock_dlpack_delete(v, 1), TSOCK_OK);
+  CHECK(live[0] == 0 && live[TSOCK_MAX_TENSORS] == 0);
+
+  /* After the release the producer may rewrite the slot: an export of the
+   * released batch is refused (it succeeded, review 25 L4); a kept copy
+   * exports. */
+  const tsock_batch_t *kept = NULL;
+  CHECK_RC(tsock_batch_keep(r, b, 1u, &kept), TSOCK_OK);
   CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  out = untouched;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 0, 0, &out), TSOCK_ESTATE);
+  CHECK(strstr(tsock_last_error(), "was released") != NULL && out == untouched);
+  if (kept != NULL) {
+    lg = NULL;
+    CHECK_RC(tsock_batch_dlpack_export(kept, 0, 0, 0, 0, (void **)&lg), TSOCK_OK);
+    if (lg != NULL) {
+      CHECK(((const int16_t *)lg->t.data)[0] == 0 && lg->t.shape[0] == 5);
+      CHECK_RC(tsock_dlpack_delete(lg, 0), TSOCK_OK);
+    }
+    CHECK_RC(tsock_batch_free(kept), TSOCK_OK);
+  }
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
