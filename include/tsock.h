@@ -45,6 +45,7 @@ extern "C" {
 #define TSOCK_MAX_DIMS 8      /* dimensions per tensor */
 #define TSOCK_MAX_TENSORS 16  /* tensors per batch */
 #define TSOCK_META_MAX 256    /* bytes of user metadata per batch */
+#define TSOCK_MAX_HELD 64     /* batches a reader may hold (max_held) */
 
 /* ---- Status codes ----------------------------------------------------- */
 
@@ -271,7 +272,7 @@ typedef struct tsock_reader_options {
                                  producer that does not answer (stopped);
                                  < 0 waits without limit */
   uint32_t max_held;          /* batches held at once (acquired, not released),
-                                 1..64; default 4. Clamped at attach, silently,
+                                 1..TSOCK_MAX_HELD; default 4. Clamped at attach, silently,
                                  to the channel's slot count: a reader holding
                                  the whole ring cannot get another batch until
                                  it releases one, so acquire then returns
@@ -445,7 +446,8 @@ int tsock_batch_cuda_use(const tsock_batch_t *batch, uintptr_t stream, uint32_t 
 
 /* As tsock_batch_dlpack, for the device copy: device kDLCUDA with the
  * ordinal of tsock_reader_open_device. The descriptor keeps the pool
- * mapped (even after detach); call tsock_batch_cuda_use() first. */
+ * mapped (even after detach); call tsock_batch_cuda_use() first.
+ * The same as tsock_batch_dlpack_export with TSOCK_DLPACK_DEVICE. */
 int tsock_batch_dlpack_cuda(const tsock_batch_t *batch, uint32_t i, int versioned, void **out);
 
 /* ---- DLPack export (both libraries) ------------------------------------- */
@@ -461,8 +463,54 @@ int tsock_batch_dlpack_cuda(const tsock_batch_t *batch, uint32_t i, int versione
  * descriptor); it does keep the memory mapped (even after the reader is
  * detached), so a late access reads stale bytes instead of faulting. The
  * batch's dlpack_live counts it while it lives.
- * Booleans are kDLBool, 8 bits. Thread-safe. */
+ * Booleans are kDLBool, 8 bits. Thread-safe.
+ * The same as tsock_batch_dlpack_export with flags TSOCK_DLPACK_VERSIONED
+ * or 0. */
 int tsock_batch_dlpack(const tsock_batch_t *batch, uint32_t i, int versioned, void **out);
+
+/* Flags of tsock_batch_dlpack_export. */
+#define TSOCK_DLPACK_VERSIONED 0x1u     /* a DLManagedTensorVersioned, read-only flag
+                                           set; else a legacy DLManagedTensor */
+#define TSOCK_DLPACK_DEVICE 0x2u        /* the device copy (kDLCUDA), as
+                                           tsock_batch_dlpack_cuda; else host memory */
+#define TSOCK_DLPACK_BOOL_AS_UINT8 0x4u /* a boolean tensor described as uint8
+                                           (kDLUInt, 8 bits), for consumers that
+                                           predate kDLBool; other dtypes unchanged */
+#define TSOCK_DLPACK_ROWS 0x8u          /* only rows [row_start, row_stop) of the
+                                           first dimension */
+
+/* The one DLPack export, of which tsock_batch_dlpack and
+ * tsock_batch_dlpack_cuda are two cases: tensor `i` of an acquired (or
+ * kept) batch, as described there, shaped by `flags` (TSOCK_DLPACK_*).
+ * With TSOCK_DLPACK_ROWS the tensor is narrowed to rows
+ * [row_start, row_stop) of its first dimension, still in place: shape[0]
+ * is row_stop - row_start and data points at row row_start (a range with
+ * no element keeps the tensor's address); the descriptor counts for the
+ * whole tensor in dlpack_live and tsock_batch_keep. Without it, row_start
+ * and row_stop must be 0. TSOCK_EINVAL, with tsock_last_error() saying
+ * which, for a NULL batch or out, a tensor the batch does not have,
+ * unknown flags, rows of a tensor with no dimensions, or a row range not
+ * within 0 <= row_start <= row_stop <= shape[0]; TSOCK_EDTYPE for a dtype
+ * with no DLPack form; TSOCK_ESTATE for a batch already released that
+ * was not kept (the producer may be rewriting its slot); with
+ * TSOCK_DLPACK_DEVICE, TSOCK_ENODEVICE as tsock_batch_cuda_ptr. *out is
+ * written only on success. Thread-safe. */
+int tsock_batch_dlpack_export(const tsock_batch_t *batch, uint32_t i, uint32_t flags,
+                              int64_t row_start, int64_t row_stop, void **out);
+
+/* Calls the deleter of a DLPack managed tensor that no consumer took (a
+ * DLManagedTensorVersioned when `versioned` is non-zero, else a legacy
+ * DLManagedTensor), as its owner must: so that a binding (Python's capsule
+ * destructor) frees one without knowing the struct's layout. Only tsock's
+ * own descriptors: TSOCK_EINVAL, calling nothing, for a NULL managed, for
+ * one of the other kind than `versioned` names, or for one tsock did not
+ * make (a descriptor deleted twice is the caller's bug, as with any
+ * deleter). Unlike every other
+ * call, on success it leaves tsock_last_error() as it was: it runs as a deleter, at
+ * any moment (a garbage collector freeing a capsule), and must not erase
+ * the message of a failure its thread has not read yet. Thread-safe;
+ * never needs the GIL. */
+int tsock_dlpack_delete(void *managed, int versioned);
 
 /* ---- Kept batches (both libraries) --------------------------------------- */
 

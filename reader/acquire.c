@@ -49,7 +49,7 @@ static int copy_slot(struct reader_impl *r, uint64_t seq, tsock_held_batch *hb) 
     goto corrupt;
   hb->slot = (uint32_t)(seq & r->mask);
   hb->payload_kind = kind;
-  hb->user_released = 0;
+  __atomic_store_n(&hb->user_released, 0, __ATOMIC_RELAXED); /* read by exports (dlpack.c) */
   hb->stream_set = 0;
   hb->stream = 0;
   hb->use_flags = 0;

@@ -17,7 +17,6 @@
 #include "internal.h"
 
 #define ATTACH_POLL_NS 5000000ll      /* retry period while waiting for a channel */
-#define MAX_HELD 64u
 
 /* ---- options ---- */
 
@@ -41,9 +40,9 @@ static int options_read(const tsock_reader_options_t *in, tsock_reader_options_t
   *o = *in;
   if (o->start != TSOCK_START_NEXT_EPOCH && o->start != TSOCK_START_NOW)
     return tsock__fail(TSOCK_EINVAL, "reader options: unknown start mode %d", o->start);
-  if (o->max_held < 1 || o->max_held > MAX_HELD)
-    return tsock__fail(TSOCK_EINVAL, "reader options: max_held %u outside 1..%u", o->max_held,
-                       MAX_HELD);
+  if (o->max_held < 1 || o->max_held > TSOCK_MAX_HELD)
+    return tsock__fail(TSOCK_EINVAL, "reader options: max_held %u outside 1..%d", o->max_held,
+                       TSOCK_MAX_HELD);
   if (o->reserved != 0) return tsock__fail(TSOCK_EINVAL, "reader options: reserved must be 0");
   if (o->spin_ns < 0) return tsock__fail(TSOCK_EINVAL, "reader options: negative spin_ns");
   return TSOCK_OK;

@@ -25,8 +25,6 @@
 
 #include "cuda_driver.h"
 
-#define MAX_FENCES 64 /* = the most batches a reader holds (attach.c MAX_HELD) */
-
 typedef struct device_state {
   const tsock_cuda_driver *d;
   uint32_t refs; /* the reader, and each DLPack descriptor (atomic) */
@@ -40,7 +38,10 @@ typedef struct device_state {
   uint64_t slot_bytes;
   uint32_t slot_count;
   tsock_CUevent *copied; /* per slot: the producer's interprocess event */
-  tsock_CUevent spare[MAX_FENCES]; /* fence events not in use */
+  /* Fence events not in use: at most one per held batch (TSOCK_MAX_HELD,
+   * the bound attach.c applies to max_held), since a batch has one fence
+   * at a time. */
+  tsock_CUevent spare[TSOCK_MAX_HELD];
   uint32_t n_spare;
 } device_state;
 
@@ -102,7 +103,7 @@ static char fence_unproven_tag;
 #define FENCE_UNPROVEN ((void *)&fence_unproven_tag)
 
 static void spare_event(device_state *g, tsock_CUevent ev) {
-  if (g->n_spare < MAX_FENCES)
+  if (g->n_spare < TSOCK_MAX_HELD)
     g->spare[g->n_spare++] = ev;
   else
     g->d->cuEventDestroy(ev);
@@ -381,6 +382,12 @@ static int device_batch(const tsock_batch_t *b, const char *fn, tsock_held_batch
   return TSOCK_OK;
 }
 
+/* The device address of tensor i of a batch with a usable device copy. */
+static uint64_t device_ptr(const tsock_held_batch *hb, uint32_t i) {
+  const device_state *g = hb->device;
+  return g->base + (uint64_t)hb->slot * g->slot_bytes + hb->batch.tensors[i].offset;
+}
+
 int tsock_batch_cuda_ptr(const tsock_batch_t *b, uint32_t i, uint64_t *dptr) {
   tsock__clear_error();
   tsock_held_batch *hb = NULL;
@@ -389,8 +396,7 @@ int tsock_batch_cuda_ptr(const tsock_batch_t *b, uint32_t i, uint64_t *dptr) {
   if (dptr == NULL || i >= b->n_tensors)
     return tsock__fail(TSOCK_EINVAL, "tsock_batch_cuda_ptr: tensor %u of %u, or NULL dptr", i,
                        b->n_tensors);
-  const device_state *g = hb->device;
-  *dptr = g->base + (uint64_t)hb->slot * g->slot_bytes + b->tensors[i].offset;
+  *dptr = device_ptr(hb, i);
   return TSOCK_OK;
 }
 
@@ -439,17 +445,18 @@ int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flag
   return TSOCK_OK;
 }
 
-int tsock_batch_dlpack_cuda(const tsock_batch_t *b, uint32_t i, int versioned, void **out) {
-  tsock__clear_error();
-  uint64_t ptr;
-  int st = tsock_batch_cuda_ptr(b, i, &ptr);
+int tsock__dlpack_device_where(const char *fn, const tsock_batch_t *b, uint32_t i,
+                               tsock_dlpack_where *at) {
+  tsock_held_batch *hb = NULL;
+  int st = device_batch(b, fn, &hb);
   if (st != TSOCK_OK) return st;
-  if (out == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_batch_dlpack_cuda: out is NULL");
-  device_state *g = ((tsock_held_batch *)b)->device;
+  if (i >= b->n_tensors)
+    return tsock__fail(TSOCK_EINVAL, "%s: tensor %u of a batch of %u", fn, i, b->n_tensors);
+  device_state *g = hb->device;
   __atomic_add_fetch(&g->refs, 1, __ATOMIC_RELAXED);
-  enum { DL_CUDA = 2 };
-  st = tsock__dlpack_make(b, i, versioned, (void *)(uintptr_t)ptr, DL_CUDA, g->ordinal,
-                          ((tsock_held_batch *)b)->lease, device_unref, g, out);
-  if (st != TSOCK_OK) device_unref(g);
-  return st;
+  at->data = (uintptr_t)device_ptr(hb, i);
+  at->device_id = g->ordinal;
+  at->unref = device_unref;
+  at->ref = g;
+  return TSOCK_OK;
 }

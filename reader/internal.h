@@ -174,6 +174,7 @@ typedef struct tsock_held_batch {
   uint8_t meta[TSOCK_META_MAX];
   int handed;        /* handed out to the caller (not skipped or rejected) */
   int user_released; /* the caller released it (GPU work may still read it) */
+  int kept;          /* a copy made by tsock_batch_keep: valid after its release */
   tsock_lease *lease; /* where its tensors lie (a reference), NULL before the first batch */
   uint32_t slot;         /* slot index of the batch */
   uint32_t payload_kind; /* TSOCK_PAYLOAD_*, checked */
@@ -304,13 +305,26 @@ TSOCK_INTERNAL int tsock__reader_claimed(tsock_reader_t *h);
 TSOCK_INTERNAL int tsock__pin_add(void (*drop)(void *), void *obj, void **token);
 TSOCK_INTERNAL int tsock__pin_take(const void *obj, void (*drop)(void *));
 
-/* A DLPack descriptor of tensor i of b with the given data address and
- * device. It holds a reference on `lease` (when not NULL), counted in its
- * live[] while it lives, and `ref` (taken by the caller, may be NULL),
- * dropped by unref(ref) when it is deleted. dlpack.c. */
-TSOCK_INTERNAL int tsock__dlpack_make(const tsock_batch_t *b, uint32_t i, int versioned,
-                                      void *data, int32_t device_type, int32_t device_id,
-                                      tsock_lease *lease, void (*unref)(void *), void *ref,
-                                      void **out);
+/* Where the tensor a DLPack descriptor describes lies, and what keeps it
+ * there (dlpack.c makes the descriptor; the device path fills `data`,
+ * `device_id` and `ref`). */
+typedef struct tsock_dlpack_where {
+  uintptr_t data;      /* its first element: a host address or a CUdeviceptr */
+  int32_t device_type; /* DLPack's kDLCPU or kDLCUDA (dlpack.c) */
+  int32_t device_id;
+  /* Counted in live[] and referenced while the descriptor lives (NULL:
+   * none). */
+  tsock_lease *lease;
+  /* A reference the caller took (NULL: none), dropped by unref(ref) when
+   * the descriptor is deleted. */
+  void (*unref)(void *);
+  void *ref;
+} tsock_dlpack_where;
+
+/* Where tensor i of b's device copy lies, for a DLPack descriptor (the
+ * checks of tsock_batch_cuda_ptr, with fn in messages), and a reference on
+ * the reader's device pool in at->ref. cuda_device.c. */
+TSOCK_INTERNAL int tsock__dlpack_device_where(const char *fn, const tsock_batch_t *b, uint32_t i,
+                                              tsock_dlpack_where *at);
 
 #endif

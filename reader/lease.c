@@ -339,6 +339,7 @@ static int kept_make(const tsock_held_batch *hb, const tsock_batch_t **out) {
   kb->batch.meta = kb->meta;
   kb->handed = 1;
   kb->user_released = 1;
+  kb->kept = 1;
   kb->slot = hb->slot;
   kb->payload_kind = hb->payload_kind;
   kb->lease = hb->lease;

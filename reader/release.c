@@ -54,7 +54,7 @@ int tsock_reader_release(tsock_reader_t *h, const tsock_batch_t *b) {
   for (uint64_t s = r->released; s <= seq; s++) {
     tsock_held_batch *x = &r->held[s % r->max_held];
     if (!x->handed || x->user_released) continue;
-    x->user_released = 1;
+    __atomic_store_n(&x->user_released, 1, __ATOMIC_RELAXED); /* read by exports */
     if (x->stream_set && r->hooks != NULL) {
       r->hooks->arm(x);
       if (x->fence != NULL) r->fenced++;

@@ -440,7 +440,7 @@ static inline const char *tsock_layout_header_fault_str(int why) {
   case TSOCK_HEADER_BAD_MAGIC: return "not a tsock segment (bad magic)";
   case TSOCK_HEADER_STRUCT_SIZES: return "inconsistent struct sizes in header";
   case TSOCK_HEADER_GEOMETRY: return "inconsistent geometry in header";
-  case TSOCK_HEADER_FILE_SIZE: return "segment size differs from the header's (truncated?)";
+  case TSOCK_HEADER_FILE_SIZE: return "the file's size differs from the header's";
   case TSOCK_HEADER_DEVICE_POOL: return "inconsistent device pool in header";
   default: return "unknown fault";
   }

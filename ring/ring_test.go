@@ -218,6 +218,19 @@ func TestCheckHeader(t *testing.T) {
 	}
 }
 
+// A segment whose size is not the header's is reported as truncated once,
+// with both sizes: the message an operator reads in `tsock ls` and errors.
+func TestCheckHeaderFileSizeMessage(t *testing.T) {
+	good, size := segmentBuf(t, 8, 4, 8192)
+	st, err := ring.CheckHeader(good, size-4096)
+	assert.Equal(t, ring.StatusCorrupt, st)
+	require.ErrorIs(t, err, ring.ErrTruncated)
+	want := fmt.Sprintf("segment truncated or inconsistent: the file's size differs from the header's "+
+		"(file %d bytes, header says %d)", size-4096, size)
+	assert.Equal(t, want, err.Error())
+	assert.Equal(t, 1, strings.Count(err.Error(), "truncated"), err.Error())
+}
+
 func TestOpenSegment(t *testing.T) {
 	name := fmt.Sprintf("ringtest-%d-%d", os.Getpid(), time.Now().UnixNano()%1e9)
 	path := ring.ChannelPath(name)

@@ -41,8 +41,9 @@ def one_line(value) -> str:
 
 
 def cell(value) -> str:
-    """value as one Markdown table cell: one line, its pipes escaped."""
-    return one_line(value).replace("|", "\\|")
+    """value as one Markdown table cell: one line, its backslashes and pipes
+    escaped (a backslash before a pipe would otherwise undo its escape)."""
+    return one_line(value).replace("\\", "\\\\").replace("|", "\\|")
 
 
 def latency_row(t: dict, transport: str, mode: str, readers: int) -> dict | None:

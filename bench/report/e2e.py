@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import one_line, MiB, e2e_run, num, ratio, table
+from .common import MiB, e2e_run, num, one_line, ratio, table
 
 
 def e2e_md(e: dict, png: bool) -> list[str]:

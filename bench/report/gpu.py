@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import table
+from .common import one_line, table
 
 
 def gpu_md(g: dict) -> list[str]:
@@ -29,5 +29,5 @@ def gpu_md(g: dict) -> list[str]:
     L.append(table(["system", "K", "latency p50 ms", "p99 ms", "H2D GiB", "placement"], rows, 1))
     L.append("")
     for name, why in g.get("failures", {}).items():
-        L.append(f"- {name} failed: {why}")
+        L.append(f"- {name} failed: {one_line(why)}")
     return L

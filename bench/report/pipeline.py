@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import one_line, num, pipeline_row, ratio, table
+from .common import num, one_line, pipeline_row, ratio, table
 
 
 def pipeline_md(p: dict) -> list[str]:

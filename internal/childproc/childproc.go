@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -27,11 +28,17 @@ var ErrTimedOut = errors.New("did not finish in time")
 // tailBytes bounds the child's output quoted in Wait's errors.
 const tailBytes = 2048
 
-// drainDelay bounds how long the child's output is still read after the
-// child has exited: a grandchild that inherited its stdout or stderr (a
-// DataLoader worker, a `sleep &`) keeps the pipe open, and Done and Wait's
-// bound must not wait for it.
-const drainDelay = 2 * time.Second
+// After the child exits, its output is read on until its pipes end. A
+// grandchild that inherited them (a DataLoader worker, a `sleep &`) keeps
+// them open, so reading stops once a pipe has been idle for drainIdle (no
+// data, nothing being delivered), and drainMax after the exit whatever
+// happens: what the child itself wrote is in the pipe by then and is read
+// however slow OnLine or the writers are, but Done and Wait do not wait for
+// a grandchild.
+const (
+	drainIdle = 2 * time.Second
+	drainMax  = 60 * time.Second
+)
 
 // Options says how to run a child. The zero value runs it in this
 // process's environment and directory, killed with SIGKILL when its parent
@@ -73,11 +80,12 @@ type Process struct {
 	// Stdin is the pipe to the child's stdin when Options.Stdin was set.
 	Stdin io.WriteCloser
 
-	label string
-	keep  int
-	done  chan struct{}
-	err   error     // from Cmd.Wait, valid once done is closed
-	ended time.Time // when Cmd.Wait returned
+	label  string
+	keep   int
+	exited chan struct{} // closed once the child is reaped (err, ended set)
+	done   chan struct{} // closed once its output is read too
+	err    error         // from Cmd.Wait, valid once exited is closed
+	ended  time.Time     // when Cmd.Wait returned
 
 	mu  sync.Mutex
 	out []byte
@@ -85,7 +93,10 @@ type Process struct {
 
 // Start starts name with args as o says.
 func Start(name string, args []string, o Options) (*Process, error) {
-	p := &Process{label: o.Label, keep: o.Keep, done: make(chan struct{}), Cmd: exec.Command(name, args...)}
+	p := &Process{
+		label: o.Label, keep: o.Keep, Cmd: exec.Command(name, args...),
+		exited: make(chan struct{}), done: make(chan struct{}),
+	}
 	if p.label == "" {
 		p.label = filepath.Base(name)
 	}
@@ -96,80 +107,171 @@ func Start(name string, args []string, o Options) (*Process, error) {
 	if c.SysProcAttr == nil {
 		c.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	}
-	c.Stderr = p.outputWriter(o.Stderr)
-	c.WaitDelay = drainDelay
-	// Stdout is our own pipe rather than Cmd.StdoutPipe: exec requires
-	// such a pipe be read to its end before Wait, and its end may never
-	// come (see drainDelay).
-	var stdout *os.File
-	if o.Stdout != nil {
-		c.Stdout = o.Stdout
-	} else {
-		r, w, err := os.Pipe()
-		if err != nil {
-			return nil, err
+	// Both outputs go through pipes of our own rather than exec's, whose
+	// Wait waits for the end of every pipe (see drainIdle).
+	var outs []*stream
+	fail := func(err error) (*Process, error) {
+		for _, s := range outs {
+			s.close()
 		}
-		c.Stdout, stdout = w, r
-		defer w.Close() // the child holds its own copy once started
+		return nil, err
 	}
+	var deliverOut func(*stream)
+	if o.Stdout != nil {
+		deliverOut = func(s *stream) { s.copyTo(o.Stdout) }
+	} else {
+		deliverOut = func(s *stream) { s.lines(p.keepOutput, o.OnLine) }
+	}
+	stdout, err := newStream()
+	if err != nil {
+		return fail(err)
+	}
+	outs = append(outs, stdout)
+	stderr, err := newStream()
+	if err != nil {
+		return fail(err)
+	}
+	outs = append(outs, stderr)
+	c.Stdout, c.Stderr = stdout.w, stderr.w
 	if o.Stdin {
-		var err error
 		if p.Stdin, err = c.StdinPipe(); err != nil {
-			closeFile(stdout)
-			return nil, err
+			return fail(err)
 		}
 	}
 	if err := c.Start(); err != nil {
-		closeFile(stdout)
-		return nil, fmt.Errorf("start %s: %w", p.label, err)
+		return fail(fmt.Errorf("start %s: %w", p.label, err))
 	}
-	go p.reap(stdout, o.OnLine)
+	stdout.closeWriter() // the child holds its own copies now
+	stderr.closeWriter()
+	errTo := p.outputWriter(o.Stderr)
+	go stdout.read(deliverOut)
+	go stderr.read(func(s *stream) { s.copyTo(errTo) })
+	go p.reap(outs)
 	return p, nil
 }
 
-func closeFile(f *os.File) {
-	if f != nil {
-		_ = f.Close()
-	}
-}
-
-// reap reads the child's stdout lines (when piped) and waits for the
-// child; Done closes once both are over, or drainDelay after the child
-// exited if something else still holds its stdout.
-func (p *Process) reap(stdout *os.File, onLine func(string)) {
-	read := make(chan struct{})
-	if stdout != nil {
-		go p.readLines(stdout, onLine, read)
-	} else {
-		close(read)
-	}
+// reap waits for the child, then for the end of its output (see
+// drainIdle), and closes exited and done in turn.
+func (p *Process) reap(outs []*stream) {
 	p.err = p.Cmd.Wait()
-	if errors.Is(p.err, exec.ErrWaitDelay) {
-		p.err = nil // it exited 0; something it started still holds stderr
-	}
 	p.ended = time.Now()
-	select {
-	case <-read:
-	case <-time.After(drainDelay):
-		_ = stdout.SetReadDeadline(time.Now()) // ends the read under way
-		<-read
+	close(p.exited)
+	for _, s := range outs {
+		s.drain(p.ended)
 	}
-	closeFile(stdout)
 	close(p.done)
 }
 
-// readLines keeps and passes on each stdout line until the pipe ends.
-func (p *Process) readLines(stdout io.Reader, onLine func(string), read chan<- struct{}) {
-	defer close(read)
-	sc := bufio.NewScanner(stdout)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		p.keepOutput([]byte(sc.Text() + "\n"))
-		if onLine != nil {
-			onLine(sc.Text())
+// A stream is one output pipe of the child and the goroutine reading it.
+type stream struct {
+	r, w   *os.File
+	ended  chan struct{} // closed when reading stopped
+	busy   atomic.Bool   // a read's data is being delivered
+	active atomic.Int64  // UnixNano of the last data read or delivered
+}
+
+func newStream() (*stream, error) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, err
+	}
+	return &stream{r: r, w: w, ended: make(chan struct{})}, nil
+}
+
+func (s *stream) closeWriter() {
+	_ = s.w.Close()
+	s.w = nil
+}
+
+func (s *stream) close() {
+	if s.w != nil {
+		s.closeWriter()
+	}
+	_ = s.r.Close()
+}
+
+// read runs deliver, which reads the pipe to its end, then closes it.
+func (s *stream) read(deliver func(*stream)) {
+	defer close(s.ended)
+	deliver(s)
+	_ = s.r.Close()
+}
+
+// Read is the pipe's, marking activity for drain.
+func (s *stream) Read(b []byte) (int, error) {
+	n, err := s.r.Read(b)
+	if n > 0 {
+		s.active.Store(time.Now().UnixNano())
+	}
+	return n, err
+}
+
+// delivering marks a delivery under way (or over) for drain.
+func (s *stream) delivering(on bool) {
+	s.busy.Store(on)
+	s.active.Store(time.Now().UnixNano())
+}
+
+// copyTo passes every chunk read to w.
+func (s *stream) copyTo(w io.Writer) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := s.Read(buf)
+		if n > 0 {
+			s.delivering(true)
+			_, _ = w.Write(buf[:n])
+			s.delivering(false)
+		}
+		if err != nil {
+			return
 		}
 	}
-	_, _ = io.Copy(io.Discard, stdout) // a line too long for the scanner
+}
+
+// lines passes every line read to keep (with its newline) and onLine
+// (without). The last one may lack its newline: the child's unterminated
+// last output, read when the pipe ended or reading stopped.
+func (s *stream) lines(keep func([]byte), onLine func(string)) {
+	br := bufio.NewReaderSize(s, 64<<10)
+	for {
+		line, err := br.ReadString('\n')
+		if line != "" {
+			s.delivering(true)
+			text := strings.TrimSuffix(line, "\n")
+			keep([]byte(text + "\n"))
+			if onLine != nil {
+				onLine(text)
+			}
+			s.delivering(false)
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// drain waits, once the child has exited, for the pipe's end; or stops
+// reading once it has been idle drainIdle, or drainMax after the exit.
+func (s *stream) drain(exited time.Time) {
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-s.ended:
+			return
+		case now := <-tick.C:
+			last := time.Unix(0, s.active.Load())
+			if last.Before(exited) {
+				last = exited
+			}
+			idle := !s.busy.Load() && now.Sub(last) > drainIdle
+			if idle || now.Sub(exited) > drainMax {
+				_ = s.r.SetReadDeadline(now) // the read under way returns
+				<-s.ended
+				return
+			}
+		}
+	}
 }
 
 // outputWriter is where the child's stderr goes: Output, and also also.
@@ -254,7 +356,9 @@ func (p *Process) Output() string {
 // Kill ends the child with SIGKILL, unless it has ended, and waits until
 // it is reaped.
 func (p *Process) Kill() {
-	if !p.Exited() {
+	select {
+	case <-p.exited:
+	default:
 		_ = p.Cmd.Process.Kill()
 	}
 	<-p.done
@@ -268,13 +372,16 @@ func (p *Process) Wait(timeout time.Duration) error {
 	t := time.NewTimer(timeout)
 	defer t.Stop()
 	select {
-	case <-p.done:
+	case <-p.exited:
 	case <-t.C:
-		if !p.Exited() { // both ready: select picks either, and the child is done
+		select {
+		case <-p.exited: // both ready (select picks either): the child has ended
+		default:
 			p.Kill()
 			return p.failure(fmt.Errorf("%w (%v)", ErrTimedOut, timeout))
 		}
 	}
+	<-p.done // the rest of its output (see drainIdle)
 	if p.err != nil {
 		return p.failure(p.err)
 	}

@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -228,7 +229,7 @@ func TestWaitBoundHoldsWhenAGrandchildKeepsTheOutput(t *testing.T) {
 		t0 := time.Now()
 		err = p.Wait(200 * time.Millisecond)
 		require.ErrorIs(t, err, ErrTimedOut)
-		assert.Less(t, time.Since(t0), drainDelay+10*time.Second, script)
+		assert.Less(t, time.Since(t0), drainIdle+10*time.Second, script)
 	}
 	// A child that exits 0 while its child still holds the output passes.
 	p, err := Start("sh", []string{"-c", "sleep 20 & echo done"}, Options{})
@@ -246,4 +247,75 @@ func TestWaitOnAnExitedChildIsNotATimeout(t *testing.T) {
 	for range 200 {
 		require.NoError(t, p.Wait(0))
 	}
+}
+
+// TestSlowReadersGetEveryLine: a child that prints 20000 lines and exits
+// while most of them are still in the pipe, read by a slow OnLine, and
+// 40000 lines into a slow Stdout writer. The bound on reading after the
+// exit (drainIdle) counts idle time only: with a fixed 2 s bound both
+// lost their last lines (and a cut line reached OnLine), Wait saying nil.
+func TestSlowReadersGetEveryLine(t *testing.T) {
+	var lines []string
+	p, err := Start("seq", []string{"1", "20000"}, Options{OnLine: func(l string) {
+		lines = append(lines, l)
+		time.Sleep(300 * time.Microsecond)
+	}})
+	require.NoError(t, err)
+	require.NoError(t, p.Wait(time.Minute))
+	require.Equal(t, 20000, len(lines), "lines OnLine got")
+	assert.Equal(t, "20000", lines[len(lines)-1])
+
+	w := &slowWriter{}
+	p, err = Start("seq", []string{"1", "40000"}, Options{Stdout: w})
+	require.NoError(t, err)
+	require.NoError(t, p.Wait(time.Minute))
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	assert.True(t, strings.HasSuffix(w.b.String(), "\n39999\n40000\n"), "the report is cut")
+}
+
+type slowWriter struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (w *slowWriter) Write(b []byte) (int, error) {
+	time.Sleep(1200 * time.Millisecond)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(b)
+}
+
+// TestExitedChildIsNoTimeoutWhileAGrandchildHoldsItsOutput: the child
+// exits 0 at once; its own child keeps the output open. Wait(500ms) reports
+// the exit (it waited on Done before, and called it a timeout), and Ended
+// is the exit, not the end of the output.
+func TestExitedChildIsNoTimeoutWhileAGrandchildHoldsItsOutput(t *testing.T) {
+	t0 := time.Now()
+	p, err := Start("sh", []string{"-c", "sleep 20 & echo done"}, Options{})
+	require.NoError(t, err)
+	require.NoError(t, p.Wait(500*time.Millisecond))
+	assert.Less(t, p.Ended().Sub(t0), drainIdle)
+	assert.Equal(t, "done\n", p.Output())
+}
+
+// TestNoDescriptorLeftBehind: every Start/Wait closes its pipes, and the
+// last, unterminated line is delivered.
+func TestNoDescriptorLeftBehind(t *testing.T) {
+	count := func() int {
+		es, err := os.ReadDir("/proc/self/fd")
+		require.NoError(t, err)
+		return len(es)
+	}
+	before := count()
+	for i := range 200 {
+		var got []string
+		p, err := Start("sh", []string{"-c", "echo a; echo b >&2; printf last"}, Options{
+			OnLine: func(l string) { got = append(got, l) },
+		})
+		require.NoError(t, err)
+		require.NoError(t, p.Wait(30*time.Second))
+		require.Equal(t, []string{"a", "last"}, got, "run %d", i)
+	}
+	assert.LessOrEqual(t, count(), before)
 }

@@ -25,6 +25,7 @@ NAME_MAX = 64
 MAX_DIMS = 8
 MAX_TENSORS = 16
 META_MAX = 256
+MAX_HELD = 64
 BATCH_EPOCH_END = 0x1
 START_NEXT_EPOCH = 0
 START_NOW = 1
@@ -61,6 +62,12 @@ ENOCUDA = -22
 ENODEVICE = -23
 
 CUDA_SYNC = 0x1  # tsock_batch_cuda_use: the host waits instead of a stream
+
+# Flags of tsock_batch_dlpack_export.
+DLPACK_VERSIONED = 0x1  # DLManagedTensorVersioned (read-only flag), else legacy
+DLPACK_DEVICE = 0x2  # the device copy (kDLCUDA), else host memory
+DLPACK_BOOL_AS_UINT8 = 0x4  # booleans described as uint8 (consumers without kDLBool)
+DLPACK_ROWS = 0x8  # rows [row_start, row_stop) of the first dimension only
 
 # Dtypes (tsock_dtype).
 DTYPE_BOOL = 1
@@ -173,6 +180,7 @@ _COMMON = {
     "tsock_status_str": (ctypes.c_char_p, [_I]),
     "tsock_last_error": (ctypes.c_char_p, []),
     "tsock_dtype_size": (ctypes.c_size_t, [_I]),
+    "tsock_tensor_init": (_I, [ctypes.POINTER(Tensor), _I, _I, ctypes.POINTER(ctypes.c_int64), ctypes.c_uint64]),
     "tsock_reader_options_init": (None, [ctypes.POINTER(ReaderOptions)]),
     "tsock_reader_attach": (_I, [ctypes.c_char_p, ctypes.POINTER(ReaderOptions), ctypes.POINTER(_P)]),
     "tsock_reader_acquire": (_I, [_P, ctypes.POINTER(ctypes.POINTER(Batch)), ctypes.c_int64]),
@@ -180,6 +188,11 @@ _COMMON = {
     "tsock_reader_payload_range": (_I, [_P, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint64)]),
     "tsock_reader_detach": (_I, [_P]),
     "tsock_batch_dlpack": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, _I, ctypes.POINTER(_P)]),
+    "tsock_batch_dlpack_export": (
+        _I,
+        [ctypes.POINTER(Batch), ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_P)],
+    ),
+    "tsock_dlpack_delete": (_I, [_P, _I]),
     "tsock_reader_pin_mapping": (_I, [_P, ctypes.POINTER(_P)]),
     "tsock_mapping_unpin": (_I, [_P]),
     "tsock_reader_register_host": (_I, [_P]),

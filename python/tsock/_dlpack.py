@@ -1,5 +1,10 @@
-"""DLPack export of batch tensors, through tsock_batch_dlpack and PyCapsules
-made with ctypes (no compiled extension).
+"""DLPack export of batch tensors, through tsock_batch_dlpack_export and
+PyCapsules made with ctypes (no compiled extension).
+
+The C library alone knows the DLPack structs: it makes each descriptor as
+asked (legacy or versioned, host or device, booleans as uint8, a range of
+rows) in one call, and frees one no consumer took (tsock_dlpack_delete);
+Python only wraps the pointer in a capsule.
 
 A DLPackTensor is the object a framework's from_dlpack() takes: it hands out
 a capsule named "dltensor_versioned" (DLPack 1.0, read-only flag set) to
@@ -19,25 +24,15 @@ from .errors import check
 
 LEGACY = b"dltensor"
 VERSIONED = b"dltensor_versioned"
-
-# Byte offsets inside the DLPack structs (dlpack.h, pinned by static asserts
-# in reader/dlpack.c): DLManagedTensor puts the DLTensor first and the deleter
-# at 56; DLManagedTensorVersioned has the deleter at 16 and the DLTensor at
-# 32. Inside a DLTensor: data at 0, dtype code and bits at 20 and 21, the
-# shape and strides pointers at 24 and 32.
-_LEGACY_DELETER = 56
-_VERSIONED_DELETER = 16
-_VERSIONED_TENSOR = 32
-_DATA = 0
-_DTYPE_CODE = 20
-_SHAPE = 24
-_STRIDES = 32
-DL_UINT = 1
-DL_BOOL = 6
+# DLPack's device types, as __dlpack_device__ reports them.
 KDL_CPU = 1
 KDL_CUDA = 2
 
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_VERSIONED_FLAG = _capi.DLPACK_VERSIONED
+_DEVICE_FLAG = _capi.DLPACK_DEVICE
+_BOOL_AS_UINT8_FLAG = _capi.DLPACK_BOOL_AS_UINT8
+_ROWS_FLAG = _capi.DLPACK_ROWS
+
 _CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 # Our own handle on the Python C API (as ctypes.pythonapi is made), so the
@@ -50,28 +45,39 @@ _api.PyCapsule_IsValid.restype = ctypes.c_int
 _api.PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _api.PyCapsule_GetPointer.restype = ctypes.c_void_p
 _api.PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_api.Py_IncRef.restype = None
+_api.Py_IncRef.argtypes = [ctypes.py_object]
 
 
-def _destructor(name: bytes, deleter_offset: int):
-    # A consumer that takes the tensor renames the capsule ("used_dltensor")
-    # and owns the struct from then on; only a capsule that was never
-    # consumed still names our struct, which its deleter must free.
-    def destroy(capsule: int) -> None:
-        try:
-            if _api.PyCapsule_IsValid(capsule, name):
-                ptr = _api.PyCapsule_GetPointer(capsule, name)
-                fn = ctypes.c_void_p.from_address(ptr + deleter_offset).value
-                if fn:
-                    _Deleter(fn)(ptr)
-        except Exception:  # noqa: BLE001 - a destructor must not raise (interpreter shutdown)
-            pass
+def capsule_destructors(delete) -> tuple:
+    """The capsule destructors (legacy, versioned) for the structs of the
+    library whose tsock_dlpack_delete is `delete`. Keep them as long as the
+    library: every capsule made with them calls them."""
 
-    return _CapsuleDestructor(destroy)
+    def destructor(name: bytes, versioned: int):
+        # A consumer that takes the tensor renames the capsule ("used_dltensor")
+        # and owns the struct from then on; only a capsule that was never
+        # consumed still names our struct, which its deleter must free. What
+        # destroy calls is bound here, not looked up in this module's dict,
+        # which the interpreter clears at shutdown.
+        is_valid, pointer = _api.PyCapsule_IsValid, _api.PyCapsule_GetPointer
 
+        def destroy(capsule: int) -> None:
+            try:
+                if is_valid(capsule, name):
+                    delete(pointer(capsule, name), versioned)
+            except Exception:  # noqa: BLE001 - a destructor must not raise (interpreter shutdown)
+                pass
 
-# Module-level so the callbacks outlive every capsule.
-_DESTROY_LEGACY = _destructor(LEGACY, _LEGACY_DELETER)
-_DESTROY_VERSIONED = _destructor(VERSIONED, _VERSIONED_DELETER)
+        fn = _CapsuleDestructor(destroy)
+        # Never freed: a capsule kept somewhere the interpreter clears late
+        # at shutdown (a global of a module imported before tsock, sys) is
+        # destroyed after this module and the library object are gone, and
+        # a freed callback would crash the process then (review 25).
+        _api.Py_IncRef(fn)
+        return fn
+
+    return destructor(LEGACY, 0), destructor(VERSIONED, 1)
 
 
 _RELEASED = (
@@ -100,35 +106,32 @@ def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool 
     """A new PyCapsule holding the DLPack form of tensor `index` of a held
     batch: its host memory, or with device=True its copy in the producer's
     device pool (kDLCUDA; the reader must have opened it). bool_as_uint8
-    (pass it only for boolean tensors) describes booleans as uint8, for
-    consumers that predate kDLBool; view the result as bool. rows=(start,
+    describes a boolean tensor as uint8, for consumers that predate kDLBool
+    (view the result as bool); other dtypes are unchanged. rows=(start,
     stop) narrows the tensor to those rows of its first dimension, still
-    without a copy."""
+    without a copy. One call to tsock_batch_dlpack_export (tsock_batch_dlpack,
+    its shorter case, for a whole host tensor) makes it all."""
     if not lease.valid:
         raise BufferError(_RELEASED)
     out = ctypes.c_void_p()
-    export = lib.dlpack_cuda if device else lib.dlpack
-    rc = export(lease.batch, index, 1 if versioned else 0, ctypes.byref(out))
+    if rows is None and not (bool_as_uint8 or device):
+        rc = lib.dlpack_whole(lease.batch, index, versioned, ctypes.byref(out))
+    else:
+        flags = _VERSIONED_FLAG if versioned else 0
+        if bool_as_uint8:
+            flags |= _BOOL_AS_UINT8_FLAG
+        if device:
+            flags |= _DEVICE_FLAG
+        start = stop = 0
+        if rows is not None:
+            flags |= _ROWS_FLAG
+            start, stop = rows
+        rc = lib.dlpack(lease.batch, index, flags, start, stop, ctypes.byref(out))
     if rc:
         check(lib, rc, "DLPack export")
-    ptr = out.value
-    # The struct is ours until the capsule is consumed: adjust it in place.
-    tensor = ptr + (_VERSIONED_TENSOR if versioned else 0)
-    if bool_as_uint8:
-        code = ctypes.c_uint8.from_address(tensor + _DTYPE_CODE)
-        if code.value == DL_BOOL:
-            code.value = DL_UINT
-    if rows is not None:
-        start, stop = rows
-        bits = ctypes.c_uint8.from_address(tensor + _DTYPE_CODE + 1).value
-        shape = ctypes.c_void_p.from_address(tensor + _SHAPE).value
-        strides = ctypes.c_void_p.from_address(tensor + _STRIDES).value
-        data = ctypes.c_void_p.from_address(tensor + _DATA)
-        data.value += start * ctypes.c_int64.from_address(strides).value * (bits // 8)
-        ctypes.c_int64.from_address(shape).value = stop - start
     if versioned:
-        return _api.PyCapsule_New(ptr, VERSIONED, _DESTROY_VERSIONED)
-    return _api.PyCapsule_New(ptr, LEGACY, _DESTROY_LEGACY)
+        return _api.PyCapsule_New(out.value, VERSIONED, lib.destroy_versioned)
+    return _api.PyCapsule_New(out.value, LEGACY, lib.destroy_legacy)
 
 
 def use(lib, lease: Lease, stream, host_wait_without_stream: bool = False) -> None:

@@ -153,6 +153,12 @@ class Referenced:
     def __init__(self, reader: Reader, output: str, device: bool = False):
         self.reader = reader
         self.limit = 0  # batches held at most: known at the first batch
+        # Partition mode: ranks whose batches the channel carries (the
+        # consumer sets it from the tags) and the C reader's max_held. The
+        # limit then counts this rank's batches only: the others' are let
+        # go unread, but one still referenced holds those after it.
+        self.ranks = 1
+        self.max_held = HOLD_MAX
         self.kept = 0  # batches kept (copied out), for tests and figures
         # What can refer to a batch depends on what the output made of it:
         # numpy arrays (exporters) or DLPack descriptors, never both but for
@@ -164,9 +170,15 @@ class Referenced:
 
     def _set_limit(self, raw: Raw) -> int:
         # At most half the ring (at least 2, at most HOLD_MAX, never more
-        # than the ring): what is held here, the producer cannot fill.
+        # than the ring): what is held here, the producer cannot fill. In
+        # partition mode each batch of this rank held holds a step of
+        # batches: the same share of the ring, and of max_held.
         slots = max(1, self.reader.length // raw.mem.length)
-        self.limit = min(slots, HOLD_MAX, max(2, slots // 2))
+        per = self.ranks
+        if per == 1:
+            self.limit = min(slots, HOLD_MAX, max(2, slots // 2))
+        else:  # 1: a ring too small for this many ranks keeps (copies) at every step
+            self.limit = max(1, min(HOLD_MAX, slots // (2 * per), min(self.max_held, slots) // per))
         return self.limit
 
     def settle(self) -> None:
@@ -177,7 +189,7 @@ class Referenced:
         holds those after it in the ring until it is released or kept."""
         held = self.reader.held
         left = len(held)
-        if left == 2 and self.limit:
+        if left == 2 and self.limit and self.ranks == 1:
             # The plain loop: the batch before, then the loop variables'
             # (looked at next time; held while there is room, which there
             # is: a limit is at least 2).
@@ -188,6 +200,8 @@ class Referenced:
         if not left:
             return
         limit = self.limit or self._set_limit(held[0])
+        if self.ranks > 1:
+            left = sum(1 for raw in held if not raw.foreign)
         referenced = self._referenced
         last = None
         for raw in held:
@@ -198,7 +212,7 @@ class Referenced:
                     break
                 self._keep(raw)
             last = raw
-            left -= 1
+            left -= not raw.foreign
         if last is not None:
             self.reader.release(last)
 

@@ -1,6 +1,7 @@
 """Where a Consumer's batches live: host shared memory, copies on a GPU made
-from pinned shared memory, or the producer's device pool (see _cuda.py for
-the mechanisms).
+from pinned shared memory (_staging.py), or the producer's device pool
+(_device_path.py); the GPU asked for is checked in _devices.py, and the
+framework's CUDA calls are in _backends.py.
 
 ``place`` decides once, at Consumer(device=...), and returns what the
 consumer needs: the output its cutter (_rebatch.py) makes leaves with, the
@@ -26,7 +27,7 @@ class Placement:
     where: str
     #: why the device path is not used (Consumer.placement_note)
     note: str | None = None
-    #: the pinned host path's copy pipeline (_cuda.Staging), or None
+    #: the pinned host path's copy pipeline (_staging.Staging), or None
     staging: object = None
     #: called at close, after the reader detached
     undo: list = field(default_factory=list)
@@ -35,35 +36,35 @@ class Placement:
 def check(device, device_path: str, output: str):
     """The device, checked before attaching: ValueError for a bad
     device_path, CUDAUnavailable when the framework sees no GPU."""
-    from . import _cuda
+    from . import _devices
 
-    if device_path not in _cuda.DEVICE_PATHS:
-        raise ValueError(f"device_path must be one of {_cuda.DEVICE_PATHS}, got {device_path!r}")
-    return _cuda.check_device(device, output)
+    if device_path not in _devices.DEVICE_PATHS:
+        raise ValueError(f"device_path must be one of {_devices.DEVICE_PATHS}, got {device_path!r}")
+    return _devices.check_device(device, output)
 
 
 def place(reader, host, device, device_path: str, copy: bool, lifetime: str) -> Placement:
     """The placement of batches read by `reader` on `device`: the device path
     where it opens (unless device_path="never"), else copies from pinned
     shared memory. host is the output the consumer would use on the host."""
-    from . import _cuda
+    from . import _backends, _device_path, _devices, _staging
 
-    if isinstance(device, _cuda.DLPackGPU):
+    if isinstance(device, _devices.DLPackGPU):
         return _dlpack_on_device(reader, host, device, device_path, copy)
-    backend = _cuda.backend(device)
+    backend = _backends.backend(device)
     note = "device_path='never'"
     if device_path != "never":
         # The default lifetime gets copies on the GPU: a zero-copy batch
         # kept in the pool would hold its slot for good.
-        direct, unguard, note = _cuda.open_direct(
+        direct, unguard, note = _device_path.open_direct(
             reader, device, backend, host, copy or lifetime == "referenced", device_path == "require"
         )
         if direct is not None:
             return Placement(direct, "device", undo=[unguard])
-    if isinstance(backend, _cuda.JaxCuda):
+    if isinstance(backend, _backends.JaxCuda):
         where = "pinned" if backend.register(reader) is None else "host"
-        return Placement(_cuda.JaxCopyOutput(host, backend), where, note)
-    staging = _cuda.Staging(backend, host)
+        return Placement(_staging.JaxCopyOutput(host, backend), where, note)
+    staging = _staging.Staging(backend, host)
     reader.on_release = staging.sync
     where = "pinned" if staging.register(reader) else "host"
     return Placement(staging.output, where, note, staging)

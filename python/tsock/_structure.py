@@ -162,6 +162,28 @@ def decode_tag(meta: bytes) -> Tag | None:
     return tag
 
 
+_PARTITION = struct.Struct("<HHH")  # rank, world size, ranks: the tag's fields after samples
+_PARTITION_AT = _HEAD.size + struct.calcsize("<16sQQQI")
+
+
+def partition(meta: bytes) -> tuple[int, int, int] | None:
+    """(rank, world size, ranks) of a Pipeline batch's tag, read at their
+    place without decoding the rest (a consumer filters every batch by
+    them); None for a batch not from a Pipeline. CorruptSegment when they
+    cannot be a partition's."""
+    if meta[:4] != MAGIC_TAGGED:
+        return None
+    if len(meta) < _HEAD.size + _TAG.size:
+        raise CorruptSegment(f"pipeline batch metadata of {len(meta)} bytes, its tag needs more", _capi.ECORRUPT)
+    rank, world, ranks = fields = _PARTITION.unpack_from(meta, _PARTITION_AT)
+    consistent = rank < world and 1 <= ranks <= world if world else rank == 0 and ranks == 1
+    if not consistent:
+        raise CorruptSegment(
+            f"pipeline batch tag is inconsistent: rank {rank}, world size {world}, ranks {ranks}", _capi.ECORRUPT
+        )
+    return fields
+
+
 class Layout:
     """A decoded metadata blob: how to rebuild a batch from its leaves."""
 

@@ -7,7 +7,7 @@ import numbers
 import sys
 import weakref
 
-from . import _capi, _lifetime, _placement, _structure
+from . import _capi, _lifetime, _partition, _placement, _structure
 from ._reader import Raw, Reader
 from ._rebatch import Rebatched, Whole
 from .errors import ChannelClosed, TsockError
@@ -172,6 +172,13 @@ class Consumer:
       device_path: with device, "auto" (default): the device path where it
         opens, else the pinned host path; "require": NoDevicePath where it
         does not open; "never": always copy (the pinned host path).
+      rank, world_size: read a partitioned channel (a tsock.Pipeline with
+        world_size=) as rank `rank` of `world_size`: only this rank's
+        batches are delivered, the same samples per epoch as
+        torch.utils.data.DistributedSampler(num_replicas=world_size,
+        rank=rank) gives it; the other ranks' batches are let go unread.
+        Both or neither. PartitionMismatch when they do not fit the
+        channel (see docs/PIPELINE.md, "Partition mode").
 
     Raises ProducerGone when the producer dies (after every batch it
     published), ChannelClosed when an epoch is asked for after the producer
@@ -193,6 +200,8 @@ class Consumer:
         device_path: str = "auto",
         lifetime: str = "referenced",
         carry_over: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
     ):
         if not isinstance(name, str):
             raise TypeError(f"channel name must be str, got {type(name).__name__}")
@@ -208,6 +217,7 @@ class Consumer:
             raise ValueError(f"timeout must be None or seconds >= 0, got {timeout!r}")
         if lifetime not in LIFETIMES:
             raise ValueError(f"lifetime must be one of {LIFETIMES}, got {lifetime!r}")
+        rank, world_size = _partition.check(rank, world_size)
         from ._output import OUTPUTS
 
         if output not in OUTPUTS:
@@ -235,6 +245,9 @@ class Consumer:
         self._delivered = 0  # batches made in the epoch in progress
         self._closed_seen = False
         self._started = False  # a batch was taken
+        #: this consumer's rank and the job's world size (None: not partitioned)
+        self.rank, self.world_size = rank, world_size
+        self._ranks = _partition.Ranks(name, rank, world_size)
         self._closed = False
         #: tsock.shared sets it: last_tag is then the pipeline tag (or None)
         #: of the producer batch the last batch came from
@@ -250,10 +263,15 @@ class Consumer:
         # referenced, up to half the ring (_lifetime.Referenced.limit; the C
         # reader clamps HOLD_MAX to the ring).
         max_held = _lifetime.HOLD_MAX if keeping else 2 if device is None else 4
+        if keeping and world_size:
+            # A batch of this rank still referenced holds the other ranks'
+            # after it (see _lifetime.Referenced.ranks).
+            max_held = min(_capi.MAX_HELD, max_held * world_size)
         self._reader = Reader(name, _START[start], timeout, max_held=max_held, keeping=keeping)
         self._keeping = keeping
         if keeping:
             self._life = _lifetime.Referenced(self._reader, output, device is not None)
+            self._life.max_held = max_held
         else:
             self._life = _lifetime.Step(self._reader)
         unprotect = None
@@ -273,7 +291,7 @@ class Consumer:
         self.placement = "host"
         #: why the device path is not used (None when it is, or not asked for)
         self.placement_note = None
-        self._gpu = None  # the copy pipeline of the pinned host path (_cuda.Staging)
+        self._gpu = None  # the copy pipeline of the pinned host path (_staging.Staging)
         if device is not None:
             try:
                 placed = _placement.place(self._reader, self._out, device, device_path, self.copy, lifetime)
@@ -397,20 +415,24 @@ class Consumer:
         if self.batch_size is None:
             if layout.batches is None:
                 raise TypeError("the producer's loader has no len(), so neither has this consumer")
-            return layout.batches
+            return layout.batches // self._ranks.ranks  # a rank's share: every rank has as many
         if layout.samples is None:
             raise TypeError(
                 "the producer's loader does not tell its number of samples, so a re-batching consumer has no len()"
             )
+        samples = layout.samples // self._ranks.ranks
         if self.drop_last:
-            return layout.samples // self.batch_size
-        return math.ceil(layout.samples / self.batch_size)
+            return samples // self.batch_size
+        return math.ceil(samples / self.batch_size)
 
     def _peek_layout(self):
         while True:
             if self._keeping:
                 self._life.settle()
             raw = self._reader.acquire()
+            if not raw.end and not self._mine(raw):
+                self._release(raw)  # another rank's: let go unread
+                continue
             self._pending.append(raw)
             if not raw.end:
                 self._layout = raw.layout
@@ -420,34 +442,54 @@ class Consumer:
             self._release(raw)
 
     def _take(self, rows_so_far: int) -> Raw | None:
-        """The next producer batch of this epoch, or None at its end."""
-        if self._pending:
-            raw = self._pending.pop(0)
-        else:
-            if self._keeping:
-                self._life.settle()
-            try:
-                raw = self._reader.acquire()
-            except ChannelClosed as closed:
-                # Closed without an epoch-end marker: what was read is an
-                # epoch. Asking for another raises.
-                if self._closed_seen or (self._delivered == 0 and rows_so_far == 0):
-                    raise ChannelClosed(_closed_message(self.name, self.epoch), closed.status) from None
-                self._closed_seen = True
+        """The next producer batch of this epoch (of this consumer's rank),
+        or None at its end."""
+        while True:
+            if self._pending:
+                raw = self._pending.pop(0)
+            else:
+                if self._keeping:
+                    self._life.settle()
+                try:
+                    raw = self._reader.acquire()
+                except ChannelClosed as closed:
+                    # Closed without an epoch-end marker: what was read is an
+                    # epoch. Asking for another raises.
+                    if self._closed_seen or (self._delivered == 0 and rows_so_far == 0):
+                        raise ChannelClosed(_closed_message(self.name, self.epoch), closed.status) from None
+                    self._closed_seen = True
+                    return None
+            self.producer_epoch = raw.epoch
+            if raw.end:
+                self._release(raw)
+                if not self._started:
+                    # Joined ("now") just before an epoch-end marker: the
+                    # first epoch starts after it, not empty.
+                    continue
                 return None
-        self.producer_epoch = raw.epoch
-        if raw.end:
+            if not self._mine(raw):
+                self._release(raw)  # another rank's: let go unread
+                continue
+            self._layout = raw.layout
+            if self.track_tags:
+                self.last_tag = _structure.decode_tag(raw.meta)
+            return raw
+
+    def _mine(self, raw: Raw) -> bool:
+        """Whether raw (a batch, not a marker) is for this consumer's rank
+        (_partition.Ranks); raw is let go before an error is raised, so the
+        consumer can still be closed, or read on past a batch it refused."""
+        self._started = True  # an epoch with batches of other ranks only is an (empty) epoch
+        if self.rank is None and raw.meta[:4] != _structure.MAGIC_TAGGED:
+            return True  # the common case, per batch: no rank asked, no pipeline tag to check
+        try:
+            mine = self._ranks.mine(raw)
+        except TsockError:
             self._release(raw)
-            if not self._started:
-                # Joined ("now") just before an epoch-end marker: the first
-                # epoch starts after it, not empty.
-                return self._take(rows_so_far)
-            return None
-        self._started = True
-        self._layout = raw.layout
-        if self.track_tags:
-            self.last_tag = _structure.decode_tag(raw.meta)
-        return raw
+            raise
+        if self._keeping:
+            self._life.ranks = self._ranks.ranks
+        return mine
 
     def _release(self, raw: Raw | None) -> None:
         """The consumer is done with raw: its slot goes back now (Step), or

@@ -84,6 +84,16 @@ class WorkerDied(PipelineError):
     other workers were stopped, the next iteration starts new ones."""
 
 
+class PartitionMismatch(TsockError, ValueError):
+    """A Consumer's rank and world_size do not fit its channel: the channel
+    is partitioned and the consumer gave no rank, or the other way round,
+    or the channel is partitioned for another world size, or its producer
+    makes no batch for this rank (status EINVAL)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, _capi.EINVAL)
+
+
 _BY_STATUS = {
     _capi.EPRODUCER_GONE: ProducerGone,
     _capi.ENOENT: ChannelNotFound,

@@ -50,6 +50,19 @@ def _option_defaults(lib) -> _capi.ProducerOptions:
     return opts
 
 
+def _default_slots(loader) -> int:
+    """The library's default ring depth; for a partitioned Pipeline, at
+    least 4 slots per rank it publishes: a rank's consumer holds the
+    batches of the other ranks published after one it still uses (the
+    ring is released in order), so each batch it holds holds a step's
+    worth, and the producer still needs room to run ahead."""
+    slots = _capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
+    ranks = len(getattr(loader, "ranks", ())) if getattr(loader, "world_size", 0) else 0
+    while slots < 4 * ranks:
+        slots *= 2
+    return slots
+
+
 def _check_join_window(join_window, slots: int) -> None:
     """ValueError unless join_window is in 0..slots-1."""
     if not isinstance(join_window, int) or join_window < 0 or join_window >= slots:
@@ -168,7 +181,7 @@ def _cuda_ordinal(device) -> int:
     """The CUDA ordinal of a device= argument; -1 for None."""
     if device is None:
         return -1
-    from ._cuda import cuda_index
+    from ._devices import cuda_index
 
     return cuda_index(device)
 
@@ -373,7 +386,7 @@ class Producer:
         if not isinstance(headroom, (int, float)) or headroom < 1:
             raise ValueError(f"headroom must be a number >= 1, got {headroom!r}")
         if slots is None:
-            slots = _capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
+            slots = _default_slots(loader)
         if max_readers is None:
             max_readers = _capi.PRODUCER_DEFAULTS["MAX_READERS"]
         _check_join_window(join_window, slots)

@@ -208,6 +208,11 @@ static void test_bad_options(void) {
   tsock_reader_options_init(&ro);
   ro.max_held = 0;
   CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
+  ro.max_held = TSOCK_MAX_HELD + 1; /* the public bound is the one applied */
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
+  char why[64];
+  snprintf(why, sizeof why, "max_held %d outside 1..%d", TSOCK_MAX_HELD + 1, TSOCK_MAX_HELD);
+  CHECK(strstr(tsock_last_error(), why) != NULL);
   tsock_reader_options_init(&ro);
   ro.start = 7;
   CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_EINVAL);
@@ -666,6 +671,203 @@ static void test_mapping_outlives_detach(void) {
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
 
+/* A legacy DLManagedTensor: the DLTensor first, then context and deleter. */
+typedef struct dl_legacy_view {
+  dl_tensor_view t;
+  void *ctx;
+  void (*deleter)(struct dl_legacy_view *);
+} dl_legacy_view;
+
+enum { KDL_INT = 0, KDL_UINT = 1, KDL_BOOL = 6 };
+
+/* Publishes the batch test_dlpack_export reads: tensor 0 int16 [5, 2] with
+ * a row stride of 3 (rows are 6 bytes apart, one element unused each),
+ * element (r, c) = 10 r + c; tensor 1 bool [4] = 1, 0, 1, 1; tensor 2 a
+ * 0-d float32 = 2.5. */
+static void publish_dlpack_batch(tsock_producer_t *p) {
+  uint8_t *buf = NULL;
+  CHECK_RC(tsock_producer_reserve(p, 64, 1000 * MS, (void **)&buf), TSOCK_OK);
+  if (buf == NULL) return;
+  int16_t rows[5][3];
+  for (int r = 0; r < 5; r++)
+    for (int c = 0; c < 3; c++) rows[r][c] = (int16_t)(c < 2 ? 10 * r + c : -1);
+  memcpy(buf, rows, sizeof rows); /* 30 bytes at 0 */
+  const uint8_t flags[4] = {1, 0, 1, 1};
+  memcpy(buf + 32, flags, 4);
+  const float scalar = 2.5f;
+  memcpy(buf + 36, &scalar, 4);
+  tsock_tensor_t t[3];
+  const int64_t shape0[2] = {5, 2}, shape1[1] = {4};
+  CHECK_RC(tsock_tensor_init(&t[0], TSOCK_DTYPE_INT16, 2, shape0, 0), TSOCK_OK);
+  t[0].strides[0] = 3;
+  t[0].nbytes = sizeof rows;
+  CHECK_RC(tsock_tensor_init(&t[1], TSOCK_DTYPE_BOOL, 1, shape1, 32), TSOCK_OK);
+  CHECK_RC(tsock_tensor_init(&t[2], TSOCK_DTYPE_FLOAT32, 0, NULL, 36), TSOCK_OK);
+  CHECK_RC(tsock_producer_publish(p, t, 3, NULL, 0), TSOCK_OK);
+}
+
+/* tsock_batch_dlpack_export (issue 11, item 4: the DLPack layout lives in
+ * C alone): rows narrow the first dimension in place by its stride, bool
+ * can be described as uint8, versioned and legacy structs, and every bad
+ * input is refused with a message, writing nothing and counting nothing. */
+static void test_dlpack_export(void) {
+  const char *name = test_name("tapi", "dlexport");
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NOW);
+  if (p == NULL || r == NULL) return;
+  publish_dlpack_batch(p);
+  const tsock_batch_t *b = NULL;
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  CHECK(b != NULL && b->n_tensors == 3);
+  if (b == NULL || b->n_tensors != 3) return;
+  const uint8_t *base = b->tensors[0].data;
+  const uint32_t *live = b->dlpack_live;
+
+  /* The whole tensor, legacy, as tsock_batch_dlpack describes it. */
+  dl_legacy_view *lg = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 0, 0, (void **)&lg), TSOCK_OK);
+  if (lg != NULL) {
+    CHECK(lg->t.data == base && lg->t.device_type == 1 && lg->t.ndim == 2);
+    CHECK(lg->t.code == KDL_INT && lg->t.bits == 16 && lg->t.lanes == 1);
+    CHECK(lg->t.shape[0] == 5 && lg->t.shape[1] == 2 && lg->t.strides[0] == 3 && lg->t.strides[1] == 1);
+    CHECK(lg->deleter != NULL && live[0] == 1 && live[TSOCK_MAX_TENSORS] == 1);
+    CHECK_RC(tsock_dlpack_delete(lg, 0), TSOCK_OK);
+    CHECK(live[0] == 0 && live[TSOCK_MAX_TENSORS] == 0);
+  }
+
+  /* Rows [1, 4), versioned: shape[0] 3, data at row 1 (one row stride, 3
+   * elements of 2 bytes, on), the rest unchanged. */
+  dl_versioned_view *v = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_VERSIONED | TSOCK_DLPACK_ROWS, 1, 4,
+                                     (void **)&v),
+           TSOCK_OK);
+  if (v != NULL) {
+    CHECK(v->major == 1 && v->minor == 0 && (v->flags & 1u) && v->deleter != NULL);
+    CHECK(v->t.data == base + 6 && v->t.ndim == 2 && v->t.shape[0] == 3 && v->t.shape[1] == 2);
+    CHECK(v->t.strides[0] == 3 && v->t.strides[1] == 1 && v->t.code == KDL_INT && v->t.bits == 16);
+    const int16_t *row = v->t.data;
+    CHECK(row[0] == 10 && row[1] == 11 && row[2 * 3] == 30 && row[2 * 3 + 1] == 31);
+    CHECK(live[0] == 1);
+    CHECK_RC(tsock_dlpack_delete(v, 1), TSOCK_OK);
+    CHECK(live[0] == 0);
+  }
+  /* The last row alone, and an empty range (its address stays). */
+  v = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_VERSIONED | TSOCK_DLPACK_ROWS, 4, 5,
+                                     (void **)&v),
+           TSOCK_OK);
+  if (v != NULL) {
+    CHECK(v->t.data == base + 24 && v->t.shape[0] == 1 && *(const int16_t *)v->t.data == 40);
+    tsock_dlpack_delete(v, 1);
+  }
+  lg = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_ROWS, 5, 5, (void **)&lg), TSOCK_OK);
+  if (lg != NULL) {
+    CHECK(lg->t.data == base && lg->t.shape[0] == 0 && lg->t.shape[1] == 2);
+    tsock_dlpack_delete(lg, 0);
+  }
+
+  /* Booleans: kDLBool, or kDLUInt 8 bits when asked; other dtypes keep theirs. */
+  lg = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 1, 0, 0, 0, (void **)&lg), TSOCK_OK);
+  if (lg != NULL) {
+    CHECK(lg->t.code == KDL_BOOL && lg->t.bits == 8 && lg->t.shape[0] == 4);
+    tsock_dlpack_delete(lg, 0);
+  }
+  v = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 1, TSOCK_DLPACK_VERSIONED | TSOCK_DLPACK_BOOL_AS_UINT8 |
+                                               TSOCK_DLPACK_ROWS,
+                                     2, 4, (void **)&v),
+           TSOCK_OK);
+  if (v != NULL) {
+    CHECK(v->t.code == KDL_UINT && v->t.bits == 8 && v->t.lanes == 1 && v->t.shape[0] == 2);
+    CHECK(v->t.data == (const uint8_t *)b->tensors[1].data + 2);
+    tsock_dlpack_delete(v, 1);
+  }
+  lg = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_BOOL_AS_UINT8, 0, 0, (void **)&lg), TSOCK_OK);
+  if (lg != NULL) {
+    CHECK(lg->t.code == KDL_INT && lg->t.bits == 16);
+    tsock_dlpack_delete(lg, 0);
+  }
+  lg = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 2, 0, 0, 0, (void **)&lg), TSOCK_OK); /* 0-d, whole */
+  if (lg != NULL) {
+    CHECK(lg->t.ndim == 0 && *(const float *)lg->t.data == 2.5f);
+    tsock_dlpack_delete(lg, 0);
+  }
+
+  /* Refusals: nothing written to out, no descriptor counted. */
+  void *untouched = (void *)&untouched, *out = untouched;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_ROWS, 0, 6, &out), TSOCK_EINVAL);
+  CHECK(strstr(tsock_last_error(), "rows [0, 6) of tensor 0, which has 5") != NULL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_ROWS, -1, 2, &out), TSOCK_EINVAL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_ROWS, 3, 2, &out), TSOCK_EINVAL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_ROWS, 6, 6, &out), TSOCK_EINVAL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 2, TSOCK_DLPACK_ROWS, 0, 0, &out), TSOCK_EINVAL);
+  CHECK(strstr(tsock_last_error(), "rows of tensor 2, which has no dimensions") != NULL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 1, 4, &out), TSOCK_EINVAL); /* rows, no flag */
+  CHECK(strstr(tsock_last_error(), "without TSOCK_DLPACK_ROWS") != NULL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0x10, 0, 0, &out), TSOCK_EINVAL);
+  CHECK(strstr(tsock_last_error(), "unknown flags 0x10") != NULL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0x80000001u, 0, 0, &out), TSOCK_EINVAL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 3, 0, 0, 0, &out), TSOCK_EINVAL); /* no tensor 3 */
+  CHECK_RC(tsock_batch_dlpack_export(NULL, 0, 0, 0, 0, &out), TSOCK_EINVAL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 0, 0, NULL), TSOCK_EINVAL);
+  /* The device copy of a reader without the device path. */
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_DEVICE, 0, 0, &out), TSOCK_ENODEVICE);
+  CHECK(out == untouched);
+  CHECK(live[0] == 0 && live[1] == 0 && live[2] == 0 && live[TSOCK_MAX_TENSORS] == 0);
+  CHECK_RC(tsock_dlpack_delete(NULL, 0), TSOCK_EINVAL);
+
+  /* A deleter runs whenever a binding's garbage collector frees a capsule,
+   * possibly between a failing call and its caller's read of the message:
+   * it leaves the message alone (it erased it, review 25). */
+  lg = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 0, 0, (void **)&lg), TSOCK_OK);
+  CHECK_RC(tsock_batch_dlpack_export(b, 3, 0, 0, 0, &out), TSOCK_EINVAL);
+  if (lg != NULL) CHECK_RC(tsock_dlpack_delete(lg, 0), TSOCK_OK);
+  CHECK(strstr(tsock_last_error(), "tensor 3") != NULL);
+
+  /* A descriptor handed back as the other kind, or one tsock did not make,
+   * is refused and left alone: its deleter word is not the one the caller
+   * named (each jumped through a word of the tensor, review 25 L3). */
+  lg = NULL;
+  v = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 0, 0, (void **)&lg), TSOCK_OK);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_VERSIONED, 0, 0, (void **)&v), TSOCK_OK);
+  if (lg != NULL) CHECK_RC(tsock_dlpack_delete(lg, 1), TSOCK_EINVAL);
+  if (v != NULL) CHECK_RC(tsock_dlpack_delete(v, 0), TSOCK_EINVAL);
+  CHECK(live[0] == 2);
+  uint64_t foreign[10] = {0};
+  CHECK_RC(tsock_dlpack_delete(foreign, 0), TSOCK_EINVAL);
+  CHECK_RC(tsock_dlpack_delete(foreign, 1), TSOCK_EINVAL);
+  if (lg != NULL) CHECK_RC(tsock_dlpack_delete(lg, 0), TSOCK_OK);
+  if (v != NULL) CHECK_RC(tsock_dlpack_delete(v, 1), TSOCK_OK);
+  CHECK(live[0] == 0 && live[TSOCK_MAX_TENSORS] == 0);
+
+  /* After the release the producer may rewrite the slot: an export of the
+   * released batch is refused (it succeeded, review 25 L4); a kept copy
+   * exports. */
+  const tsock_batch_t *kept = NULL;
+  CHECK_RC(tsock_batch_keep(r, b, 1u, &kept), TSOCK_OK);
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  out = untouched;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 0, 0, &out), TSOCK_ESTATE);
+  CHECK(strstr(tsock_last_error(), "was released") != NULL && out == untouched);
+  if (kept != NULL) {
+    lg = NULL;
+    CHECK_RC(tsock_batch_dlpack_export(kept, 0, 0, 0, 0, (void **)&lg), TSOCK_OK);
+    if (lg != NULL) {
+      CHECK(((const int16_t *)lg->t.data)[0] == 0 && lg->t.shape[0] == 5);
+      CHECK_RC(tsock_dlpack_delete(lg, 0), TSOCK_OK);
+    }
+    CHECK_RC(tsock_batch_free(kept), TSOCK_OK);
+  }
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
 /* tsock_producer_peek: argument checks, then a channel's newest batches
  * read back (metadata and epoch marker) without attaching. */
 static void test_peek(void) {
@@ -711,6 +913,7 @@ int main(void) {
   test_leading_marker();
   test_wait_readers();
   test_mapping_outlives_detach();
+  test_dlpack_export();
   test_peek();
   return test_report("test_api");
 }

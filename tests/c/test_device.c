@@ -204,6 +204,43 @@ static tsock_reader_t *attach_device(const char *name, void **stream) {
   return r;
 }
 
+/* tsock_batch_dlpack_export of the device copy (dev): rows narrow it at
+ * the pool address, in legacy and versioned structs; refusals take no
+ * reference on the pool (the final primary_refs check sees one left). */
+static void check_device_export(const tsock_batch_t *b, const uint32_t *dev) {
+  struct { void *data; int32_t device_type, device_id, ndim; uint8_t code, bits; uint16_t lanes;
+           int64_t *shape, *strides; } *t;
+  void *dl = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_DEVICE | TSOCK_DLPACK_ROWS, 1, 4, &dl),
+           TSOCK_OK);
+  if (dl != NULL) { /* legacy: the DLTensor first */
+    t = dl;
+    CHECK(t->data == dev + 1 && t->device_type == 2 && t->device_id == 0 && t->ndim == 1);
+    CHECK(t->shape[0] == 3 && t->strides[0] == 1 && t->code == 1 && t->bits == 32);
+    CHECK(b->dlpack_live[0] == 1);
+    CHECK_RC(tsock_dlpack_delete(dl, 0), TSOCK_OK);
+    CHECK(b->dlpack_live[0] == 0);
+  }
+  dl = NULL;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_DEVICE | TSOCK_DLPACK_VERSIONED |
+                                               TSOCK_DLPACK_ROWS,
+                                     ROWS - 2, ROWS, &dl),
+           TSOCK_OK);
+  if (dl != NULL) { /* versioned: the DLTensor at 32 */
+    t = (void *)((char *)dl + 32);
+    CHECK(t->data == dev + ROWS - 2 && t->device_type == 2 && t->shape[0] == 2);
+    CHECK(*(const uint32_t *)t->data == value(b->index, ROWS - 2));
+    CHECK_RC(tsock_dlpack_delete(dl, 1), TSOCK_OK);
+  }
+  void *untouched = (void *)&untouched, *out = untouched;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_DEVICE | TSOCK_DLPACK_ROWS, 0, ROWS + 1,
+                                     &out),
+           TSOCK_EINVAL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 1, TSOCK_DLPACK_DEVICE, 0, 0, &out), TSOCK_EINVAL);
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, TSOCK_DLPACK_DEVICE, 0, 0, NULL), TSOCK_EINVAL);
+  CHECK(out == untouched && b->dlpack_live[TSOCK_MAX_TENSORS] == 0);
+}
+
 /* One batch of test_zero_copy (ctx: struct zc). */
 struct zc {
   void *stream;
@@ -236,6 +273,7 @@ static void check_device_batch(const tsock_batch_t *b, void *ctx) {
     CHECK(m->data == dev && m->device_type == 2 && m->device_id == 0 && (m->flags & 1));
     m->deleter(dl);
   }
+  check_device_export(b, dev);
   z->got++;
 }
 

@@ -25,7 +25,9 @@ int main(int argc, char **argv) {
                        "tsock_tensor_init", "tsock_reader_options_init", "tsock_reader_attach",
                        "tsock_reader_acquire", "tsock_reader_release",
                        "tsock_reader_payload_range", "tsock_reader_detach",
-                       "tsock_reader_register_host"};
+                       "tsock_reader_register_host", "tsock_batch_dlpack",
+                       "tsock_batch_dlpack_cuda", "tsock_batch_dlpack_export",
+                       "tsock_dlpack_delete"};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) CHECK(dlsym(lib, all[i]) != NULL);
   const char *producer[] = {"tsock_producer_options_init", "tsock_producer_create",
                             "tsock_producer_reserve", "tsock_producer_publish",

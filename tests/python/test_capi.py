@@ -1,8 +1,12 @@
 """python/tsock/_capi.py against include/tsock.h: every constant the header
 defines (#define and enum members, TSOCK_ dropped) stands in _capi with the
-same value, and _capi defines no constant the header lacks. The constants
-are written in Python by hand because an installed wheel carries no header
-to read them from; this test is what keeps the two in step."""
+same value, and _capi defines no constant the header lacks; every function
+the header declares is declared in _capi (in the producer's table for the
+producer's section of the header, else in both libraries' table) with as
+many arguments and the same kind of result, and no other. The constants
+and prototypes are written in Python by hand because an installed wheel
+carries no header to read them from; this test is what keeps the two in
+step."""
 
 from __future__ import annotations
 
@@ -66,6 +70,74 @@ def test_comparison_sees_each_kind_of_difference():
     assert disagreements(header, {"MAX_DIMS": 8}) == ["TSOCK_EAGAIN = -1 is missing from _capi.py"]
     extra = {"MAX_DIMS": 8, "EAGAIN": -1, "EXTRA": 3}
     assert disagreements(header, extra) == ["EXTRA = 3 in _capi.py is not in tsock.h"]
+
+
+# A declaration at the start of a line: its result type, name and
+# parameters (which may span lines); comments never start a line with a type.
+_FUNCTION = re.compile(r"^[A-Za-z_][\w \t*]*?\b(tsock_\w+)\(([^)]*)\);", re.M)
+_RESULTS = {"int": ctypes.c_int, "void": None, "size_t": ctypes.c_size_t, "const char *": ctypes.c_char_p}
+_PRODUCER_SECTION = ("/* ---- Producer (libtsock.so only)", "/* ---- Reader")
+
+
+def header_functions(text: str) -> dict[str, tuple[object, int, bool]]:
+    """name -> (ctypes result type, argument count, in the producer's section)."""
+    begin, end = (text.index(mark) for mark in _PRODUCER_SECTION)
+    found = {}
+    for m in _FUNCTION.finditer(text):
+        result = text[m.start() : m.start(1)].strip()
+        assert result in _RESULTS, f"{m.group(1)}: result type {result!r} has no ctypes twin here"
+        args = [a for a in m.group(2).split(",") if a.strip() not in ("", "void")]
+        assert m.group(1) not in found, f"{m.group(1)} declared twice in tsock.h"
+        found[m.group(1)] = (_RESULTS[result], len(args), begin < m.start() < end)
+    return found
+
+
+def function_disagreements(header: dict, common: dict, producer: dict) -> list[str]:
+    out = []
+    for name, (result, nargs, in_producer) in header.items():
+        table, which = (producer, "_PRODUCER") if in_producer else (common, "_COMMON")
+        if name not in table:
+            out.append(f"{name} is missing from _capi.{which}")
+            continue
+        restype, argtypes = table[name]
+        if restype is not result:
+            out.append(f"{name}: tsock.h returns {result}, _capi.{which} {restype}")
+        if len(argtypes) != nargs:
+            out.append(f"{name}: tsock.h takes {nargs} arguments, _capi.{which} {len(argtypes)}")
+    out += [f"{n} in _capi.py is not in tsock.h" for n in {**common, **producer} if n not in header]
+    return out
+
+
+def test_header_functions_are_parsed():
+    found = header_functions(HEADER.read_text())
+    assert len(found) >= 34
+    assert found["tsock_batch_dlpack_export"] == (ctypes.c_int, 6, False)
+    assert found["tsock_status_str"] == (ctypes.c_char_p, 1, False)
+    assert found["tsock_producer_options_init"] == (None, 1, True)
+    assert sum(1 for _, _, p in found.values() if p) == 10
+
+
+def test_capi_declares_every_header_function():
+    problems = function_disagreements(header_functions(HEADER.read_text()), _capi._COMMON, _capi._PRODUCER)
+    assert not problems, "_capi.py and include/tsock.h disagree:\n  " + "\n  ".join(problems)
+
+
+def test_function_comparison_sees_each_kind_of_difference():
+    i = ctypes.c_int
+    header = {"tsock_a": (i, 2, False), "tsock_p": (None, 1, True)}
+    common, producer = {"tsock_a": (i, [i, i])}, {"tsock_p": (None, [i])}
+    assert function_disagreements(header, common, producer) == []
+    assert function_disagreements(header, {}, producer) == ["tsock_a is missing from _capi._COMMON"]
+    assert function_disagreements(header, common, {"tsock_p": (None, [i])} | {"tsock_x": (i, [])}) == [
+        "tsock_x in _capi.py is not in tsock.h"
+    ]
+    assert function_disagreements(header, {"tsock_a": (i, [i])}, producer) == [
+        "tsock_a: tsock.h takes 2 arguments, _capi._COMMON 1"
+    ]
+    assert function_disagreements(header, {"tsock_a": (None, [i, i])}, producer) == [
+        f"tsock_a: tsock.h returns {i}, _capi._COMMON None"
+    ]
+    assert function_disagreements(header, {**common, **producer}, {}) == ["tsock_p is missing from _capi._PRODUCER"]
 
 
 def test_tensor_struct_is_tsock_tensor_t():

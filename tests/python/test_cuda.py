@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import tsock
-from tsock import _capi, _cuda, _torch
+from tsock import _backends, _capi, _devices, _torch
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -184,8 +184,8 @@ class FakeCuda:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     fake = FakeCuda()
-    monkeypatch.setattr(_cuda, "check_device", lambda device, output: "fake:0")
-    monkeypatch.setattr(_cuda, "backend", lambda device: fake)
+    monkeypatch.setattr(_devices, "check_device", lambda device, output: "fake:0")
+    monkeypatch.setattr(_backends, "backend", lambda device: fake)
     return fake
 
 

@@ -42,7 +42,7 @@ WAIT = 100  # for the producer to start (see PRODUCER)
 import numpy as np
 import torch
 import tsock
-from tsock import _cuda
+from tsock import _backends, _devices
 
 fake = ctypes.CDLL(os.environ["TSOCK_LIBCUDA"])
 fake.cuInit(0)
@@ -106,9 +106,9 @@ class Device:
         pass
 
 dev = Device()
-orig_check, orig_backend = _cuda.check_device, _cuda.backend
-_cuda.check_device = lambda device, output: torch.device("cuda", 0)
-_cuda.backend = lambda device: dev
+orig_check, orig_backend = _devices.check_device, _backends.backend
+_devices.check_device = lambda device, output: torch.device("cuda", 0)
+_backends.backend = lambda device: dev
 name = sys.argv[1]
 """
 
@@ -341,7 +341,7 @@ def test_dlpack_output_exports_the_device_copy(tmp_path):
     out = _run(
         tmp_path,
         """
-        _cuda.check_device, _cuda.backend = orig_check, orig_backend  # no framework stand-in
+        _devices.check_device, _backends.backend = orig_check, orig_backend  # no framework stand-in
         before = stats()
         with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=WAIT) as c:
             assert c.placement == "device"
@@ -368,7 +368,7 @@ def test_dlpack_output_without_device_path_refuses(tmp_path):
     out = _run(
         tmp_path,
         """
-        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        _devices.check_device, _backends.backend = orig_check, orig_backend
         with tsock.Consumer(name, timeout=WAIT) as host:  # first: it keeps the producer (and channel) waiting
             try:
                 tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=WAIT)
@@ -395,7 +395,7 @@ def test_dlpack_capsule_keeps_the_pool_after_close(tmp_path):
         tmp_path,
         """
         import glob, time
-        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        _devices.check_device, _backends.backend = orig_check, orig_backend
         kept = None
         # The capsule outlives the batch: the old lifetime (the default would
         # hold the batch while the capsule lives).
@@ -435,7 +435,7 @@ def test_per_thread_stream_of_another_thread_is_fenced(tmp_path):
         tmp_path,
         """
         import threading, time
-        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        _devices.check_device, _backends.backend = orig_check, orig_backend
         sums = []
         def fnv(b):
             h = 1469598103934665603
@@ -505,7 +505,7 @@ def test_kept_dlpack_device_batches_are_refused_beyond_the_ring(tmp_path):
     out = _run(
         tmp_path,
         """
-        _cuda.check_device, _cuda.backend = orig_check, orig_backend
+        _devices.check_device, _backends.backend = orig_check, orig_backend
         # resume: the second loop goes on with the epoch the first broke off
         with tsock.Consumer(name, output="dlpack", device="cuda:0", timeout=WAIT, carry_over=True) as c:
             kept = []

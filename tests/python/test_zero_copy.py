@@ -167,11 +167,15 @@ def test_dlpack_output_speaks_the_protocol(channel, run_producer):
         assert x.__dlpack_device__() == (1, 0)
         assert name(x.__dlpack__()) == b"dltensor"
         assert name(x.__dlpack__(max_version=(1, 0))) == b"dltensor_versioned"
-        # Unconsumed capsules free their struct through the capsule destructor.
+        # Unconsumed capsules free their struct through the capsule destructor
+        # (tsock_dlpack_delete): the C library counts none of them alive after.
+        batch = tsock._capi.Batch.from_address(x._lease.batch)
         for _ in range(1000):
             x.__dlpack__(max_version=(1, 2))
             x.__dlpack__()
+        assert batch.dlpack_live[tsock._capi.MAX_TENSORS] == 0
         a = np.from_dlpack(x)
+        assert batch.dlpack_live[0] == 1  # the array holds its descriptor
         assert not a.flags.writeable
         np.testing.assert_array_equal(a, data[0][0])
         t = torch.utils.dlpack.from_dlpack(y)
@@ -227,3 +231,36 @@ def test_batches_kept_after_close_never_fault(spawn, channel, output):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert float(out.strip()) == 2 * 16
+
+
+LATE_CAPSULE = """
+import sys, threading
+import numpy as np, tsock
+from tsock._dlpack import capsule
+
+name, where = sys.argv[1], sys.argv[2]
+p = tsock.Producer([(np.arange(32, dtype=np.int32).reshape(8, 4),)] * 2, name, slots=4, wait_readers=1)
+threading.Thread(target=p.run, daemon=True).start()
+c = tsock.Consumer(name, output="dlpack", timeout=30, lifetime="step")
+it = iter(c)
+(x,) = next(it)
+late = capsule(x._lib, x._lease, 0, where != "sys-legacy")  # never consumed
+setattr(np if where == "numpy" else sys, "_tsock_late_capsule", late)
+del x, late
+for _ in it:
+    pass
+c.close()
+p.close()
+print("end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["sys", "sys-legacy", "numpy"])
+def test_a_capsule_left_until_shutdown_is_freed_without_a_crash(spawn, channel, where):
+    # An unconsumed capsule held where the interpreter clears late at exit
+    # (sys, a module imported before tsock) is destroyed after tsock's
+    # modules: its destructor crashed the process there (SIGSEGV or SIGILL,
+    # review 25), as the ctypes callback had been freed with them.
+    proc = spawn(LATE_CAPSULE, channel, where)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out == "end\n", (proc.returncode, out, err[-2000:])
