@@ -58,9 +58,10 @@ def _rotated(points, cx, cy, angle):
     return [(cx + x * ca - y * sa, cy + x * sa + y * ca) for x, y in points]
 
 
-def draw(label: int, rng: random.Random) -> Image.Image:
-    """One SOURCE_SIZE x SOURCE_SIZE RGB image of class `label`."""
-    s = SOURCE_SIZE
+def draw(label: int, rng: random.Random, size: int = SOURCE_SIZE) -> Image.Image:
+    """One size x size RGB image of class `label`."""
+    s = size
+    k = s / SOURCE_SIZE  # patterns keep their size relative to the image
     bg = _colour(rng)
     fg = _contrasting(rng, bg)
     img = Image.new("RGB", (s, s), bg)
@@ -83,7 +84,7 @@ def draw(label: int, rng: random.Random) -> Image.Image:
     elif name == "ring":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], outline=fg, width=max(2, int(r * rng.uniform(0.2, 0.35))))
     elif name in ("hstripes", "vstripes", "diagonal"):
-        period = rng.uniform(8, 16)
+        period = rng.uniform(8, 16) * k
         width = period * rng.uniform(0.35, 0.6)
         phase = rng.uniform(0, period)
         if name == "diagonal":  # either diagonal: a flipped image stays in its class
@@ -98,7 +99,7 @@ def draw(label: int, rng: random.Random) -> Image.Image:
             d.polygon(_rotated(pts, s / 2, s / 2, theta), fill=fg)
             k += period
     elif name == "checker":
-        cell = rng.uniform(8, 16)
+        cell = rng.uniform(8, 16) * k
         theta = rng.uniform(-0.2, 0.2)
         n = int(2 * s / cell) + 2
         for i in range(-n, n):
@@ -108,7 +109,7 @@ def draw(label: int, rng: random.Random) -> Image.Image:
                     pts += [((i + 1) * cell, (j + 1) * cell), (i * cell, (j + 1) * cell)]
                     d.polygon(_rotated(pts, s / 2, s / 2, theta), fill=fg)
     elif name == "dots":
-        step = rng.uniform(12, 20)
+        step = rng.uniform(12, 20) * k
         rad = step * rng.uniform(0.2, 0.32)
         ox, oy = rng.uniform(0, step), rng.uniform(0, step)
         y = oy - step
@@ -120,7 +121,7 @@ def draw(label: int, rng: random.Random) -> Image.Image:
             y += step
     else:  # pragma: no cover
         raise ValueError(label)
-    img = img.filter(ImageFilter.GaussianBlur(rng.uniform(0.0, 1.2)))
+    img = img.filter(ImageFilter.GaussianBlur(rng.uniform(0.0, 1.2) * k))
     noise = np.random.default_rng(rng.randrange(1 << 31)).normal(0, rng.uniform(4, 16), (s, s, 3))
     arr = np.clip(np.asarray(img, np.float32) + noise, 0, 255).astype(np.uint8)
     return Image.fromarray(arr)
@@ -132,27 +133,31 @@ def image_path(folder: Path, split: str, n: int) -> Path:
 
 
 def _write_chunk(args) -> int:
-    folder, split, seed, indices = args
+    folder, split, seed, size, indices = args
     for n in indices:
         rng = random.Random(f"{seed}/{split}/{n}")
         path = image_path(folder, split, n)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")  # concurrent runs never share one
-        draw(n % len(CLASSES), rng).save(tmp, format="JPEG", quality=rng.randint(75, 95))
+        draw(n % len(CLASSES), rng, size).save(tmp, format="JPEG", quality=rng.randint(75, 95))
         os.replace(tmp, path)  # an interrupted run leaves no half-written image
     return len(indices)
 
 
-def ensure_dataset(root: Path, n_train: int, n_val: int, seed: int = 0, workers: int | None = None) -> Path:
-    """Makes sure images 0..n-1 of both splits exist under root (generated
-    once, deterministically per seed; later runs reuse them and only draw
-    what is missing) and returns the dataset folder."""
-    folder = Path(root) / f"shapes-v{FORMAT_VERSION}-seed{seed}"
+def ensure_dataset(
+    root: Path, n_train: int, n_val: int, seed: int = 0, workers: int | None = None, size: int = SOURCE_SIZE
+) -> Path:
+    """Makes sure images 0..n-1 of both splits, size x size pixels, exist
+    under root (generated once, deterministically per seed; later runs
+    reuse them and only draw what is missing) and returns the dataset
+    folder."""
+    name = f"shapes-v{FORMAT_VERSION}-seed{seed}" + ("" if size == SOURCE_SIZE else f"-{size}px")
+    folder = Path(root) / name
     jobs = []
     for split, n in (("train", n_train), ("val", n_val)):
         for c in CLASSES:
             (folder / split / c).mkdir(parents=True, exist_ok=True)
         missing = [i for i in range(n) if not image_path(folder, split, i).exists()]
-        jobs += [(folder, split, seed, missing[k : k + 200]) for k in range(0, len(missing), 200)]
+        jobs += [(folder, split, seed, size, missing[k : k + 200]) for k in range(0, len(missing), 200)]
     if jobs:
         ex = ProcessPoolExecutor(min(len(jobs), workers or os.cpu_count() or 1), initializer=_ignore_sigint)
         try:
