@@ -37,9 +37,7 @@ SIZE = 384
 def dataset(root: str, split: str, n: int) -> list[tuple[str, int]]:
     """(path, label) of the first n images of a split, generated under root
     on first use (deterministic, cached)."""
-    folder = shapes_data.ensure_dataset(
-        Path(root), n if split == "train" else 0, n if split == "val" else 0, size=SIZE
-    )
+    folder = shapes_data.ensure_dataset(Path(root), n if split == "train" else 0, n if split == "val" else 0, size=SIZE)
     return shapes_data.list_split(folder, split, n)
 
 

@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="also write the results to this file")
     args = ap.parse_args(argv)
     size = QUICK if args.quick else FULL
-    args.train, args.val, args.epochs, args.lrs, args.widths = (size[k] for k in ("train", "val", "epochs", "lrs", "widths"))
+    keys = ("train", "val", "epochs", "lrs", "widths")
+    args.train, args.val, args.epochs, args.lrs, args.widths = (size[k] for k in keys)
     root = HERE.parents[1] / "build"
     args.data_dir = (args.data_dir or root / "sweep-data").resolve()
     args.out_dir = (args.out_dir or root / "optuna").resolve()

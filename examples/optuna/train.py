@@ -15,11 +15,12 @@ plain each trial runs its own DataLoader, as without tsock.
 study.py starts several of these at once and compares the two loaders.
 """
 
+# ruff: noqa: E402  (STARTED is taken before the imports)
 from __future__ import annotations
 
 import time
 
-STARTED = time.time()  # noqa: E402  (the worker process's start, before its imports)
+STARTED = time.time()  # the worker process's start, before its imports
 
 import argparse
 import os
@@ -110,6 +111,7 @@ def main(argv=None) -> None:
     study = optuna.load_study(study_name=args.study, storage=args.storage)
     # The driver (study.py) enqueued the trials: each ask() takes the next.
     study.optimize(lambda trial: objective(trial, args, val), n_trials=args.trials)
+
 
 if __name__ == "__main__":
     main()
