@@ -552,3 +552,48 @@ def test_a_producer_that_answers_a_join_late_does_not_end_the_trainer(runtime, s
     assert sorted(y for _, ys in first for y in ys.tolist()) == list(range(40))
     assert sorted(epochs_of(finish(second))[0]["ids"]) == list(range(40))
     first.close()
+
+
+def test_a_trainer_registering_while_a_producer_counts_the_roster_stays_counted(runtime, monkeypatch):
+    """A roster file seen by a producer's count before its trainer locked it
+    was removed as a dead trainer's: that trainer was then left out of every
+    later producer's wait, and lost batches after a crash (review 24, F1).
+    The window between making the file and locking it is widened here until
+    the count has run twice through the directory."""
+    import threading
+
+    tok = token()
+    first = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    paths = first._paths
+    polls = [0]
+    stop = threading.Event()
+
+    def count_like_the_gate():
+        while not stop.is_set():
+            paths.live_trainers()
+            polls[0] += 1
+
+    real_try_lock = _shared.try_lock
+
+    registering = threading.get_ident()
+
+    def slow_try_lock(fd):
+        # The trainer's thread, about to lock its roster file (the count's
+        # own thread takes the real one).
+        if threading.get_ident() == registering and ".trainer." in os.readlink(f"/proc/self/fd/{fd}"):
+            seen = polls[0]
+            wait_for(lambda: polls[0] >= seen + 2, "the count to run through the roster twice")
+        return real_try_lock(fd)
+
+    counter = threading.Thread(target=count_like_the_gate, daemon=True)
+    counter.start()
+    monkeypatch.setattr(_shared, "try_lock", slow_try_lock)
+    try:
+        second = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    finally:
+        stop.set()
+        counter.join(BOUND_S)
+    monkeypatch.setattr(_shared, "try_lock", real_try_lock)
+    assert paths.live_trainers() == 2
+    second.close()
+    first.close()
