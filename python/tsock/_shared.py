@@ -318,6 +318,11 @@ def channel_of(key: str) -> str:
     return f"shared.{os.geteuid()}.{key}"
 
 
+def segment_path(channel: str) -> str:
+    """Where the library keeps a channel's segment (docs/ARCHITECTURE.md)."""
+    return f"/dev/shm/tsock.{channel}"
+
+
 # ---- starting the producer ----
 
 

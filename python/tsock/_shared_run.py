@@ -134,6 +134,19 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
             loader.close()
 
 
+def _forget_earlier_run(channel: str) -> None:
+    """A first producer of a run removes what a dead producer of an earlier
+    run left (its segment, its resume note) before anything can kill it: a
+    successor of this one then resumes this run, never the earlier one
+    (review 24, F4). No producer of the key lives: this one holds KEY.alive,
+    and a lingering one unlinks its channel before releasing it."""
+    from .producer import resume_note_path
+
+    for path in (shared.segment_path(channel), resume_note_path(channel)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def _record_error(paths: shared.Paths, text: str) -> None:
     tmp = f"{paths.error}.{os.getpid()}"
     with contextlib.suppress(OSError):
@@ -155,6 +168,8 @@ def main() -> int:
         return 0
     with contextlib.suppress(FileNotFoundError):
         os.unlink(paths.error)
+    if not spec["resume"]:
+        _forget_earlier_run(spec["channel"])
     os.ftruncate(alive, 0)
     os.pwrite(alive, json.dumps({"pid": os.getpid(), "description": spec["description"]}).encode(), 0)
     # The answer, then stdout and stderr go to the log: the trainer reads

@@ -57,6 +57,15 @@ def plain(n: int, batch_size: int, token: str = ""):
     ]
 
 
+def gated_pipeline(n: int, batch_size: int, token: str, gate_dir: str):
+    """pipeline(), made once `gate_dir`/go exists; each producer running it
+    first leaves a file factory.PID there (a test kills it at that point)."""
+    open(os.path.join(gate_dir, f"factory.{os.getpid()}"), "w").close()
+    while not os.path.exists(os.path.join(gate_dir, "go")):
+        time.sleep(0.01)
+    return pipeline(n, batch_size)
+
+
 def failing(n: int, batch_size: int, token: str = ""):
     raise ValueError(f"dataset {n} is not there (token {token})")
 

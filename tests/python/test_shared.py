@@ -597,3 +597,42 @@ def test_a_trainer_registering_while_a_producer_counts_the_roster_stays_counted(
     assert paths.live_trainers() == 2
     second.close()
     first.close()
+
+
+def test_a_new_run_whose_first_producer_dies_does_not_resume_a_dead_earlier_run(runtime, tmp_path):
+    """An earlier run's producer killed mid-epoch with no trainer left leaves
+    its segment. A new run's first producer killed before its first batch
+    made the next one a successor, which resumed the earlier run's position
+    (review 24, F4): the new run began in the middle of another epoch."""
+    import threading
+
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    (gate / "go").touch()
+    earlier = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=30.0)
+    batches = (batch for _epoch in range(3) for batch in earlier)
+    for _ in range(13):  # into its second epoch: (1, 3) at least is recorded
+        next(batches)
+    os.kill(earlier.producer_pid, signal.SIGKILL)
+    wait_for(lambda: not _shared.lock_is_held(earlier._paths.alive), "the earlier producer to die")
+    earlier._consumer.close()  # what a killed trainer leaves: no detach by this loader
+    earlier._consumer = None
+    earlier.close()
+    assert tsock.Producer.recorded_position(earlier.channel) >= (1, 3)
+    (gate / "go").unlink()
+    for f in gate.glob("factory.*"):
+        f.unlink()
+    made = []
+    thread = threading.Thread(target=lambda: made.append(tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate))))
+    thread.start()
+    try:
+        first = wait_for(lambda: list(gate.glob("factory.*")), "the new run's first producer to run its factory")
+        os.kill(int(first[0].name.split(".")[1]), signal.SIGKILL)
+    finally:
+        (gate / "go").touch()
+        thread.join(BOUND_S)
+    (fresh,) = made
+    with fresh:
+        assert sorted(y for _, ys in fresh for y in ys.tolist()) == list(range(40))
+        assert fresh.position == (1, 0)  # its epoch 0, not the rest of the earlier run's
+        assert fresh.recoveries == 0 and fresh.repeated_batches == 0
