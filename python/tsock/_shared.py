@@ -12,9 +12,11 @@ import itertools
 import json
 import os
 import pickle
+import secrets
 import stat
 import subprocess
 import sys
+import time
 import types
 import warnings
 import weakref
@@ -26,6 +28,7 @@ from .pipeline import Position
 
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
 ATTACH_SLICE_S = 0.25
+READY_POLL_S = 0.01  # a trainer waiting for the producer's first batch
 START_ATTEMPTS = 5  # producers that die without a word before a trainer gives up
 HANDSHAKE_TIMEOUT_S = 120.0  # the producer process's interpreter start, under load
 CONSUMER_OPTIONS = ("output", "copy", "lifetime")
@@ -127,6 +130,7 @@ class Paths:
         self.start = base + ".start"
         self.alive = base + ".alive"
         self.error = base + ".error"
+        self.ready = base + ".ready"
         self.log = base + ".log"
         self.trainer_prefix = key + ".trainer."
 
@@ -193,12 +197,30 @@ class Paths:
             os.close(fd)
 
     def read_alive(self) -> dict:
-        """The running producer's pid and arguments' fingerprint ({} when unreadable)."""
-        try:
-            with open(self.alive, "rb") as f:
-                return json.loads(f.read(4096) or b"{}")
-        except (OSError, ValueError):
+        """The running (or last) producer's pid, channel and arguments'
+        fingerprint ({} when unreadable)."""
+        return _read_json(self.alive)
+
+    def read_ready(self) -> dict:
+        """What the producer wrote once its channel existed: its pid, the
+        channel and the segment's identity ({} before that)."""
+        return _read_json(self.ready)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
             return {}
+        value = json.loads(os.read(fd, 4096) or b"{}")
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
 
 
 # ---- the key ----
@@ -314,13 +336,30 @@ def _pickled(args: tuple, kwargs: dict) -> bytes:
         ) from None
 
 
-def channel_of(key: str) -> str:
-    return f"shared.{os.geteuid()}.{key}"
+def channel_prefix() -> str:
+    return f"shared.{os.geteuid()}."
+
+
+def new_channel(key: str) -> str:
+    """A run's channel: the uid and the key's beginning (for whoever lists
+    /dev/shm) and 64 random bits, so that nobody can plant a file where a
+    trainer will look (/dev/shm is world-writable; review 24, F8). The
+    trainers learn it from KEY.ready, in the user's 0700 directory."""
+    return f"{channel_prefix()}{key[:20]}.{secrets.token_hex(8)}"
 
 
 def segment_path(channel: str) -> str:
     """Where the library keeps a channel's segment (docs/ARCHITECTURE.md)."""
     return f"/dev/shm/tsock.{channel}"
+
+
+def check_name_of_run(channel: str) -> str:
+    """A channel read from the runtime directory: one new_channel could make."""
+    from .producer import check_name
+
+    if not channel.startswith(channel_prefix()):
+        raise TsockError(f"tsock.shared: channel {channel!r} is not one of uid {os.geteuid()}'s", _capi.ECORRUPT)
+    return check_name(channel)
 
 
 # ---- starting the producer ----
@@ -383,8 +422,9 @@ class SharedLoader:
             raise ValueError(f"linger must be seconds >= 0, got {linger!r}")
         from .producer import check_name
 
-        #: the channel the producer publishes on
-        self.channel = check_name(channel_of(key))
+        check_name(new_channel(key))
+        #: the channel the producer publishes on (a run's own random name)
+        self.channel = None
         #: the key trainers share a producer by (name, or the fingerprint)
         self.key = key
         self._spec = {
@@ -392,7 +432,7 @@ class SharedLoader:
             "args": _pickled(args, kwargs),
             "sys_path": list(sys.path),
             "cwd": os.getcwd(),
-            "channel": self.channel,
+            "channel": None,
             "key": key,
             "description": self.description,
             "linger": float(linger),
@@ -434,6 +474,9 @@ class SharedLoader:
 
     def _connect(self, recovering: bool) -> Consumer:
         paths = self._paths
+        # A successor publishes on its predecessor's channel (it reads where
+        # that one stopped from its ring); a new run gets a new one.
+        channel = self.channel if recovering else None
         start = open_lock(paths.start)
         try:
             fcntl.flock(start, fcntl.LOCK_EX)
@@ -445,7 +488,8 @@ class SharedLoader:
                     # A successor resumes its predecessor's run; a first
                     # producer starts at the beginning, whatever a dead one
                     # left in /dev/shm.
-                    start_producer(paths, {**self._spec, "resume": recovering})
+                    channel = channel or new_channel(self.key)
+                    start_producer(paths, {**self._spec, "channel": channel, "resume": recovering})
                 alive = paths.read_alive()
                 self._check_description(alive)
                 consumer = self._attach("now" if recovering else "epoch")
@@ -479,19 +523,46 @@ class SharedLoader:
                 f"{theirs}, this trainer's {self.description}); use another name= or the same arguments"
             )
 
+    def _ready_channel(self) -> str | None:
+        """The channel of the live producer once it said it exists (KEY.ready,
+        of its pid), checked to be the segment it made; None before."""
+        ready, alive = self._paths.read_ready(), self._paths.read_alive()
+        channel = ready.get("channel")
+        if not ready.get("pid") or ready.get("pid") != alive.get("pid") or not isinstance(channel, str):
+            return None
+        check_name_of_run(channel)
+        try:
+            st = os.stat(segment_path(channel), follow_symlinks=False)
+        except FileNotFoundError:
+            return None  # the producer is closing it: it lingered out
+        if st.st_uid != os.geteuid() or [st.st_dev, st.st_ino] != ready.get("segment"):
+            raise TsockError(
+                f"tsock.shared: {segment_path(channel)} is not the segment the producer of '{self.key}' made "
+                f"(replaced by uid {st.st_uid}?); not attaching",
+                _capi.ECORRUPT,
+            )
+        return channel
+
     def _attach(self, start: str) -> Consumer | None:
-        """A Consumer of the channel, tried in slices while the producer lives
-        (it creates the channel at its first batch); None if it died."""
+        """A Consumer of the channel, once the producer says it made it (at
+        its first batch, after the factory ran), tried in slices while the
+        producer lives; None if it died. Never opens what sits at a channel
+        name before that: a leftover or a planted file (review 24, F8)."""
         while lock_is_held(self._paths.alive):
+            channel = self._ready_channel()
+            if channel is None:
+                time.sleep(READY_POLL_S)
+                continue
             try:
-                consumer = Consumer(self.channel, start=start, timeout=ATTACH_SLICE_S, **self._options)
+                consumer = Consumer(channel, start=start, timeout=ATTACH_SLICE_S, **self._options)
             except (ChannelNotFound, ProducerGone):
-                continue  # not created yet, or a dead predecessor's segment not yet replaced
+                continue  # closed meanwhile (the producer lingered out, or died)
             except TsockError as e:
                 if e.status != _capi.ETIMEDOUT:
                     raise
                 continue  # the producer answered no join in the slice (stopped, starved of CPU): it still lives
             consumer.track_tags = True
+            self.channel = channel
             self._state[0] = consumer
             return consumer
         return None

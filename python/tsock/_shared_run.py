@@ -51,8 +51,9 @@ class Gate:
     """Producer.before_publish: before the first batch, waits for every live
     trainer of the roster; later, lingers while no trainer is attached."""
 
-    def __init__(self, paths: shared.Paths, linger: float, alive: int):
+    def __init__(self, paths: shared.Paths, linger: float, alive: int, announce=None):
         self.paths = paths
+        self.announce = announce or _announce_ready  # a test's fake producer has no segment
         self.alive = alive
         self.linger = linger
         self.first = True
@@ -60,6 +61,7 @@ class Gate:
     def __call__(self, producer) -> None:
         if self.first:
             self.first = False
+            self.announce(self.paths, producer.name)
             self._wait(producer, lambda readers, trainers: readers >= max(1, trainers))
         elif producer.stats()["readers"] == 0:
             self._wait(producer, lambda readers, trainers: readers >= 1)
@@ -89,10 +91,27 @@ class Gate:
         if producer.stats()["readers"] or self.paths.live_trainers():
             shared.close_lock(start)
             return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.paths.ready)
         producer.close()  # the segment is unlinked now
         shared.close_lock(self.alive)  # then KEY.start, at the exit: a trainer taking it finds no producer
         self.start_lock = start
         return True
+
+
+def _announce_ready(paths: shared.Paths, channel: str) -> None:
+    """Tells the trainers the channel exists, and which segment it is:
+    until then they open nothing (review 24, F8). Written whole, then
+    renamed: a trainer reads all of it or nothing."""
+    st = os.stat(shared.segment_path(channel), follow_symlinks=False)
+    note = {"pid": os.getpid(), "channel": channel, "segment": [st.st_dev, st.st_ino]}
+    tmp = f"{paths.ready}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(note).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, paths.ready)
 
 
 def _start_position(producer, pipe: Pipeline):
@@ -142,6 +161,10 @@ def _forget_earlier_run(channel: str) -> None:
     and a lingering one unlinks its channel before releasing it."""
     from .producer import resume_note_path
 
+    try:
+        shared.check_name_of_run(channel)
+    except shared.TsockError:
+        return  # not a name this user's producers use: not ours to remove
     for path in (shared.segment_path(channel), resume_note_path(channel)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -166,12 +189,15 @@ def main() -> int:
     if not shared.try_lock(alive):
         print("busy", flush=True)
         return 0
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(paths.error)
-    if not spec["resume"]:
-        _forget_earlier_run(spec["channel"])
+    earlier = paths.read_alive().get("channel")  # the last producer's, dead or gone
+    for stale in (paths.error, paths.ready):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
+    if not spec["resume"] and isinstance(earlier, str):
+        _forget_earlier_run(earlier)
     os.ftruncate(alive, 0)
-    os.pwrite(alive, json.dumps({"pid": os.getpid(), "description": spec["description"]}).encode(), 0)
+    note = {"pid": os.getpid(), "description": spec["description"], "channel": spec["channel"]}
+    os.pwrite(alive, json.dumps(note).encode(), 0)
     # The answer, then stdout and stderr go to the log: the trainer reads
     # until both pipes close.
     print(f"ok {os.getpid()}", flush=True)

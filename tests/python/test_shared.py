@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -56,7 +57,9 @@ def runtime(tmp_path, monkeypatch):
             if pid:
                 os.kill(pid, signal.SIGKILL)
             wait_for(lambda f=alive_file: not _shared.lock_is_held(f), "the producer to die")
-        channel = _shared.channel_of(key)
+        channel = _shared.Paths(str(path), key).read_alive().get("channel")
+        if not channel:
+            continue
         for leftover in (f"/dev/shm/tsock.{channel}", resume_note_path(channel)):
             if os.path.exists(leftover):
                 os.unlink(leftover)
@@ -196,7 +199,7 @@ def test_the_key_is_the_name_or_the_arguments(runtime):
 def test_same_name_other_arguments_is_refused(runtime):
     name = f"n{os.getpid()}"
     with tsock.shared(h.pipeline, 40, 4, name=name, linger=0.5) as first:
-        assert first.channel.endswith(name)
+        assert name in first.channel
         with pytest.raises(ValueError, match="runs another pipeline"):
             tsock.shared(h.pipeline, 44, 4, name=name)
 
@@ -336,6 +339,8 @@ def test_a_plain_loader_restarts_the_epoch_and_tells_the_trainer(runtime):
 
 
 class FakeProducer:
+    name = "shared.fake"
+
     def __init__(self):
         self.readers = 0
 
@@ -354,7 +359,7 @@ def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime)
     for fd in rosters:
         assert _shared.try_lock(fd)
     producer = FakeProducer()
-    gate = _shared_run.Gate(paths, linger=60.0, alive=-1)
+    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel: None)
     passed = []
     import threading
 
@@ -488,6 +493,8 @@ def test_a_stale_channel_of_a_dead_producer_is_replaced_and_a_new_run_starts_at_
     assert os.path.exists(f"/dev/shm/tsock.{loader.channel}")  # the dead producer's segment
     with tsock.shared(h.pipeline, 40, 4, tok, linger=0.3) as fresh:
         assert fresh.producer_pid != dead
+        assert fresh.channel != loader.channel  # a new run, a new name; the dead run's segment removed
+        assert not os.path.exists(f"/dev/shm/tsock.{loader.channel}")
         ids = [y for _, ys in fresh for y in ys.tolist()]
         assert sorted(ids) == list(range(40))
         assert fresh.position == (1, 0)  # it read epoch 0, not the rest of the dead run's epoch
@@ -636,3 +643,54 @@ def test_a_new_run_whose_first_producer_dies_does_not_resume_a_dead_earlier_run(
         assert sorted(y for _, ys in fresh for y in ys.tolist()) == list(range(40))
         assert fresh.position == (1, 0)  # its epoch 0, not the rest of the earlier run's
         assert fresh.recoveries == 0 and fresh.repeated_batches == 0
+
+
+def plant(path: str, user: str = "") -> None:
+    """A truncated file at `path` (5 bytes), made by `user` if given."""
+    if user:
+        import subprocess
+
+        subprocess.run(["runuser", "-u", user, "--", "sh", "-c", f"printf trunc > {path}"], check=True)
+    else:
+        with open(path, "w") as f:
+            f.write("trunc")
+
+
+@pytest.mark.parametrize("user", ["", "nobody"])
+def test_a_file_at_the_channels_old_predictable_name_is_never_opened(runtime, tmp_path, user):
+    """The channel was shared.UID.KEY, and a trainer opened whatever sat
+    there while its producer ran the factory: a leftover or a file another
+    user planted (/dev/shm is world-writable) ended it with CorruptSegment
+    (review 24, F8). Now it opens only the segment its producer announced.
+    The file is planted while the factory runs (held by the gate)."""
+    import threading
+
+    if user and (os.geteuid() != 0 or not shutil.which("runuser")):
+        pytest.skip("planting as another uid needs root and runuser")
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    key = _shared.fingerprint(_shared.factory_ref(h.gated_pipeline), (40, 4, tok, str(gate)), {})
+    predictable = f"/dev/shm/tsock.shared.{os.geteuid()}.{key}"
+    made, failed = [], []
+
+    def trainer():
+        try:
+            made.append(tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3))
+        except Exception as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        wait_for(lambda: list(gate.glob("factory.*")), "the producer to run its factory")
+        plant(predictable, user)
+        time.sleep(0.3)  # not needed for the test to pass: gives an attach to the planted file its chance
+    finally:
+        (gate / "go").touch()
+        thread.join(BOUND_S)
+        if os.path.exists(predictable):
+            os.unlink(predictable)
+    assert not failed, failed
+    with made[0] as loader:
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+        assert os.stat(_shared.segment_path(loader.channel)).st_uid == os.geteuid()
