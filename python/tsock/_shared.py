@@ -29,6 +29,7 @@ from .pipeline import Position
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
 ATTACH_SLICE_S = 0.25
 READY_POLL_S = 0.01  # a trainer waiting for the producer's first batch
+SLOW_START_WARN_S = 30.0  # then a trainer still waiting says so, naming the producer's log
 START_ATTEMPTS = 5  # producers that die without a word before a trainer gives up
 HANDSHAKE_TIMEOUT_S = 120.0  # the producer process's interpreter start, under load
 CONSUMER_OPTIONS = ("output", "copy", "lifetime")
@@ -548,9 +549,13 @@ class SharedLoader:
         its first batch, after the factory ran), tried in slices while the
         producer lives; None if it died. Never opens what sits at a channel
         name before that: a leftover or a planted file (review 24, F8)."""
+        since, warned = time.monotonic(), False
         while lock_is_held(self._paths.alive):
             channel = self._ready_channel()
             if channel is None:
+                if not warned and time.monotonic() - since >= SLOW_START_WARN_S:
+                    warned = True
+                    self._warn_slow_start(time.monotonic() - since)
                 time.sleep(READY_POLL_S)
                 continue
             try:
@@ -566,6 +571,18 @@ class SharedLoader:
             self._state[0] = consumer
             return consumer
         return None
+
+    def _warn_slow_start(self, waited: float) -> None:
+        """A factory that hangs (a dead mount) must not leave the trainers
+        waiting without a word (review 24, F7)."""
+        pid = self._paths.read_alive().get("pid", "?")
+        warnings.warn(
+            f"tsock.shared: the producer {pid} of '{self.key}' has not published its first batch after "
+            f"{waited:.0f} s (its factory or loader still running, or stuck?); this trainer waits on while it "
+            f"lives; see {self._paths.log}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def _recover(self) -> None:
         """The producer died: attach to its successor (starting it if this
@@ -744,8 +761,9 @@ def shared(
     Args:
       factory: an importable function (module level, not a lambda, not
         defined in a notebook) returning a tsock.Pipeline (exact resume after
-        a crash) or any iterable of batches (a DataLoader: after a crash the
-        epoch restarts, with a RuntimeWarning). It runs in the producer.
+        a crash) or any re-iterable loader of batches (a DataLoader, a list:
+        after a crash the epoch restarts, with a RuntimeWarning; an iterator
+        is refused). It runs in the producer.
       args, kwargs: its arguments, pickled to the producer; part of the key.
       name: the key instead of the arguments' fingerprint (needed when an
         argument has no canonical form, such as an object); at most 40 of

@@ -3,11 +3,13 @@ pickled spec on stdin (docs/SHARED.md, "Starting the producer")."""
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import json
 import os
 import pickle
 import sys
+import threading
 import time
 import traceback
 
@@ -15,6 +17,7 @@ from . import _shared as shared
 from .pipeline import Pipeline
 
 POLL_S = 0.01
+WATCHDOG_POLL_S = 0.1
 
 
 class Stop(Exception):
@@ -131,6 +134,13 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
     factory = _load_factory(spec["factory"])
     args, kwargs = pickle.loads(spec["args"])
     loader = factory(*args, **kwargs)
+    if isinstance(loader, collections.abc.Iterator):
+        # iter(loader) is loader: a generator gives its batches once, then
+        # every later epoch is empty (review 24, F7).
+        raise TypeError(
+            f"the factory returned an iterator ({type(loader).__name__}), which gives one epoch only; return a "
+            "re-iterable loader (a DataLoader, a list) or a tsock.Pipeline"
+        )
     options = dict(spec["producer"])
     slots = options.get("slots") or shared._capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
     options.setdefault("join_window", slots // 2)
@@ -141,7 +151,7 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
             start = _start_position(producer, loader) if spec["resume"] else (0, 0)
             producer.run(epochs=None, start=start)
         else:
-            producer.run(epochs=None)
+            _publish_epochs(producer, loader)
     except Stop:
         pass
     except BaseException as e:
@@ -168,6 +178,63 @@ def _forget_earlier_run(channel: str) -> None:
     for path in (shared.segment_path(channel), resume_note_path(channel)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _publish_epochs(producer, loader) -> None:
+    """Producer.run(epochs=None) for a loader that is not a Pipeline, which
+    refuses an epoch with no batch: it would spin forever publishing end
+    markers, and the trainers would wait forever (review 24, F7)."""
+    while True:
+        published = 0
+        for batch in loader:
+            producer.publish(batch)
+            published += 1
+        if not published:
+            raise ValueError("an epoch of the factory's loader gave no batch (an empty dataset?)")
+        producer.end_epoch()
+
+
+class Watchdog(threading.Thread):
+    """The linger exit, decided whatever the main thread does (a factory that
+    hangs on a dead mount, a loader that never returns): once no trainer
+    is in the roster for `linger` seconds, it takes KEY.start, checks
+    again, removes the channel and exits the process (review 24, F7).
+    A producer whose main thread runs lingers out by the Gate first, which
+    closes the channel properly; this one waits a little longer."""
+
+    GRACE_S = 2.0
+
+    def __init__(self, paths: shared.Paths, linger: float, alive: int, channel: str):
+        super().__init__(name="tsock-shared-watchdog", daemon=True)
+        self.paths, self.linger, self.alive, self.channel = paths, linger, alive, channel
+
+    def run(self) -> None:
+        idle_since = None
+        while True:
+            time.sleep(WATCHDOG_POLL_S)
+            if self.paths.live_trainers():
+                idle_since = None
+                continue
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since >= self.linger + self.GRACE_S:
+                self._exit_if_still_alone()
+
+    def _exit_if_still_alone(self) -> None:
+        start = shared.open_lock(self.paths.start)
+        if not shared.try_lock(start):  # a trainer is attaching, or the Gate is exiting
+            shared.close_lock(start)
+            return
+        if self.paths.live_trainers():
+            shared.close_lock(start)
+            return
+        print(f"tsock.shared: producer {os.getpid()} had no trainer for {self.linger:g} s (watchdog)", flush=True)
+        from .producer import resume_note_path
+
+        for path in (self.paths.ready, shared.segment_path(self.channel), resume_note_path(self.channel)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        shared.close_lock(self.alive)  # then KEY.start, at the exit, as the Gate's exit does
+        os._exit(0)
 
 
 def _record_error(paths: shared.Paths, text: str) -> None:
@@ -209,6 +276,7 @@ def main() -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     print(f"tsock.shared: producer {os.getpid()} of '{spec['key']}' started", flush=True)
+    Watchdog(paths, spec["linger"], alive, spec["channel"]).start()
     try:
         _run(spec, paths, alive)
     except BaseException as e:  # noqa: BLE001 - reported to the trainers, then the process ends

@@ -66,6 +66,11 @@ def gated_pipeline(n: int, batch_size: int, token: str, gate_dir: str):
     return pipeline(n, batch_size)
 
 
+def generator(n: int, batch_size: int, token: str = ""):
+    """Not re-iterable: its batches come once (an iterator, refused)."""
+    return (batch for batch in plain(n, batch_size))
+
+
 def failing(n: int, batch_size: int, token: str = ""):
     raise ValueError(f"dataset {n} is not there (token {token})")
 

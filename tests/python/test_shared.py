@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -694,3 +695,79 @@ def test_a_file_at_the_channels_old_predictable_name_is_never_opened(runtime, tm
     with made[0] as loader:
         assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
         assert os.stat(_shared.segment_path(loader.channel)).st_uid == os.geteuid()
+
+
+@pytest.mark.parametrize(
+    ("factory", "n", "message"),
+    [("generator", 40, "TypeError: the factory returned an iterator.*re-iterable"), ("plain", 0, "gave no batch")],
+)
+def test_a_loader_of_one_epoch_or_of_empty_epochs_is_refused(runtime, spawn, factory, n, message):
+    """A generator gave epoch 0, then the producer spun on end markers and
+    the trainer waited forever; an empty loader never made its channel, so
+    every trainer waited forever (review 24, F7). Both reach the trainers
+    as the factory's error."""
+    code = """
+        import sys, shared_helpers as h, tsock
+        try:
+            loader = tsock.shared(getattr(h, sys.argv[1]), int(sys.argv[2]), 4, sys.argv[3], linger=0.3)
+            for epoch in range(3):
+                print(epoch, sum(1 for _ in loader), flush=True)
+        except tsock.ProducerGone as e:
+            print("ProducerGone:", e, flush=True)
+    """
+    proc = spawn(code, factory, n, token())
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    out = proc.stdout.read()
+    assert re.search(f"ProducerGone:.*{message}", out), (out, proc.stderr.read()[-2000:])
+
+
+def test_a_trainer_waiting_for_a_slow_factory_is_told_naming_the_log(runtime, tmp_path, monkeypatch):
+    import threading
+    import warnings
+
+    monkeypatch.setattr(_shared, "SLOW_START_WARN_S", 0.5, raising=False)  # raising: to see it fail before
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+
+    def open_the_gate_once_told(seen):
+        try:
+            wait_for(lambda: any("has not published its first batch" in str(w.message) for w in seen), "a warning")
+        finally:
+            (gate / "go").touch()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        helper = threading.Thread(target=open_the_gate_once_told, args=(seen,))
+        helper.start()
+        try:
+            loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3)
+        finally:
+            helper.join(BOUND_S)
+    (told,) = [str(w.message) for w in seen if "first batch" in str(w.message)]
+    assert told.endswith(f"see {loader._paths.log}"), told
+    with loader:
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+
+
+def test_a_producer_whose_factory_hangs_exits_once_no_trainer_is_left(runtime, spawn, tmp_path):
+    """Its main thread never reaches the Gate's linger check: a watchdog
+    thread exits it (review 24, F7: it stayed forever)."""
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    code = """
+        import sys, shared_helpers as h, tsock
+        tsock.shared(h.gated_pipeline, 40, 4, sys.argv[1], sys.argv[2], linger=0.3)
+    """
+    trainer = spawn(code, tok, gate)
+    factory = wait_for(lambda: list(gate.glob("factory.*")), "the producer to run its factory")
+    pid = int(factory[0].name.split(".")[1])
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    wait_for(lambda: not alive(pid), "the hung producer to exit with no trainer left")
+    (alive_file,) = glob.glob(str(runtime / "*.alive"))
+    assert not _shared.lock_is_held(alive_file)
+    channel = _shared.Paths(str(runtime), os.path.basename(alive_file)[: -len(".alive")]).read_alive()["channel"]
+    assert not os.path.exists(_shared.segment_path(channel))
