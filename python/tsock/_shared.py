@@ -175,6 +175,10 @@ class Paths:
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
                 continue  # gone meanwhile
+            # Closed in a child forked meanwhile (the producer's watchdog
+            # counts while its main thread forks pipeline workers): a
+            # worker holding a dead trainer's lock would keep it counted.
+            _held_fds.add(fd)
             try:
                 if not try_lock(fd):
                     live += 1
@@ -182,7 +186,7 @@ class Paths:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
             finally:
-                os.close(fd)
+                close_lock(fd)
         return live
 
     def read_error(self) -> str | None:
