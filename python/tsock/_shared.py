@@ -30,7 +30,12 @@ KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
 ATTACH_SLICE_S = 0.25
 READY_POLL_S = 0.01  # a trainer waiting for the producer's first batch
 SLOW_START_WARN_S = 30.0  # then a trainer still waiting says so, naming the producer's log
-START_ATTEMPTS = 5  # producers that die without a word before a trainer gives up
+# A trainer gives up (ProducerGone) once this many producers in a row died
+# without a word and without making their channel, over at least this
+# long: kills at start-up (an OOM killer, a sweep tool's) are survived, a
+# factory that kills its process is not retried forever (review 24, F5).
+START_ATTEMPTS = 5
+START_BUDGET_S = 30.0
 HANDSHAKE_TIMEOUT_S = 120.0  # the producer process's interpreter start, under load
 CONSUMER_OPTIONS = ("output", "copy", "lifetime")
 # The running script: __main__, or __mp_main__ in a child multiprocessing
@@ -463,6 +468,7 @@ class SharedLoader:
         self._open = False  # the trainer's epoch in progress has handed out a batch
         self._epoch_done = False  # ended by a tag; the ring's marker may still come
         self._consumer = None
+        self._announced = False  # the producer being attached to made its channel
         roster = self._paths.trainer(self._pid, next(_serials))
         self._roster = self._paths.join_roster(roster)
         # What the finalizer undoes: the consumer (replaced at each
@@ -485,7 +491,8 @@ class SharedLoader:
         start = open_lock(paths.start)
         try:
             fcntl.flock(start, fcntl.LOCK_EX)
-            for _attempt in range(START_ATTEMPTS):
+            deaths, since = 0, time.monotonic()
+            while True:
                 if not lock_is_held(paths.alive):
                     error = paths.read_error() if recovering else None
                     if error is not None:
@@ -497,6 +504,7 @@ class SharedLoader:
                     start_producer(paths, {**self._spec, "channel": channel, "resume": recovering})
                 alive = paths.read_alive()
                 self._check_description(alive)
+                self._announced = False
                 consumer = self._attach("now" if recovering else "epoch")
                 if consumer is not None:
                     self.producer_pid = int(alive.get("pid", 0))
@@ -506,11 +514,15 @@ class SharedLoader:
                 if error is not None:
                     raise self._failed(error)
                 recovering = True  # the next one resumes what this one recorded
-            raise ProducerGone(
-                f"tsock.shared: {START_ATTEMPTS} producers of '{self.key}' in a row died before publishing "
-                f"(killed?); see {paths.log}",
-                _capi.EPRODUCER_GONE,
-            )
+                if self._announced:  # it got as far as its channel: the factory works
+                    deaths, since = 0, time.monotonic()
+                deaths += 1
+                if deaths >= START_ATTEMPTS and time.monotonic() - since >= START_BUDGET_S:
+                    raise ProducerGone(
+                        f"tsock.shared: {deaths} producers of '{self.key}' in a row died before making their "
+                        f"channel, over {time.monotonic() - since:.0f} s (killed? crashed?); see {paths.log}",
+                        _capi.EPRODUCER_GONE,
+                    )
         finally:
             close_lock(start)  # releases KEY.start
 
@@ -556,6 +568,7 @@ class SharedLoader:
         since, warned = time.monotonic(), False
         while lock_is_held(self._paths.alive):
             channel = self._ready_channel()
+            self._announced = self._announced or channel is not None
             if channel is None:
                 if not warned and time.monotonic() - since >= SLOW_START_WARN_S:
                     warned = True

@@ -71,6 +71,11 @@ def generator(n: int, batch_size: int, token: str = ""):
     return (batch for batch in plain(n, batch_size))
 
 
+def dying(n: int, batch_size: int, token: str = ""):
+    """Ends its process without a word (a crash in native code, say)."""
+    os._exit(3)
+
+
 def failing(n: int, batch_size: int, token: str = ""):
     raise ValueError(f"dataset {n} is not there (token {token})")
 

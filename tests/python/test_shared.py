@@ -771,3 +771,42 @@ def test_a_producer_whose_factory_hangs_exits_once_no_trainer_is_left(runtime, s
     assert not _shared.lock_is_held(alive_file)
     channel = _shared.Paths(str(runtime), os.path.basename(alive_file)[: -len(".alive")]).read_alive()["channel"]
     assert not os.path.exists(_shared.segment_path(channel))
+
+
+def test_producers_killed_at_start_up_do_not_end_the_trainer(runtime, tmp_path, monkeypatch):
+    """Six producers in a row killed before their first batch (an OOM killer
+    at start-up), the factory itself fine: the trainer goes on. Before, the
+    fifth such death ended it with ProducerGone (review 24, F5)."""
+    import threading
+
+    monkeypatch.setattr(_shared, "START_BUDGET_S", 4 * BOUND_S, raising=False)  # only the count matters here
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+
+    def kill_six_at_start_up():
+        try:
+            seen = set()
+            for _ in range(6):
+                new = wait_for(lambda: {f.name for f in gate.glob("factory.*")} - seen, "a new producer")
+                (name,) = new
+                seen.add(name)
+                os.kill(int(name.split(".")[1]), signal.SIGKILL)
+        finally:
+            (gate / "go").touch()
+
+    killer = threading.Thread(target=kill_six_at_start_up)
+    killer.start()
+    try:
+        loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3)
+    finally:
+        killer.join(BOUND_S)
+    with loader:
+        assert len(list(gate.glob("factory.*"))) == 7
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+        assert loader.position == (1, 0)
+
+
+def test_a_factory_that_ends_its_process_ends_the_trainers_after_some_attempts(runtime, monkeypatch):
+    monkeypatch.setattr(_shared, "START_BUDGET_S", 0.0)
+    with pytest.raises(tsock.ProducerGone, match="5 producers .* in a row died before making their channel"):
+        tsock.shared(h.dying, 40, 4, token())
