@@ -488,6 +488,7 @@ class SharedLoader:
         # A successor publishes on its predecessor's channel (it reads where
         # that one stopped from its ring); a new run gets a new one.
         channel = self.channel if recovering else None
+        successor = recovering  # a producer of this trainer's died (not a first start)
         start = open_lock(paths.start)
         try:
             fcntl.flock(start, fcntl.LOCK_EX)
@@ -496,7 +497,7 @@ class SharedLoader:
                 if not lock_is_held(paths.alive):
                     error = paths.read_error() if recovering else None
                     if error is not None:
-                        raise self._failed(error)
+                        raise self._failed(error, successor)
                     # A successor resumes its predecessor's run; a first
                     # producer starts at the beginning, whatever a dead one
                     # left in /dev/shm.
@@ -512,7 +513,7 @@ class SharedLoader:
                 # The producer died before its channel took this trainer.
                 error = paths.read_error()
                 if error is not None:
-                    raise self._failed(error)
+                    raise self._failed(error, successor)
                 recovering = True  # the next one resumes what this one recorded
                 if self._announced:  # it got as far as its channel: the factory works
                     deaths, since = 0, time.monotonic()
@@ -526,11 +527,9 @@ class SharedLoader:
         finally:
             close_lock(start)  # releases KEY.start
 
-    def _failed(self, error: str) -> ProducerGone:
-        return ProducerGone(
-            f"tsock.shared: the producer of '{self.key}' failed, so no successor was started: {error}",
-            _capi.EPRODUCER_GONE,
-        )
+    def _failed(self, error: str, successor: bool) -> ProducerGone:
+        what = "failed, so no successor was started" if successor else "could not be started"
+        return ProducerGone(f"tsock.shared: the producer of '{self.key}' {what}: {error}", _capi.EPRODUCER_GONE)
 
     def _check_description(self, alive: dict) -> None:
         theirs = alive.get("description")

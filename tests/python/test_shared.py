@@ -249,7 +249,10 @@ def test_a_runtime_directory_others_can_write_is_refused(tmp_path, monkeypatch):
 def test_a_factory_that_raises_reaches_the_trainers(runtime):
     tok = token()
     for _ in range(2):  # each call tries again: the cause may have been fixed in between
-        with pytest.raises(tsock.ProducerGone, match=f"ValueError: dataset 40 is not there \\(token {tok}\\)"):
+        # A first start: "could not be started", not "no successor" (review 24, F9).
+        with pytest.raises(
+            tsock.ProducerGone, match=f"could not be started: ValueError: dataset 40 is not there \\(token {tok}\\)"
+        ):
             tsock.shared(h.failing, 40, 4, tok)
     assert len(starts(runtime)) == 2
 
