@@ -8,6 +8,8 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import inspect
+import io
 import itertools
 import json
 import os
@@ -41,6 +43,7 @@ CONSUMER_OPTIONS = ("output", "copy", "lifetime")
 # The running script: __main__, or __mp_main__ in a child multiprocessing
 # started with spawn or forkserver (the same file, another module name).
 MAIN_MODULES = ("__main__", "__mp_main__")
+MOVE_IT = "define it at the top level of a .py module (say data.py beside the script) and import it from there"
 PRODUCER_OPTIONS = ("slots", "slot_bytes", "headroom", "join_window", "max_readers", "evict_after")
 
 
@@ -316,6 +319,13 @@ def _canonical(value, where: str):
             f"tsock.shared: argument {where} is a method bound to an object ({qualname}), whose state its name "
             "does not say; pass name='...' to name the pipeline yourself, or pass a module-level function"
         )
+    if named and module in MAIN_MODULES:
+        # The running script's: its module name is the same in every script
+        # (review 24, F3), its file is not.
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if not path:
+            raise TypeError(f"tsock.shared: argument {where} ({qualname}) is defined in a notebook; {MOVE_IT}")
+        return {"ref": f"{os.path.abspath(path)}:{qualname}"}
     if named:
         return {"ref": f"{module}.{qualname}"}
     raise TypeError(
@@ -336,9 +346,35 @@ def fingerprint(ref: dict, args: tuple, kwargs: dict) -> str:
     return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
 
 
-def _pickled(args: tuple, kwargs: dict) -> bytes:
+class _NothingOfTheScript(pickle.Pickler):
+    """Refuses a function or class of the running script: the producer
+    loads the script only when the factory is in it, so it could not
+    unpickle them (review 24, F3)."""
+
+    def reducer_override(self, obj):
+        module = getattr(obj, "__module__", None)
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and module in MAIN_MODULES:
+            raise _ScriptReference(f"{obj.__qualname__} is defined in the running script ({module})")
+        return NotImplemented
+
+
+class _ScriptReference(Exception):
+    pass
+
+
+def _pickled(args: tuple, kwargs: dict, script_loaded: bool) -> bytes:
+    """The arguments as the producer gets them; with script_loaded False (the
+    factory is not in the running script), nothing of the script."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer) if script_loaded else _NothingOfTheScript(buffer)
     try:
-        return pickle.dumps((tuple(args), dict(kwargs)))
+        pickler.dump((tuple(args), dict(kwargs)))
+        return buffer.getvalue()
+    except _ScriptReference as e:
+        raise TypeError(
+            f"tsock.shared: an argument refers to {e}, which the producer process does not load (the factory is "
+            f"not in the script); {MOVE_IT}"
+        ) from None
     except Exception as e:
         raise TypeError(
             f"tsock.shared: the factory's arguments are sent to the producer process pickled, and pickle refused "
@@ -439,7 +475,7 @@ class SharedLoader:
         self.key = key
         self._spec = {
             "factory": ref,
-            "args": _pickled(args, kwargs),
+            "args": _pickled(args, kwargs, script_loaded=ref["file"] is not None),
             "sys_path": list(sys.path),
             "cwd": os.getcwd(),
             "channel": None,

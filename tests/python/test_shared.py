@@ -813,3 +813,60 @@ def test_a_factory_that_ends_its_process_ends_the_trainers_after_some_attempts(r
     monkeypatch.setattr(_shared, "START_BUDGET_S", 0.0)
     with pytest.raises(tsock.ProducerGone, match="5 producers .* in a row died before making their channel"):
         tsock.shared(h.dying, 40, 4, token())
+
+
+MAIN_ARGUMENT_SCRIPT = """
+import sys
+
+import shared_helpers as h
+import tsock
+
+
+def scale(x):  # of the script, passed to a factory of a module
+    return x
+
+
+if __name__ == "__main__":
+    try:
+        tsock.shared(h.pipeline, 40, 4, scale, linger=0.3)
+    except TypeError as e:
+        print("TypeError:", e)
+"""
+
+
+def test_a_function_of_the_script_passed_to_a_module_factory_is_refused_naming_the_fix(runtime, spawn, tmp_path):
+    """The producer loads the script only when the factory is in it: it
+    could not unpickle the argument, and the trainer got a confusing
+    ProducerGone (review 24, F3)."""
+    script = tmp_path / "train.py"
+    script.write_text(MAIN_ARGUMENT_SCRIPT)
+    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = spawn(code, script)
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert "TypeError: tsock.shared: an argument refers to scale" in out and "top level of a .py module" in out, (
+        out,
+        err[-3000:],
+    )
+    assert not glob.glob(str(runtime / "*.alive"))  # refused in the trainer, before anything started
+
+
+def test_functions_of_two_scripts_have_two_keys(runtime, monkeypatch, tmp_path):
+    """Both were '__main__.scale': two scripts would share one producer."""
+    ref = _shared.factory_ref(h.pipeline)
+    keys = []
+    for script in ("a.py", "b.py"):
+
+        def scale(x):
+            return x
+
+        scale.__module__, scale.__qualname__ = "__main__", "scale"
+        main = types.ModuleType("__main__")
+        main.__file__ = str(tmp_path / script)
+        main.scale = scale
+        monkeypatch.setitem(sys.modules, "__main__", main)
+        keys.append(_shared.fingerprint(ref, (40, 4, scale), {}))
+    assert keys[0] != keys[1]
