@@ -31,6 +31,7 @@ from .pipeline import Position
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
 ATTACH_SLICE_S = 0.25
 READY_POLL_S = 0.01  # a trainer waiting for the producer's first batch
+START_LOCK_POLL_S = 0.02  # a trainer waiting for another to attach
 SLOW_START_WARN_S = 30.0  # then a trainer still waiting says so, naming the producer's log
 # A trainer gives up (ProducerGone) once this many producers in a row died
 # without a word and without making their channel, over at least this
@@ -527,7 +528,7 @@ class SharedLoader:
         successor = recovering  # a producer of this trainer's died (not a first start)
         start = open_lock(paths.start)
         try:
-            fcntl.flock(start, fcntl.LOCK_EX)
+            self._take_start_lock(start)
             deaths, since = 0, time.monotonic()
             while True:
                 if not lock_is_held(paths.alive):
@@ -562,6 +563,17 @@ class SharedLoader:
                     )
         finally:
             close_lock(start)  # releases KEY.start
+
+    def _take_start_lock(self, start: int) -> None:
+        """KEY.start, waited for in short tries: another trainer holds it
+        while its producer runs the factory, and a factory that hangs must
+        not leave this one waiting without a word either (review 24, F7)."""
+        since, warned = time.monotonic(), False
+        while not try_lock(start):
+            if not warned and time.monotonic() - since >= SLOW_START_WARN_S:
+                warned = True
+                self._warn_slow_start(time.monotonic() - since)
+            time.sleep(START_LOCK_POLL_S)
 
     def _failed(self, error: str, successor: bool) -> ProducerGone:
         what = "failed, so no successor was started" if successor else "could not be started"
@@ -629,7 +641,7 @@ class SharedLoader:
         waiting without a word (review 24, F7)."""
         pid = self._paths.read_alive().get("pid", "?")
         warnings.warn(
-            f"tsock.shared: the producer {pid} of '{self.key}' has not published its first batch after "
+            f"tsock.shared: the producer {pid} of '{self.key}' has not published its first batch to this trainer after "
             f"{waited:.0f} s (its factory or loader still running, or stuck?); this trainer waits on while it "
             f"lives; see {self._paths.log}",
             RuntimeWarning,

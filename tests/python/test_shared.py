@@ -870,3 +870,41 @@ def test_functions_of_two_scripts_have_two_keys(runtime, monkeypatch, tmp_path):
         monkeypatch.setitem(sys.modules, "__main__", main)
         keys.append(_shared.fingerprint(ref, (40, 4, scale), {}))
     assert keys[0] != keys[1]
+
+
+def test_a_trainer_queued_behind_one_waiting_for_a_slow_factory_is_told_too(runtime, spawn, tmp_path, monkeypatch):
+    """The first trainer holds KEY.start while the factory runs; the others
+    waited for it without a word (review 24, F7)."""
+    import threading
+    import warnings
+
+    monkeypatch.setattr(_shared, "SLOW_START_WARN_S", 0.5)
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    code = """
+        import sys, shared_helpers as h, tsock
+        with tsock.shared(h.gated_pipeline, 40, 4, sys.argv[1], sys.argv[2], linger=0.3) as loader:
+            print(sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40)), flush=True)
+    """
+    first = spawn(code, tok, gate)
+    wait_for(lambda: list(gate.glob("factory.*")), "the first trainer's producer to run its factory")
+
+    def open_the_gate_once_told(seen):
+        try:
+            wait_for(lambda: any("has not published its first batch" in str(w.message) for w in seen), "a warning")
+        finally:
+            (gate / "go").touch()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        helper = threading.Thread(target=open_the_gate_once_told, args=(seen,))
+        helper.start()
+        try:
+            loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3)
+        finally:
+            helper.join(BOUND_S)
+    assert [w for w in seen if str(w.message).endswith(f"see {loader._paths.log}")]
+    with loader:
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+    first.wait(BOUND_S)
+    assert first.stdout.read().strip() == "True"
