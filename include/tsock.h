@@ -494,7 +494,12 @@ int tsock_batch_dlpack(const tsock_batch_t *batch, uint32_t i, int versioned, vo
  * with no DLPack form; TSOCK_ESTATE for a batch already released that
  * was not kept (the producer may be rewriting its slot); with
  * TSOCK_DLPACK_DEVICE, TSOCK_ENODEVICE as tsock_batch_cuda_ptr. *out is
- * written only on success. Thread-safe. */
+ * written only on success. Thread-safe, within the batch's lifetime: the
+ * released check sees a batch pointer's held entry, so once a later
+ * acquire reuses that entry (max_held acquires on) a stale pointer
+ * describes the later batch, and an export racing its own reader's
+ * release and next acquire may mix the two. Export a batch only while it
+ * is held or kept. */
 int tsock_batch_dlpack_export(const tsock_batch_t *batch, uint32_t i, uint32_t flags,
                               int64_t row_start, int64_t row_stop, void **out);
 
@@ -505,10 +510,10 @@ int tsock_batch_dlpack_export(const tsock_batch_t *batch, uint32_t i, uint32_t f
  * own descriptors: TSOCK_EINVAL, calling nothing, for a NULL managed, for
  * one of the other kind than `versioned` names, or for one tsock did not
  * make (a descriptor deleted twice is the caller's bug, as with any
- * deleter). Unlike every other
- * call, on success it leaves tsock_last_error() as it was: it runs as a deleter, at
- * any moment (a garbage collector freeing a capsule), and must not erase
- * the message of a failure its thread has not read yet. Thread-safe;
+ * deleter). On success it leaves tsock_last_error() as it was, unlike
+ * most calls: it runs as a deleter, at any moment (a garbage collector
+ * freeing a capsule), and must not erase the message of a failure its
+ * thread has not read yet. Thread-safe;
  * never needs the GIL. */
 int tsock_dlpack_delete(void *managed, int versioned);
 

@@ -213,11 +213,13 @@ static int dlpack_export(const char *fn, const tsock_batch_t *b, uint32_t i, uin
     return tsock__fail(TSOCK_EINVAL, "%s: unknown flags 0x%x", fn, flags & ~DLPACK_FLAGS);
   /* The batch came from tsock_reader_acquire or tsock_batch_keep, so it
    * heads a held batch. A released one that was not kept is refused: the
-   * producer may already be writing its slot. */
+   * producer may already be writing its slot; so is one whose held entry
+   * was taken by an acquire that rejected its batch (not handed out: its
+   * descriptor is unchecked). */
   const tsock_held_batch *hb = (const tsock_held_batch *)b;
-  if (__atomic_load_n(&hb->user_released, __ATOMIC_RELAXED) && !hb->kept)
-    return tsock__fail(TSOCK_ESTATE, "%s: batch %llu was released (keep it to use it after "
-                                     "its release)", fn, (unsigned long long)b->seq);
+  if (!hb->handed || (__atomic_load_n(&hb->user_released, __ATOMIC_RELAXED) && !hb->kept))
+    return tsock__fail(TSOCK_ESTATE, "%s: batch %llu is not held (released, and not kept)", fn,
+                       (unsigned long long)b->seq);
   tsock_dlpack_where at = {0};
   if (flags & TSOCK_DLPACK_DEVICE) {
     int st = tsock__dlpack_device_where(fn, b, i, &at); /* takes a reference on the pool */

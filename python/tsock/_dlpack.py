@@ -1,4 +1,5 @@
-"""DLPack export of batch tensors, through tsock_batch_dlpack_export and
+"""DLPack export of batch tensors, through tsock_batch_dlpack_export (or
+tsock_batch_dlpack, its shorter case for a whole host tensor) and
 PyCapsules made with ctypes (no compiled extension).
 
 The C library alone knows the DLPack structs: it makes each descriptor as
@@ -127,6 +128,10 @@ def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool 
             flags |= _ROWS_FLAG
             start, stop = rows
         rc = lib.dlpack(lease.batch, index, flags, start, stop, ctypes.byref(out))
+    if rc == _capi.ESTATE:
+        # Released meanwhile (another thread moved the consumer on): the
+        # same refusal as the check above, which cannot see that race.
+        raise BufferError(_RELEASED)
     if rc:
         check(lib, rc, "DLPack export")
     if versioned:

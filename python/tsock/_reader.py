@@ -345,12 +345,14 @@ class Reader:
         lease = raw.lease
         held = self.held
         rc = self.lib.release(self.handle, lease.held)
-        if rc:
-            check(self.lib, rc, "release")
+        # Invalid whatever the release says: after an eviction (EEVICTED)
+        # the producer may already be rewriting these slots.
         while held and held[0].lease.seq <= lease.seq:
             old = held.popleft().lease
             if not old.kept:
                 old.valid = False
+        if rc:
+            check(self.lib, rc, "release")
 
     def detach(self) -> None:
         if self.on_release is not None and self.handle is not None:

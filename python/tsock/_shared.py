@@ -8,13 +8,17 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import inspect
+import io
 import itertools
 import json
 import os
 import pickle
+import secrets
 import stat
 import subprocess
 import sys
+import time
 import types
 import warnings
 import weakref
@@ -26,12 +30,21 @@ from .pipeline import Position
 
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
 ATTACH_SLICE_S = 0.25
-START_ATTEMPTS = 5  # producers that die without a word before a trainer gives up
+READY_POLL_S = 0.01  # a trainer waiting for the producer's first batch
+START_LOCK_POLL_S = 0.02  # a trainer waiting for another to attach
+SLOW_START_WARN_S = 30.0  # then a trainer still waiting says so, naming the producer's log
+# A trainer gives up (ProducerGone) once this many producers in a row died
+# without a word and without making their channel, over at least this
+# long: kills at start-up (an OOM killer, a sweep tool's) are survived, a
+# factory that kills its process is not retried forever (review 24, F5).
+START_ATTEMPTS = 5
+START_BUDGET_S = 30.0
 HANDSHAKE_TIMEOUT_S = 120.0  # the producer process's interpreter start, under load
 CONSUMER_OPTIONS = ("output", "copy", "lifetime")
 # The running script: __main__, or __mp_main__ in a child multiprocessing
 # started with spawn or forkserver (the same file, another module name).
 MAIN_MODULES = ("__main__", "__mp_main__")
+MOVE_IT = "define it at the top level of a .py module (say data.py beside the script) and import it from there"
 PRODUCER_OPTIONS = ("slots", "slot_bytes", "headroom", "join_window", "max_readers", "evict_after")
 
 
@@ -127,6 +140,7 @@ class Paths:
         self.start = base + ".start"
         self.alive = base + ".alive"
         self.error = base + ".error"
+        self.ready = base + ".ready"
         self.log = base + ".log"
         self.trainer_prefix = key + ".trainer."
 
@@ -170,6 +184,10 @@ class Paths:
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
                 continue  # gone meanwhile
+            # Closed in a child forked meanwhile (the producer's watchdog
+            # counts while its main thread forks pipeline workers): a
+            # worker holding a dead trainer's lock would keep it counted.
+            _held_fds.add(fd)
             try:
                 if not try_lock(fd):
                     live += 1
@@ -177,7 +195,7 @@ class Paths:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
             finally:
-                os.close(fd)
+                close_lock(fd)
         return live
 
     def read_error(self) -> str | None:
@@ -193,12 +211,30 @@ class Paths:
             os.close(fd)
 
     def read_alive(self) -> dict:
-        """The running producer's pid and arguments' fingerprint ({} when unreadable)."""
-        try:
-            with open(self.alive, "rb") as f:
-                return json.loads(f.read(4096) or b"{}")
-        except (OSError, ValueError):
+        """The running (or last) producer's pid, channel and arguments'
+        fingerprint ({} when unreadable)."""
+        return _read_json(self.alive)
+
+    def read_ready(self) -> dict:
+        """What the producer wrote once its channel existed: its pid, the
+        channel and the segment's identity ({} before that)."""
+        return _read_json(self.ready)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
             return {}
+        value = json.loads(os.read(fd, 4096) or b"{}")
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
 
 
 # ---- the key ----
@@ -284,6 +320,13 @@ def _canonical(value, where: str):
             f"tsock.shared: argument {where} is a method bound to an object ({qualname}), whose state its name "
             "does not say; pass name='...' to name the pipeline yourself, or pass a module-level function"
         )
+    if named and module in MAIN_MODULES:
+        # The running script's: its module name is the same in every script
+        # (review 24, F3), its file is not.
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if not path:
+            raise TypeError(f"tsock.shared: argument {where} ({qualname}) is defined in a notebook; {MOVE_IT}")
+        return {"ref": f"{os.path.abspath(path)}:{qualname}"}
     if named:
         return {"ref": f"{module}.{qualname}"}
     raise TypeError(
@@ -304,9 +347,35 @@ def fingerprint(ref: dict, args: tuple, kwargs: dict) -> str:
     return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
 
 
-def _pickled(args: tuple, kwargs: dict) -> bytes:
+class _NothingOfTheScript(pickle.Pickler):
+    """Refuses a function or class of the running script: the producer
+    loads the script only when the factory is in it, so it could not
+    unpickle them (review 24, F3)."""
+
+    def reducer_override(self, obj):
+        module = getattr(obj, "__module__", None)
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and module in MAIN_MODULES:
+            raise _ScriptReference(f"{obj.__qualname__} is defined in the running script ({module})")
+        return NotImplemented
+
+
+class _ScriptReference(Exception):
+    pass
+
+
+def _pickled(args: tuple, kwargs: dict, script_loaded: bool) -> bytes:
+    """The arguments as the producer gets them; with script_loaded False (the
+    factory is not in the running script), nothing of the script."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer) if script_loaded else _NothingOfTheScript(buffer)
     try:
-        return pickle.dumps((tuple(args), dict(kwargs)))
+        pickler.dump((tuple(args), dict(kwargs)))
+        return buffer.getvalue()
+    except _ScriptReference as e:
+        raise TypeError(
+            f"tsock.shared: an argument refers to {e}, which the producer process does not load (the factory is "
+            f"not in the script); {MOVE_IT}"
+        ) from None
     except Exception as e:
         raise TypeError(
             f"tsock.shared: the factory's arguments are sent to the producer process pickled, and pickle refused "
@@ -314,8 +383,30 @@ def _pickled(args: tuple, kwargs: dict) -> bytes:
         ) from None
 
 
-def channel_of(key: str) -> str:
-    return f"shared.{os.geteuid()}.{key}"
+def channel_prefix() -> str:
+    return f"shared.{os.geteuid()}."
+
+
+def new_channel(key: str) -> str:
+    """A run's channel: the uid and the key's beginning (for whoever lists
+    /dev/shm) and 64 random bits, so that nobody can plant a file where a
+    trainer will look (/dev/shm is world-writable; review 24, F8). The
+    trainers learn it from KEY.ready, in the user's 0700 directory."""
+    return f"{channel_prefix()}{key[:20]}.{secrets.token_hex(8)}"
+
+
+def segment_path(channel: str) -> str:
+    """Where the library keeps a channel's segment (docs/ARCHITECTURE.md)."""
+    return f"/dev/shm/tsock.{channel}"
+
+
+def check_name_of_run(channel: str) -> str:
+    """A channel read from the runtime directory: one new_channel could make."""
+    from .producer import check_name
+
+    if not channel.startswith(channel_prefix()):
+        raise TsockError(f"tsock.shared: channel {channel!r} is not one of uid {os.geteuid()}'s", _capi.ECORRUPT)
+    return check_name(channel)
 
 
 # ---- starting the producer ----
@@ -378,16 +469,17 @@ class SharedLoader:
             raise ValueError(f"linger must be seconds >= 0, got {linger!r}")
         from .producer import check_name
 
-        #: the channel the producer publishes on
-        self.channel = check_name(channel_of(key))
+        check_name(new_channel(key))
+        #: the channel the producer publishes on (a run's own random name)
+        self.channel = None
         #: the key trainers share a producer by (name, or the fingerprint)
         self.key = key
         self._spec = {
             "factory": ref,
-            "args": _pickled(args, kwargs),
+            "args": _pickled(args, kwargs, script_loaded=ref["file"] is not None),
             "sys_path": list(sys.path),
             "cwd": os.getcwd(),
-            "channel": self.channel,
+            "channel": None,
             "key": key,
             "description": self.description,
             "linger": float(linger),
@@ -413,6 +505,7 @@ class SharedLoader:
         self._open = False  # the trainer's epoch in progress has handed out a batch
         self._epoch_done = False  # ended by a tag; the ring's marker may still come
         self._consumer = None
+        self._announced = False  # the producer being attached to made its channel
         roster = self._paths.trainer(self._pid, next(_serials))
         self._roster = self._paths.join_roster(roster)
         # What the finalizer undoes: the consumer (replaced at each
@@ -429,20 +522,27 @@ class SharedLoader:
 
     def _connect(self, recovering: bool) -> Consumer:
         paths = self._paths
+        # A successor publishes on its predecessor's channel (it reads where
+        # that one stopped from its ring); a new run gets a new one.
+        channel = self.channel if recovering else None
+        successor = recovering  # a producer of this trainer's died (not a first start)
         start = open_lock(paths.start)
         try:
-            fcntl.flock(start, fcntl.LOCK_EX)
-            for _attempt in range(START_ATTEMPTS):
+            self._take_start_lock(start)
+            deaths, since = 0, time.monotonic()
+            while True:
                 if not lock_is_held(paths.alive):
                     error = paths.read_error() if recovering else None
                     if error is not None:
-                        raise self._failed(error)
+                        raise self._failed(error, successor)
                     # A successor resumes its predecessor's run; a first
                     # producer starts at the beginning, whatever a dead one
                     # left in /dev/shm.
-                    start_producer(paths, {**self._spec, "resume": recovering})
+                    channel = channel or new_channel(self.key)
+                    start_producer(paths, {**self._spec, "channel": channel, "resume": recovering})
                 alive = paths.read_alive()
                 self._check_description(alive)
+                self._announced = False
                 consumer = self._attach("now" if recovering else "epoch")
                 if consumer is not None:
                     self.producer_pid = int(alive.get("pid", 0))
@@ -450,21 +550,34 @@ class SharedLoader:
                 # The producer died before its channel took this trainer.
                 error = paths.read_error()
                 if error is not None:
-                    raise self._failed(error)
+                    raise self._failed(error, successor)
                 recovering = True  # the next one resumes what this one recorded
-            raise ProducerGone(
-                f"tsock.shared: {START_ATTEMPTS} producers of '{self.key}' in a row died before publishing "
-                f"(killed?); see {paths.log}",
-                _capi.EPRODUCER_GONE,
-            )
+                if self._announced:  # it got as far as its channel: the factory works
+                    deaths, since = 0, time.monotonic()
+                deaths += 1
+                if deaths >= START_ATTEMPTS and time.monotonic() - since >= START_BUDGET_S:
+                    raise ProducerGone(
+                        f"tsock.shared: {deaths} producers of '{self.key}' in a row died before making their "
+                        f"channel, over {time.monotonic() - since:.0f} s (killed? crashed?); see {paths.log}",
+                        _capi.EPRODUCER_GONE,
+                    )
         finally:
             close_lock(start)  # releases KEY.start
 
-    def _failed(self, error: str) -> ProducerGone:
-        return ProducerGone(
-            f"tsock.shared: the producer of '{self.key}' failed, so no successor was started: {error}",
-            _capi.EPRODUCER_GONE,
-        )
+    def _take_start_lock(self, start: int) -> None:
+        """KEY.start, waited for in short tries: another trainer holds it
+        while its producer runs the factory, and a factory that hangs must
+        not leave this one waiting without a word either (review 24, F7)."""
+        since, warned = time.monotonic(), False
+        while not try_lock(start):
+            if not warned and time.monotonic() - since >= SLOW_START_WARN_S:
+                warned = True
+                self._warn_slow_start(time.monotonic() - since)
+            time.sleep(START_LOCK_POLL_S)
+
+    def _failed(self, error: str, successor: bool) -> ProducerGone:
+        what = "failed, so no successor was started" if successor else "could not be started"
+        return ProducerGone(f"tsock.shared: the producer of '{self.key}' {what}: {error}", _capi.EPRODUCER_GONE)
 
     def _check_description(self, alive: dict) -> None:
         theirs = alive.get("description")
@@ -474,22 +587,66 @@ class SharedLoader:
                 f"{theirs}, this trainer's {self.description}); use another name= or the same arguments"
             )
 
+    def _ready_channel(self) -> str | None:
+        """The channel of the live producer once it said it exists (KEY.ready,
+        of its pid), checked to be the segment it made; None before."""
+        ready, alive = self._paths.read_ready(), self._paths.read_alive()
+        channel = ready.get("channel")
+        if not ready.get("pid") or ready.get("pid") != alive.get("pid") or not isinstance(channel, str):
+            return None
+        check_name_of_run(channel)
+        try:
+            st = os.stat(segment_path(channel), follow_symlinks=False)
+        except FileNotFoundError:
+            return None  # the producer is closing it: it lingered out
+        if st.st_uid != os.geteuid() or [st.st_dev, st.st_ino] != ready.get("segment"):
+            raise TsockError(
+                f"tsock.shared: {segment_path(channel)} is not the segment the producer of '{self.key}' made "
+                f"(replaced by uid {st.st_uid}?); not attaching",
+                _capi.ECORRUPT,
+            )
+        return channel
+
     def _attach(self, start: str) -> Consumer | None:
-        """A Consumer of the channel, tried in slices while the producer lives
-        (it creates the channel at its first batch); None if it died."""
+        """A Consumer of the channel, once the producer says it made it (at
+        its first batch, after the factory ran), tried in slices while the
+        producer lives; None if it died. Never opens what sits at a channel
+        name before that: a leftover or a planted file (review 24, F8)."""
+        since, warned = time.monotonic(), False
         while lock_is_held(self._paths.alive):
+            channel = self._ready_channel()
+            self._announced = self._announced or channel is not None
+            if channel is None:
+                if not warned and time.monotonic() - since >= SLOW_START_WARN_S:
+                    warned = True
+                    self._warn_slow_start(time.monotonic() - since)
+                time.sleep(READY_POLL_S)
+                continue
             try:
-                consumer = Consumer(self.channel, start=start, timeout=ATTACH_SLICE_S, **self._options)
+                consumer = Consumer(channel, start=start, timeout=ATTACH_SLICE_S, **self._options)
             except (ChannelNotFound, ProducerGone):
-                continue  # not created yet, or a dead predecessor's segment not yet replaced
+                continue  # closed meanwhile (the producer lingered out, or died)
             except TsockError as e:
                 if e.status != _capi.ETIMEDOUT:
                     raise
                 continue  # the producer answered no join in the slice (stopped, starved of CPU): it still lives
             consumer.track_tags = True
+            self.channel = channel
             self._state[0] = consumer
             return consumer
         return None
+
+    def _warn_slow_start(self, waited: float) -> None:
+        """A factory that hangs (a dead mount) must not leave the trainers
+        waiting without a word (review 24, F7)."""
+        pid = self._paths.read_alive().get("pid", "?")
+        warnings.warn(
+            f"tsock.shared: the producer {pid} of '{self.key}' has not published its first batch to this trainer after "
+            f"{waited:.0f} s (its factory or loader still running, or stuck?); this trainer waits on while it "
+            f"lives; see {self._paths.log}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def _recover(self) -> None:
         """The producer died: attach to its successor (starting it if this
@@ -668,8 +825,9 @@ def shared(
     Args:
       factory: an importable function (module level, not a lambda, not
         defined in a notebook) returning a tsock.Pipeline (exact resume after
-        a crash) or any iterable of batches (a DataLoader: after a crash the
-        epoch restarts, with a RuntimeWarning). It runs in the producer.
+        a crash) or any re-iterable loader of batches (a DataLoader, a list:
+        after a crash the epoch restarts, with a RuntimeWarning; an iterator
+        is refused). It runs in the producer.
       args, kwargs: its arguments, pickled to the producer; part of the key.
       name: the key instead of the arguments' fingerprint (needed when an
         argument has no canonical form, such as an object); at most 40 of

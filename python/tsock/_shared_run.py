@@ -3,11 +3,13 @@ pickled spec on stdin (docs/SHARED.md, "Starting the producer")."""
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import json
 import os
 import pickle
 import sys
+import threading
 import time
 import traceback
 
@@ -15,6 +17,7 @@ from . import _shared as shared
 from .pipeline import Pipeline
 
 POLL_S = 0.01
+WATCHDOG_POLL_S = 0.1
 
 
 class Stop(Exception):
@@ -51,8 +54,9 @@ class Gate:
     """Producer.before_publish: before the first batch, waits for every live
     trainer of the roster; later, lingers while no trainer is attached."""
 
-    def __init__(self, paths: shared.Paths, linger: float, alive: int):
+    def __init__(self, paths: shared.Paths, linger: float, alive: int, announce=None):
         self.paths = paths
+        self.announce = announce or _announce_ready  # a test's fake producer has no segment
         self.alive = alive
         self.linger = linger
         self.first = True
@@ -60,6 +64,7 @@ class Gate:
     def __call__(self, producer) -> None:
         if self.first:
             self.first = False
+            self.announce(self.paths, producer.name)
             self._wait(producer, lambda readers, trainers: readers >= max(1, trainers))
         elif producer.stats()["readers"] == 0:
             self._wait(producer, lambda readers, trainers: readers >= 1)
@@ -89,10 +94,27 @@ class Gate:
         if producer.stats()["readers"] or self.paths.live_trainers():
             shared.close_lock(start)
             return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.paths.ready)
         producer.close()  # the segment is unlinked now
         shared.close_lock(self.alive)  # then KEY.start, at the exit: a trainer taking it finds no producer
         self.start_lock = start
         return True
+
+
+def _announce_ready(paths: shared.Paths, channel: str) -> None:
+    """Tells the trainers the channel exists, and which segment it is:
+    until then they open nothing (review 24, F8). Written whole, then
+    renamed: a trainer reads all of it or nothing."""
+    st = os.stat(shared.segment_path(channel), follow_symlinks=False)
+    note = {"pid": os.getpid(), "channel": channel, "segment": [st.st_dev, st.st_ino]}
+    tmp = f"{paths.ready}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(note).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, paths.ready)
 
 
 def _start_position(producer, pipe: Pipeline):
@@ -112,6 +134,13 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
     factory = _load_factory(spec["factory"])
     args, kwargs = pickle.loads(spec["args"])
     loader = factory(*args, **kwargs)
+    if isinstance(loader, collections.abc.Iterator):
+        # iter(loader) is loader: a generator gives its batches once, then
+        # every later epoch is empty (review 24, F7).
+        raise TypeError(
+            f"the factory returned an iterator ({type(loader).__name__}), which gives one epoch only; return a "
+            "re-iterable loader (a DataLoader, a list) or a tsock.Pipeline"
+        )
     options = dict(spec["producer"])
     slots = options.get("slots") or shared._capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
     options.setdefault("join_window", slots // 2)
@@ -122,7 +151,7 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
             start = _start_position(producer, loader) if spec["resume"] else (0, 0)
             producer.run(epochs=None, start=start)
         else:
-            producer.run(epochs=None)
+            _publish_epochs(producer, loader)
     except Stop:
         pass
     except BaseException as e:
@@ -132,6 +161,80 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
         producer.close()
         if isinstance(loader, Pipeline):
             loader.close()
+
+
+def _forget_earlier_run(channel: str) -> None:
+    """A first producer of a run removes what a dead producer of an earlier
+    run left (its segment, its resume note) before anything can kill it: a
+    successor of this one then resumes this run, never the earlier one
+    (review 24, F4). No producer of the key lives: this one holds KEY.alive,
+    and a lingering one unlinks its channel before releasing it."""
+    from .producer import resume_note_path
+
+    try:
+        shared.check_name_of_run(channel)
+    except shared.TsockError:
+        return  # not a name this user's producers use: not ours to remove
+    for path in (shared.segment_path(channel), resume_note_path(channel)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _publish_epochs(producer, loader) -> None:
+    """Producer.run(epochs=None) for a loader that is not a Pipeline, which
+    refuses an epoch with no batch: it would spin forever publishing end
+    markers, and the trainers would wait forever (review 24, F7)."""
+    while True:
+        published = 0
+        for batch in loader:
+            producer.publish(batch)
+            published += 1
+        if not published:
+            raise ValueError("an epoch of the factory's loader gave no batch (an empty dataset?)")
+        producer.end_epoch()
+
+
+class Watchdog(threading.Thread):
+    """The linger exit, decided whatever the main thread does (a factory that
+    hangs on a dead mount, a loader that never returns): once no trainer
+    is in the roster for `linger` seconds, it takes KEY.start, checks
+    again, removes the channel and exits the process (review 24, F7).
+    A producer whose main thread runs lingers out by the Gate first, which
+    closes the channel properly; this one waits a little longer."""
+
+    GRACE_S = 2.0
+
+    def __init__(self, paths: shared.Paths, linger: float, alive: int, channel: str):
+        super().__init__(name="tsock-shared-watchdog", daemon=True)
+        self.paths, self.linger, self.alive, self.channel = paths, linger, alive, channel
+
+    def run(self) -> None:
+        idle_since = None
+        while True:
+            time.sleep(WATCHDOG_POLL_S)
+            if self.paths.live_trainers():
+                idle_since = None
+                continue
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since >= self.linger + self.GRACE_S:
+                self._exit_if_still_alone()
+
+    def _exit_if_still_alone(self) -> None:
+        start = shared.open_lock(self.paths.start)
+        if not shared.try_lock(start):  # a trainer is attaching, or the Gate is exiting
+            shared.close_lock(start)
+            return
+        if self.paths.live_trainers():
+            shared.close_lock(start)
+            return
+        print(f"tsock.shared: producer {os.getpid()} had no trainer for {self.linger:g} s (watchdog)", flush=True)
+        from .producer import resume_note_path
+
+        for path in (self.paths.ready, shared.segment_path(self.channel), resume_note_path(self.channel)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        shared.close_lock(self.alive)  # then KEY.start, at the exit, as the Gate's exit does
+        os._exit(0)
 
 
 def _record_error(paths: shared.Paths, text: str) -> None:
@@ -153,10 +256,15 @@ def main() -> int:
     if not shared.try_lock(alive):
         print("busy", flush=True)
         return 0
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(paths.error)
+    earlier = paths.read_alive().get("channel")  # the last producer's, dead or gone
+    for stale in (paths.error, paths.ready):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
+    if not spec["resume"] and isinstance(earlier, str):
+        _forget_earlier_run(earlier)
     os.ftruncate(alive, 0)
-    os.pwrite(alive, json.dumps({"pid": os.getpid(), "description": spec["description"]}).encode(), 0)
+    note = {"pid": os.getpid(), "description": spec["description"], "channel": spec["channel"]}
+    os.pwrite(alive, json.dumps(note).encode(), 0)
     # The answer, then stdout and stderr go to the log: the trainer reads
     # until both pipes close.
     print(f"ok {os.getpid()}", flush=True)
@@ -168,6 +276,7 @@ def main() -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     print(f"tsock.shared: producer {os.getpid()} of '{spec['key']}' started", flush=True)
+    Watchdog(paths, spec["linger"], alive, spec["channel"]).start()
     try:
         _run(spec, paths, alive)
     except BaseException as e:  # noqa: BLE001 - reported to the trainers, then the process ends

@@ -854,7 +854,7 @@ static void test_dlpack_export(void) {
   CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
   out = untouched;
   CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 0, 0, &out), TSOCK_ESTATE);
-  CHECK(strstr(tsock_last_error(), "was released") != NULL && out == untouched);
+  CHECK(strstr(tsock_last_error(), "is not held") != NULL && out == untouched);
   if (kept != NULL) {
     lg = NULL;
     CHECK_RC(tsock_batch_dlpack_export(kept, 0, 0, 0, 0, (void **)&lg), TSOCK_OK);

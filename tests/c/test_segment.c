@@ -286,6 +286,42 @@ static void test_fake_producer(void) {
   fake_close(&f, name);
 }
 
+/* A released batch whose held entry a later acquire filled with a batch it
+ * rejected (a hostile producer's descriptor) exports nothing: the entry's
+ * descriptor was never checked (review 26: the export described 2^40
+ * elements at the old address, and reading one faulted). */
+static void test_export_after_a_rejected_batch(void) {
+  const char *name = test_name("tseg", "rejexp");
+  fake f;
+  if (fake_open(&f, name, 4, 1) != 0) {
+    perror("fake producer");
+    test_failures++;
+    return;
+  }
+  tsock_reader_options_t ro;
+  tsock_reader_options_init(&ro);
+  ro.max_held = 1; /* the next acquire reuses the entry */
+  tsock_reader_t *r = NULL;
+  CHECK_RC(tsock_reader_attach(name, &ro, &r), TSOCK_OK);
+  const tsock_batch_t *b = NULL, *next = NULL;
+  fake_publish(&f, 0, 10);
+  CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+  if (r == NULL || b == NULL) {
+    fake_close(&f, name);
+    return;
+  }
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  fake_publish(&f, 1, 10);
+  tsock_slot *s1 = (tsock_slot *)(f.map + f.h->slots_offset) + 1;
+  s1->tensors[0].shape[0] = (int64_t)1 << 40;
+  CHECK_RC(tsock_reader_acquire(r, &next, 1000 * MS), TSOCK_ECORRUPT);
+  void *untouched = (void *)&untouched, *out = untouched;
+  CHECK_RC(tsock_batch_dlpack_export(b, 0, 0, 0, 0, &out), TSOCK_ESTATE);
+  CHECK(out == untouched);
+  CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  fake_close(&f, name);
+}
+
 /* Runs fn(arg) in a forked child: 1 if it exited 0, 0 if it failed or died
  * of a signal (a fault must fail the check, not end the test). */
 static int in_child(int (*fn)(const void *), const void *arg) {
@@ -1161,6 +1197,7 @@ int main(void) {
   test_inconsistent();
   test_no_producer();
   test_fake_producer();
+  test_export_after_a_rejected_batch();
   test_pin_tokens();
   test_kept_batches();
   test_fork_and_producer_death_after_keep();

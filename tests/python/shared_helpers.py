@@ -57,6 +57,25 @@ def plain(n: int, batch_size: int, token: str = ""):
     ]
 
 
+def gated_pipeline(n: int, batch_size: int, token: str, gate_dir: str):
+    """pipeline(), made once `gate_dir`/go exists; each producer running it
+    first leaves a file factory.PID there (a test kills it at that point)."""
+    open(os.path.join(gate_dir, f"factory.{os.getpid()}"), "w").close()
+    while not os.path.exists(os.path.join(gate_dir, "go")):
+        time.sleep(0.01)
+    return pipeline(n, batch_size)
+
+
+def generator(n: int, batch_size: int, token: str = ""):
+    """Not re-iterable: its batches come once (an iterator, refused)."""
+    return (batch for batch in plain(n, batch_size))
+
+
+def dying(n: int, batch_size: int, token: str = ""):
+    """Ends its process without a word (a crash in native code, say)."""
+    os._exit(3)
+
+
 def failing(n: int, batch_size: int, token: str = ""):
     raise ValueError(f"dataset {n} is not there (token {token})")
 

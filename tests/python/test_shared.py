@@ -9,6 +9,8 @@ import glob
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import sys
 import time
@@ -56,7 +58,9 @@ def runtime(tmp_path, monkeypatch):
             if pid:
                 os.kill(pid, signal.SIGKILL)
             wait_for(lambda f=alive_file: not _shared.lock_is_held(f), "the producer to die")
-        channel = _shared.channel_of(key)
+        channel = _shared.Paths(str(path), key).read_alive().get("channel")
+        if not channel:
+            continue
         for leftover in (f"/dev/shm/tsock.{channel}", resume_note_path(channel)):
             if os.path.exists(leftover):
                 os.unlink(leftover)
@@ -196,7 +200,7 @@ def test_the_key_is_the_name_or_the_arguments(runtime):
 def test_same_name_other_arguments_is_refused(runtime):
     name = f"n{os.getpid()}"
     with tsock.shared(h.pipeline, 40, 4, name=name, linger=0.5) as first:
-        assert first.channel.endswith(name)
+        assert name in first.channel
         with pytest.raises(ValueError, match="runs another pipeline"):
             tsock.shared(h.pipeline, 44, 4, name=name)
 
@@ -245,7 +249,10 @@ def test_a_runtime_directory_others_can_write_is_refused(tmp_path, monkeypatch):
 def test_a_factory_that_raises_reaches_the_trainers(runtime):
     tok = token()
     for _ in range(2):  # each call tries again: the cause may have been fixed in between
-        with pytest.raises(tsock.ProducerGone, match=f"ValueError: dataset 40 is not there \\(token {tok}\\)"):
+        # A first start: "could not be started", not "no successor" (review 24, F9).
+        with pytest.raises(
+            tsock.ProducerGone, match=f"could not be started: ValueError: dataset 40 is not there \\(token {tok}\\)"
+        ):
             tsock.shared(h.failing, 40, 4, tok)
     assert len(starts(runtime)) == 2
 
@@ -336,6 +343,8 @@ def test_a_plain_loader_restarts_the_epoch_and_tells_the_trainer(runtime):
 
 
 class FakeProducer:
+    name = "shared.fake"
+
     def __init__(self):
         self.readers = 0
 
@@ -354,7 +363,7 @@ def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime)
     for fd in rosters:
         assert _shared.try_lock(fd)
     producer = FakeProducer()
-    gate = _shared_run.Gate(paths, linger=60.0, alive=-1)
+    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel: None)
     passed = []
     import threading
 
@@ -488,6 +497,8 @@ def test_a_stale_channel_of_a_dead_producer_is_replaced_and_a_new_run_starts_at_
     assert os.path.exists(f"/dev/shm/tsock.{loader.channel}")  # the dead producer's segment
     with tsock.shared(h.pipeline, 40, 4, tok, linger=0.3) as fresh:
         assert fresh.producer_pid != dead
+        assert fresh.channel != loader.channel  # a new run, a new name; the dead run's segment removed
+        assert not os.path.exists(f"/dev/shm/tsock.{loader.channel}")
         ids = [y for _, ys in fresh for y in ys.tolist()]
         assert sorted(ids) == list(range(40))
         assert fresh.position == (1, 0)  # it read epoch 0, not the rest of the dead run's epoch
@@ -552,3 +563,348 @@ def test_a_producer_that_answers_a_join_late_does_not_end_the_trainer(runtime, s
     assert sorted(y for _, ys in first for y in ys.tolist()) == list(range(40))
     assert sorted(epochs_of(finish(second))[0]["ids"]) == list(range(40))
     first.close()
+
+
+def test_a_trainer_registering_while_a_producer_counts_the_roster_stays_counted(runtime, monkeypatch):
+    """A roster file seen by a producer's count before its trainer locked it
+    was removed as a dead trainer's: that trainer was then left out of every
+    later producer's wait, and lost batches after a crash (review 24, F1).
+    The window between making the file and locking it is widened here until
+    the count has run twice through the directory."""
+    import threading
+
+    tok = token()
+    first = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    paths = first._paths
+    polls = [0]
+    stop = threading.Event()
+
+    def count_like_the_gate():
+        while not stop.is_set():
+            paths.live_trainers()
+            polls[0] += 1
+
+    real_try_lock = _shared.try_lock
+
+    registering = threading.get_ident()
+
+    def slow_try_lock(fd):
+        # The trainer's thread, about to lock its roster file (the count's
+        # own thread takes the real one).
+        if threading.get_ident() == registering and ".trainer." in os.readlink(f"/proc/self/fd/{fd}"):
+            seen = polls[0]
+            wait_for(lambda: polls[0] >= seen + 2, "the count to run through the roster twice")
+        return real_try_lock(fd)
+
+    counter = threading.Thread(target=count_like_the_gate, daemon=True)
+    counter.start()
+    monkeypatch.setattr(_shared, "try_lock", slow_try_lock)
+    try:
+        second = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    finally:
+        stop.set()
+        counter.join(BOUND_S)
+    monkeypatch.setattr(_shared, "try_lock", real_try_lock)
+    assert paths.live_trainers() == 2
+    second.close()
+    first.close()
+
+
+def test_a_new_run_whose_first_producer_dies_does_not_resume_a_dead_earlier_run(runtime, tmp_path):
+    """An earlier run's producer killed mid-epoch with no trainer left leaves
+    its segment. A new run's first producer killed before its first batch
+    made the next one a successor, which resumed the earlier run's position
+    (review 24, F4): the new run began in the middle of another epoch."""
+    import threading
+
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    (gate / "go").touch()
+    earlier = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=30.0)
+    batches = (batch for _epoch in range(3) for batch in earlier)
+    for _ in range(13):  # into its second epoch: (1, 3) at least is recorded
+        next(batches)
+    os.kill(earlier.producer_pid, signal.SIGKILL)
+    wait_for(lambda: not _shared.lock_is_held(earlier._paths.alive), "the earlier producer to die")
+    earlier._consumer.close()  # what a killed trainer leaves: no detach by this loader
+    earlier._consumer = None
+    earlier.close()
+    assert tsock.Producer.recorded_position(earlier.channel) >= (1, 3)
+    (gate / "go").unlink()
+    for f in gate.glob("factory.*"):
+        f.unlink()
+    made = []
+    thread = threading.Thread(target=lambda: made.append(tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate))))
+    thread.start()
+    try:
+        first = wait_for(lambda: list(gate.glob("factory.*")), "the new run's first producer to run its factory")
+        os.kill(int(first[0].name.split(".")[1]), signal.SIGKILL)
+    finally:
+        (gate / "go").touch()
+        thread.join(BOUND_S)
+    (fresh,) = made
+    with fresh:
+        assert sorted(y for _, ys in fresh for y in ys.tolist()) == list(range(40))
+        assert fresh.position == (1, 0)  # its epoch 0, not the rest of the earlier run's
+        assert fresh.recoveries == 0 and fresh.repeated_batches == 0
+
+
+def plant(path: str, user: str = "") -> None:
+    """A truncated file at `path` (5 bytes), made by `user` if given."""
+    if user:
+        import subprocess
+
+        subprocess.run(["runuser", "-u", user, "--", "sh", "-c", f"printf trunc > {path}"], check=True)
+    else:
+        with open(path, "w") as f:
+            f.write("trunc")
+
+
+@pytest.mark.parametrize("user", ["", "nobody"])
+def test_a_file_at_the_channels_old_predictable_name_is_never_opened(runtime, tmp_path, user):
+    """The channel was shared.UID.KEY, and a trainer opened whatever sat
+    there while its producer ran the factory: a leftover or a file another
+    user planted (/dev/shm is world-writable) ended it with CorruptSegment
+    (review 24, F8). Now it opens only the segment its producer announced.
+    The file is planted while the factory runs (held by the gate)."""
+    import threading
+
+    if user and (os.geteuid() != 0 or not shutil.which("runuser")):
+        pytest.skip("planting as another uid needs root and runuser")
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    key = _shared.fingerprint(_shared.factory_ref(h.gated_pipeline), (40, 4, tok, str(gate)), {})
+    predictable = f"/dev/shm/tsock.shared.{os.geteuid()}.{key}"
+    made, failed = [], []
+
+    def trainer():
+        try:
+            made.append(tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3))
+        except Exception as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        wait_for(lambda: list(gate.glob("factory.*")), "the producer to run its factory")
+        plant(predictable, user)
+        time.sleep(0.3)  # not needed for the test to pass: gives an attach to the planted file its chance
+    finally:
+        (gate / "go").touch()
+        thread.join(BOUND_S)
+        if os.path.exists(predictable):
+            os.unlink(predictable)
+    assert not failed, failed
+    with made[0] as loader:
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+        assert os.stat(_shared.segment_path(loader.channel)).st_uid == os.geteuid()
+
+
+@pytest.mark.parametrize(
+    ("factory", "n", "message"),
+    [("generator", 40, "TypeError: the factory returned an iterator.*re-iterable"), ("plain", 0, "gave no batch")],
+)
+def test_a_loader_of_one_epoch_or_of_empty_epochs_is_refused(runtime, spawn, factory, n, message):
+    """A generator gave epoch 0, then the producer spun on end markers and
+    the trainer waited forever; an empty loader never made its channel, so
+    every trainer waited forever (review 24, F7). Both reach the trainers
+    as the factory's error."""
+    code = """
+        import sys, shared_helpers as h, tsock
+        try:
+            loader = tsock.shared(getattr(h, sys.argv[1]), int(sys.argv[2]), 4, sys.argv[3], linger=0.3)
+            for epoch in range(3):
+                print(epoch, sum(1 for _ in loader), flush=True)
+        except tsock.ProducerGone as e:
+            print("ProducerGone:", e, flush=True)
+    """
+    proc = spawn(code, factory, n, token())
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    out = proc.stdout.read()
+    assert re.search(f"ProducerGone:.*{message}", out), (out, proc.stderr.read()[-2000:])
+
+
+def test_a_trainer_waiting_for_a_slow_factory_is_told_naming_the_log(runtime, tmp_path, monkeypatch):
+    import threading
+    import warnings
+
+    monkeypatch.setattr(_shared, "SLOW_START_WARN_S", 0.5, raising=False)  # raising: to see it fail before
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+
+    def open_the_gate_once_told(seen):
+        try:
+            wait_for(lambda: any("has not published its first batch" in str(w.message) for w in seen), "a warning")
+        finally:
+            (gate / "go").touch()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        helper = threading.Thread(target=open_the_gate_once_told, args=(seen,))
+        helper.start()
+        try:
+            loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3)
+        finally:
+            helper.join(BOUND_S)
+    (told,) = [str(w.message) for w in seen if "first batch" in str(w.message)]
+    assert told.endswith(f"see {loader._paths.log}"), told
+    with loader:
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+
+
+def test_a_producer_whose_factory_hangs_exits_once_no_trainer_is_left(runtime, spawn, tmp_path):
+    """Its main thread never reaches the Gate's linger check: a watchdog
+    thread exits it (review 24, F7: it stayed forever)."""
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    code = """
+        import sys, shared_helpers as h, tsock
+        tsock.shared(h.gated_pipeline, 40, 4, sys.argv[1], sys.argv[2], linger=0.3)
+    """
+    trainer = spawn(code, tok, gate)
+    factory = wait_for(lambda: list(gate.glob("factory.*")), "the producer to run its factory")
+    pid = int(factory[0].name.split(".")[1])
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    wait_for(lambda: not alive(pid), "the hung producer to exit with no trainer left")
+    (alive_file,) = glob.glob(str(runtime / "*.alive"))
+    assert not _shared.lock_is_held(alive_file)
+    channel = _shared.Paths(str(runtime), os.path.basename(alive_file)[: -len(".alive")]).read_alive()["channel"]
+    assert not os.path.exists(_shared.segment_path(channel))
+
+
+def test_producers_killed_at_start_up_do_not_end_the_trainer(runtime, tmp_path, monkeypatch):
+    """Six producers in a row killed before their first batch (an OOM killer
+    at start-up), the factory itself fine: the trainer goes on. Before, the
+    fifth such death ended it with ProducerGone (review 24, F5)."""
+    import threading
+
+    monkeypatch.setattr(_shared, "START_BUDGET_S", 4 * BOUND_S, raising=False)  # only the count matters here
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+
+    def kill_six_at_start_up():
+        try:
+            seen = set()
+            for _ in range(6):
+                new = wait_for(lambda: {f.name for f in gate.glob("factory.*")} - seen, "a new producer")
+                (name,) = new
+                seen.add(name)
+                os.kill(int(name.split(".")[1]), signal.SIGKILL)
+        finally:
+            (gate / "go").touch()
+
+    killer = threading.Thread(target=kill_six_at_start_up)
+    killer.start()
+    try:
+        loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3)
+    finally:
+        killer.join(BOUND_S)
+    with loader:
+        assert len(list(gate.glob("factory.*"))) == 7
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+        assert loader.position == (1, 0)
+
+
+def test_a_factory_that_ends_its_process_ends_the_trainers_after_some_attempts(runtime, monkeypatch):
+    monkeypatch.setattr(_shared, "START_BUDGET_S", 0.0)
+    with pytest.raises(tsock.ProducerGone, match="5 producers .* in a row died before making their channel"):
+        tsock.shared(h.dying, 40, 4, token())
+
+
+MAIN_ARGUMENT_SCRIPT = """
+import sys
+
+import shared_helpers as h
+import tsock
+
+
+def scale(x):  # of the script, passed to a factory of a module
+    return x
+
+
+if __name__ == "__main__":
+    try:
+        tsock.shared(h.pipeline, 40, 4, scale, linger=0.3)
+    except TypeError as e:
+        print("TypeError:", e)
+"""
+
+
+def test_a_function_of_the_script_passed_to_a_module_factory_is_refused_naming_the_fix(runtime, spawn, tmp_path):
+    """The producer loads the script only when the factory is in it: it
+    could not unpickle the argument, and the trainer got a confusing
+    ProducerGone (review 24, F3)."""
+    script = tmp_path / "train.py"
+    script.write_text(MAIN_ARGUMENT_SCRIPT)
+    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = spawn(code, script)
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert "TypeError: tsock.shared: an argument refers to scale" in out and "top level of a .py module" in out, (
+        out,
+        err[-3000:],
+    )
+    assert not glob.glob(str(runtime / "*.alive"))  # refused in the trainer, before anything started
+
+
+def test_functions_of_two_scripts_have_two_keys(runtime, monkeypatch, tmp_path):
+    """Both were '__main__.scale': two scripts would share one producer."""
+    ref = _shared.factory_ref(h.pipeline)
+    keys = []
+    for script in ("a.py", "b.py"):
+
+        def scale(x):
+            return x
+
+        scale.__module__, scale.__qualname__ = "__main__", "scale"
+        main = types.ModuleType("__main__")
+        main.__file__ = str(tmp_path / script)
+        main.scale = scale
+        monkeypatch.setitem(sys.modules, "__main__", main)
+        keys.append(_shared.fingerprint(ref, (40, 4, scale), {}))
+    assert keys[0] != keys[1]
+
+
+def test_a_trainer_queued_behind_one_waiting_for_a_slow_factory_is_told_too(runtime, spawn, tmp_path, monkeypatch):
+    """The first trainer holds KEY.start while the factory runs; the others
+    waited for it without a word (review 24, F7)."""
+    import threading
+    import warnings
+
+    monkeypatch.setattr(_shared, "SLOW_START_WARN_S", 0.5)
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    code = """
+        import sys, shared_helpers as h, tsock
+        with tsock.shared(h.gated_pipeline, 40, 4, sys.argv[1], sys.argv[2], linger=0.3) as loader:
+            print(sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40)), flush=True)
+    """
+    first = spawn(code, tok, gate)
+    wait_for(lambda: list(gate.glob("factory.*")), "the first trainer's producer to run its factory")
+
+    def open_the_gate_once_told(seen):
+        try:
+            wait_for(lambda: any("has not published its first batch" in str(w.message) for w in seen), "a warning")
+        finally:
+            (gate / "go").touch()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        helper = threading.Thread(target=open_the_gate_once_told, args=(seen,))
+        helper.start()
+        try:
+            loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3)
+        finally:
+            helper.join(BOUND_S)
+    assert [w for w in seen if str(w.message).endswith(f"see {loader._paths.log}")]
+    with loader:
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+    first.wait(BOUND_S)
+    assert first.stdout.read().strip() == "True"

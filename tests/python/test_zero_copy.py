@@ -187,6 +187,47 @@ def test_dlpack_output_speaks_the_protocol(channel, run_producer):
             x.__dlpack__()  # the batch was released when the next one was taken
 
 
+def test_a_batch_released_under_an_export_raises_buffer_error(channel, run_producer):
+    """The release can land between the Python check and the C export (a
+    thread exporting while the loop moves on): the C refusal (ESTATE) is
+    the same BufferError (it was a TsockError naming a C function, review
+    26)."""
+    run_producer(tsock.Producer(batches(3), channel, slots=4, wait_readers=1))
+    with tsock.Consumer(channel, output="dlpack", timeout=10, lifetime="step") as c:
+        x, _ = next(iter(c))
+        reader = c._reader
+        assert reader.lib.release(reader.handle, x._lease.held) == 0  # behind the consumer's back
+        assert x._lease.valid
+        with pytest.raises(BufferError, match="released"):
+            np.from_dlpack(x)
+
+
+def test_a_failed_release_still_invalidates_the_batches(channel, run_producer):
+    """A release that fails (an eviction: the producer may be rewriting
+    those slots) still turns the released batches' leases invalid (before,
+    they stayed valid and an export described another batch's data)."""
+    run_producer(tsock.Producer(batches(3), channel, slots=4, wait_readers=1))
+    with tsock.Consumer(channel, output="dlpack", timeout=10, lifetime="step") as c:
+        it = iter(c)
+        x, _ = next(it)
+        reader = c._reader
+        real = reader.lib.release
+
+        def evicted(handle, held):
+            real(handle, held)
+            return tsock._capi.EEVICTED
+
+        reader.lib.release = evicted
+        try:
+            with pytest.raises(tsock.TsockError):
+                next(it)
+        finally:
+            reader.lib.release = real
+        assert not x._lease.valid
+        with pytest.raises(BufferError, match="released"):
+            np.from_dlpack(x)
+
+
 def test_assembled_torch_batches_are_guarded_too(channel, run_producer):
     # Rows 6..8 straddle two producer batches: a private copy, but guarded
     # like every other batch so code behaves the same at every step.
