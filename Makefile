@@ -15,7 +15,7 @@ export PYTHON PYTHON_OLDEST
 export CGO_CFLAGS := $(shell sh scripts/cgo.sh)
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
-.PHONY: all build lint go-test c-test py-env py-env-test py-env-bench py-test bench-test wheel wheel-test constraints test sweep demo bench bench-quick bench-latency bench-gpu soak fuzz clean
+.PHONY: all build lint go-test c-test py-env py-env-test py-env-bench py-test bench-test wheel wheel-test constraints test sweep sweep-producer demo bench bench-quick bench-latency bench-gpu soak fuzz clean
 
 all: build
 
@@ -83,11 +83,19 @@ bench-test: build py-env-test py-env-bench
 
 test: lint go-test c-test py-test bench-test wheel-test
 
-# The main job: a hyper-parameter sweep, one producer (a PyTorch DataLoader
-# decoding and augmenting JPEGs) feeding 4 PyTorch trainers through tsock.
-# SWEEP_ARGS=--quick for a 20-second run; --help for the options.
+# The main job: an Optuna study (4 workers, RDB storage on SQLite) whose
+# trials share one input pipeline through tsock.shared, then the same trials
+# with a DataLoader each; per trial and per loader the accuracy, the
+# throughput and the CPU of every process. SWEEP_ARGS=--quick for a smaller
+# grid, --kill-producer S to kill the shared producer once, --help.
 SWEEP_ARGS ?=
 sweep: build py-env
+	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) examples/optuna/study.py $(SWEEP_ARGS)
+
+# The same kind of sweep written against tsock.Producer and tsock.Consumer:
+# one producer process feeding 4 trainers (SWEEP_ARGS="--device cuda:0" for
+# the GPU path; --quick; --help).
+sweep-producer: build py-env
 	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) examples/python/sweep.py $(SWEEP_ARGS)
 
 demo:

@@ -17,7 +17,7 @@ pipeline's CPU that sharing saved, measured, not multiplied out.
 
     python examples/optuna/study.py                       # ~2-3 min on 2 cores
     python examples/optuna/study.py --quick               # ~1 min
-    python examples/optuna/study.py --kill-producer 10    # SIGKILL the shared producer 10 s in
+    python examples/optuna/study.py --kill-producer 10    # SIGKILL the shared producer 10 s after its start
 
 With --kill-producer the trials do not notice beyond a pause: one of them
 starts a successor that resumes exactly where the dead producer stopped.
@@ -53,12 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help=f"a smaller grid and dataset: {QUICK}")
     ap.add_argument("--workers", type=int, default=4, help="Optuna worker processes (default 4)")
     ap.add_argument("--loaders", default="tsock,plain", help="which runs, in order (default tsock,plain)")
-    ap.add_argument("--kill-producer", type=float, metavar="S", help="SIGKILL the shared producer S s into the run")
+    ap.add_argument("--kill-producer", type=float, metavar="S", help="SIGKILL the shared producer S s after it started")
     ap.add_argument("--data-dir", type=Path, help="dataset cache (default build/sweep-data in the repository)")
     ap.add_argument("--out-dir", type=Path, help="the study's SQLite file (default build/optuna)")
     ap.add_argument("--json", type=Path, help="also write the results to this file")
+    ap.add_argument("--train", type=int, help="training images (instead of the size's)")
+    ap.add_argument("--val", type=int, help="validation images (instead of the size's)")
     args = ap.parse_args(argv)
-    size = QUICK if args.quick else FULL
+    size = dict(QUICK if args.quick else FULL)
+    size.update({k: getattr(args, k) for k in ("train", "val") if getattr(args, k)})
     keys = ("train", "val", "epochs", "lrs", "widths")
     args.train, args.val, args.epochs, args.lrs, args.widths = (size[k] for k in keys)
     root = HERE.parents[1] / "build"
@@ -120,25 +123,31 @@ def children_cpu() -> float:
 
 
 def producer_pid(args) -> int | None:
-    """The running shared producer of the trials' pipeline, if any."""
-    from tsock import _shared
+    """The running shared producer of the trials' pipeline, if any: the one
+    train.py's tsock.shared(data.make_pipeline, ...) attaches to."""
+    import tsock
 
-    ref = _shared.factory_ref(data.make_pipeline)
-    key = _shared.fingerprint(ref, (str(args.data_dir), args.train), {"batch_size": 64, "seed": 0, "workers": 2})
-    return _shared.Paths(_shared.runtime_dir(), key).read_alive().get("pid")
+    options = {"batch_size": 64, "seed": 0, "workers": 2}  # train.py's defaults
+    found = tsock.shared_producers(data.make_pipeline, str(args.data_dir), args.train, **options)
+    return found[0].pid if found else None
 
 
 def kill_producer_later(args, t0: float, log: list) -> None:
-    while time.monotonic() - t0 < args.kill_producer:
-        time.sleep(0.1)
-    while time.monotonic() - t0 < args.kill_producer + 120:
-        pid = producer_pid(args)
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            log.append({"pid": pid, "at_s": round(time.monotonic() - t0, 1)})
-            print(f"  killed the shared producer (pid {pid}) {log[-1]['at_s']} s into the run", flush=True)
-            return
-        time.sleep(0.1)
+    """SIGKILLs the shared producer once it has run --kill-producer seconds."""
+    deadline = time.monotonic() + 600
+    first = None
+    while first is None and time.monotonic() < deadline:
+        first = producer_pid(args)
+        time.sleep(0.05)
+    if first is None:
+        return
+    born = time.monotonic()
+    time.sleep(args.kill_producer)
+    pid = producer_pid(args)  # the same, unless it already lingered out
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+        log.append({"pid": pid, "at_s": round(time.monotonic() - t0, 1), "lived_s": round(time.monotonic() - born, 1)})
+        print(f"  killed the shared producer (pid {pid}) {log[-1]['at_s']} s into the run", flush=True)
 
 
 def run_study(args, reaper: Reaper, loader: str) -> dict:
@@ -168,6 +177,7 @@ def run_study(args, reaper: Reaper, loader: str) -> dict:
         "wall_s": wall,
         "cpu_s": cpu,
         "worker_status": [p.returncode for p in procs],
+        "samples_per_trial": args.epochs * args.train,
         "killed_producer": kills,
         "trials": [
             {

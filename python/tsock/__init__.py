@@ -19,7 +19,7 @@ build folder (see tsock._capi).
 
 from ._collate import default_collate
 from ._dlpack import DLPackTensor
-from ._shared import SharedLoader, shared
+from ._shared import SharedLoader, SharedProducer, shared, shared_producers
 from .consumer import Consumer
 from .errors import (
     BatchTooLarge,
@@ -47,6 +47,8 @@ __all__ = [
     "Pipeline",
     "shared",
     "SharedLoader",
+    "shared_producers",
+    "SharedProducer",
     "BatchInfo",
     "Position",
     "default_collate",

@@ -22,6 +22,7 @@ import time
 import types
 import warnings
 import weakref
+from typing import NamedTuple
 
 from . import _capi
 from .consumer import Consumer
@@ -801,6 +802,67 @@ def _detach(state: list) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
     close_lock(roster)
+
+
+class SharedProducer(NamedTuple):
+    """A running shared producer (tsock.shared_producers)."""
+
+    key: str  #: what its trainers share it by: the name= given, or the arguments' fingerprint
+    pid: int  #: its process
+    channel: str | None  #: the channel it publishes on (None before its first batch)
+    trainers: int  #: loaders attached to it or waiting for it now
+    description: str | None  #: the fingerprint of its factory and arguments (None for unnamed objects)
+
+
+def _held_by_a_producer(path: str) -> bool:
+    """Whether `path` (a KEY.alive) is ours and locked: opened without
+    creating it, so a query leaves nothing behind."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        if try_lock(fd):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+def shared_producers(factory=None, *args, name: str | None = None, **kwargs) -> list[SharedProducer]:
+    """The shared producers of this user running on the node, or only the
+    one `tsock.shared(factory, *args, name=name, **kwargs)` would attach
+    to (give the factory's own arguments, not shared()'s keywords).
+    Nothing is started or attached; a tool can watch or stop a producer by
+    its pid (SIGTERM lets it finish cleanly: docs/OPERATIONS.md)."""
+    if name is not None:
+        wanted = name
+    elif factory is not None:
+        wanted = fingerprint(factory_ref(factory), args, kwargs)
+    else:
+        wanted = None
+    directory = runtime_dir()
+    found = []
+    for entry in sorted(os.listdir(directory)):
+        key, dot, suffix = entry.rpartition(".")
+        if suffix != "alive" or not dot or (wanted is not None and key != wanted):
+            continue
+        paths = Paths(directory, key)
+        if not _held_by_a_producer(paths.alive):
+            continue
+        note = paths.read_alive()
+        pid = note.get("pid")
+        if not isinstance(pid, int):
+            continue  # its producer is writing the note this instant
+        ready = paths.read_ready()
+        channel = ready.get("channel") if ready.get("pid") == pid else None
+        description = note.get("description") if isinstance(note.get("description"), str) else None
+        found.append(SharedProducer(key, pid, channel, paths.live_trainers(), description))
+    return found
 
 
 def shared(

@@ -281,6 +281,27 @@ def test_the_producer_lingers_then_exits_leaving_nothing_in_dev_shm(runtime):
     assert not glob.glob(str(runtime / "*.trainer.*"))
 
 
+def test_shared_producers_finds_the_running_producer_by_its_factory_and_arguments(runtime):
+    tok = token()
+    assert tsock.shared_producers() == []
+    loader = tsock.shared(h.pipeline, 40, 4, tok, linger=0.5)
+    other = tsock.shared(h.pipeline, 40, 4, tok, linger=0.5)  # the same key: two loaders of one producer
+    try:
+        (found,) = tsock.shared_producers(h.pipeline, 40, 4, tok)
+        assert (found.key, found.pid, found.channel) == (loader.key, loader.producer_pid, loader.channel)
+        assert found.trainers == 2 and found.description == loader.description
+        assert tsock.shared_producers(h.pipeline, 40, 4, "another token") == []
+        assert tsock.shared_producers(name=loader.key) == [found]
+        assert tsock.shared_producers() == [found]
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+    finally:
+        other.close()
+        loader.close()
+    wait_for(lambda: not alive(found.pid), "the producer to exit after its linger time")
+    assert tsock.shared_producers() == []
+    assert not glob.glob(str(runtime / "*.alive.*"))  # the query made no file
+
+
 def test_the_trainer_that_started_the_producer_can_be_killed(runtime, spawn, tmp_path):
     tok = token()
     stop = tmp_path / "stop"

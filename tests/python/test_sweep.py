@@ -1,4 +1,4 @@
-"""The sweep example (`make sweep`) end to end, in its --quick size: every
+"""The explicit-producer sweep example (`make sweep-producer`) end to end, in its --quick size: every
 trainer completes and learns; a dead producer or trainer and Ctrl-C end the
 sweep cleanly, with no hang, no stray process and no leftover segment."""
 
