@@ -234,6 +234,52 @@ def test_a_factory_the_producer_cannot_import_is_refused_naming_the_fix(runtime,
     assert not glob.glob(str(runtime / "*.alive"))  # refused before anything started
 
 
+def test_from_a_real_jupyter_kernel(runtime):
+    """A notebook shares a module's factory (two epochs, the producer
+    started from the kernel process) and is told how to fix a factory
+    defined in a cell."""
+    manager = pytest.importorskip("jupyter_client.manager", reason="needs jupyter_client (requirements/test.in)")
+    pytest.importorskip("ipykernel", reason="needs ipykernel (requirements/test.in)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    km = manager.KernelManager(kernel_name="python3")
+    km.kernel_cmd = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    km.start_kernel(env=env)
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=BOUND_S)
+
+        def run(code: str) -> str:
+            out = []
+
+            def hook(msg):
+                content = msg["content"]
+                if msg["msg_type"] == "stream":
+                    out.append(content["text"])
+                elif msg["msg_type"] == "error":
+                    out.append("\n".join(content["traceback"]))
+
+            reply = kc.execute_interactive(code, output_hook=hook, timeout=BOUND_S)
+            text = "".join(out)
+            assert reply["content"]["status"] == "ok", text
+            return text
+
+        tok = token()
+        run(f"import tsock, shared_helpers as h\nloader = tsock.shared(h.pipeline, 40, 4, {tok!r})")
+        for _ in range(2):
+            assert run("print(sorted(int(y) for _, ys in loader for y in ys.tolist()))") == f"{list(range(40))}\n"
+        refused = run(
+            "def mine(n):\n    return h.pipeline(n, 4)\n"
+            "try:\n    tsock.shared(mine, 40)\nexcept TypeError as e:\n    print('refused:', e)"
+        )
+        assert refused.startswith("refused:") and "notebook" in refused and ".py module" in refused, refused
+        pid = int(run("print(loader.producer_pid); loader.close()"))
+    finally:
+        km.shutdown_kernel(now=True)
+    wait_for(lambda: not alive(pid), "the producer to linger out after the kernel's loader closed")
+
+
 def test_a_runtime_directory_others_can_write_is_refused(tmp_path, monkeypatch):
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o777)
