@@ -220,9 +220,10 @@ class Reader:
         # staging waits there for copies still reading held batches).
         self.on_release = None
 
-    def acquire(self) -> Raw:
-        """The next batch, waiting in slices without limit; raises
-        ProducerGone, ChannelClosed, Evicted... when the stream ends."""
+    def acquire(self, deadline: float | None = None) -> Raw | None:
+        """The next batch, waiting in slices without limit (or until the
+        time.monotonic() `deadline`: None then); raises ProducerGone,
+        ChannelClosed, Evicted... when the stream ends."""
         acquire, handle, ref = self.lib.acquire, self.handle, self._out_ref
         while True:
             rc = acquire(handle, ref, SLICE_NS)
@@ -230,6 +231,8 @@ class Reader:
                 break
             if rc != _capi.EAGAIN:
                 check(self.lib, rc, "acquire")
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
         addr = self._out.value
         views = self._views.get(addr)
         if views is None:

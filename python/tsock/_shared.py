@@ -24,13 +24,15 @@ import warnings
 import weakref
 from typing import NamedTuple
 
-from . import _capi
+from . import _capi, _state
 from .consumer import Consumer
 from .errors import ChannelClosed, ChannelNotFound, ProducerGone, TsockError
 from .pipeline import Position
 
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
 ATTACH_SLICE_S = 0.25
+REJOIN_PROBE_S = 1.0  # how long a catching-up trainer waits for a batch of the shared stream
+CATCHUP_LINGER_S = 0.5  # a catch-up producer's linger after its trainer rejoined or left
 READY_POLL_S = 0.01  # a trainer waiting for the producer's first batch
 START_LOCK_POLL_S = 0.02  # a trainer waiting for another to attach
 SLOW_START_WARN_S = 30.0  # then a trainer still waiting says so, naming the producer's log
@@ -453,8 +455,9 @@ class SharedLoader:
     """What tsock.shared returns: a loader over the shared producer's batches
     (see tsock.shared)."""
 
-    def __init__(self, factory, args, kwargs, *, name, linger, producer, consumer):
+    def __init__(self, factory, args, kwargs, *, name, linger, producer, consumer, start_at=None):
         ref = factory_ref(factory)
+        self._call = (factory, args, kwargs, producer, consumer)  # for a catch-up producer
         if name is None:
             self.description = fingerprint(ref, args, kwargs)
             key = self.description
@@ -485,6 +488,7 @@ class SharedLoader:
             "description": self.description,
             "linger": float(linger),
             "producer": dict(producer),
+            "start": start_at and list(start_at[1:]),  # (epoch, batch) of a catch-up producer's run
         }
         self._options = consumer
         self._paths = Paths(runtime_dir(), key)
@@ -501,11 +505,21 @@ class SharedLoader:
         self.epoch = 0
         #: pid of the producer this trainer reads from
         self.producer_pid = 0
-        self._position = None  # (fingerprint, epoch, next index) in a pipeline's order
+        self._position = start_at  # (fingerprint, epoch, next index) in a pipeline's order
+        self._samples = 0  # samples of the position's epoch handed out (state_dict)
+        self._behind_ok = start_at is not None  # batches before the position are expected (skipped, not repeated)
+        self._resumed = False  # load_state_dict() set the position
+        self._catchup = None  # the private loader this trainer reads while behind the shared stream
+        self._catchup_epoch_start = False  # it just ended an epoch: try to rejoin first
+        #: times this trainer was behind the shared stream and caught up on a producer of its own
+        self.catchups = 0
+        #: times it then went back to the shared stream
+        self.rejoins = 0
         self._tagged = None  # the stream carries pipeline tags (None: no batch seen yet)
         self._open = False  # the trainer's epoch in progress has handed out a batch
         self._epoch_done = False  # ended by a tag; the ring's marker may still come
         self._consumer = None
+        self._closed = False
         self._announced = False  # the producer being attached to made its channel
         roster = self._paths.trainer(self._pid, next(_serials))
         self._roster = self._paths.join_roster(roster)
@@ -670,13 +684,16 @@ class SharedLoader:
     # ---- iterating ----
 
     def _usable(self) -> Consumer:
-        if self._consumer is None:
+        self._check_process()
+        return self._consumer
+
+    def _check_process(self) -> None:
+        if self._closed:
             raise TsockError("tsock.shared loader is closed", _capi.EHANDLE)
         if os.getpid() != self._pid:
             raise TsockError(
                 "a tsock.shared loader cannot be used in a forked child; call tsock.shared there", _capi.EFORKED
             )
-        return self._consumer
 
     def _next_batch(self):
         """The next batch of the trainer's epoch, or None at its end."""
@@ -684,6 +701,9 @@ class SharedLoader:
             self._epoch_done = False
             return None
         while True:
+            if self._catchup is not None:
+                self._check_process()
+                return self._next_caught_up()
             consumer = self._usable()
             try:
                 batch = next(consumer)
@@ -707,6 +727,12 @@ class SharedLoader:
     def _take(self, tag, batches: int) -> bool:
         """Whether a pipeline batch is this trainer's next one; moves the position."""
         pos = self._position
+        if pos is not None and tag.fingerprint != pos[0] and self._resumed:
+            raise ValueError(
+                f"tsock.shared: the state loaded into this loader was saved from another pipeline (fingerprint "
+                f"{pos[0].hex()}) than the one '{self.key}' runs ({tag.fingerprint.hex()}): load it into a loader of "
+                "the same factory and arguments"
+            )
         if pos is not None and tag.fingerprint != pos[0]:
             self.restarts += 1
             warnings.warn(
@@ -722,8 +748,12 @@ class SharedLoader:
         else:
             here, want = (tag.epoch, tag.index), (pos[1], pos[2])
             if here < want:
-                self.repeated_batches += 1
-                return False  # handed out before the crash
+                if not self._behind_ok:
+                    self.repeated_batches += 1  # handed out before the crash
+                return False
+            if here > want and self._catchup is None:
+                self._start_catchup()  # the shared stream is ahead: this trainer's batches from a producer of its own
+                return False
             if here > want:
                 missed = (tag.index - pos[2]) if tag.epoch == pos[1] else tag.index + max(0, batches - pos[2])
                 self.lost_batches += missed
@@ -733,11 +763,132 @@ class SharedLoader:
                     RuntimeWarning,
                     stacklevel=4,
                 )
+        self._behind_ok = self._resumed = False
         if tag.index + 1 >= batches:
             self._position = (tag.fingerprint, tag.epoch + 1, 0)
+            self._samples = 0
             self._epoch_done = True
         else:
             self._position = (tag.fingerprint, tag.epoch, tag.index + 1)
+            self._samples = tag.start + tag.samples
+        return True
+
+    # ---- resume ----
+
+    def state_dict(self) -> dict:
+        """Where this trainer is in the pipeline's order: {"tsock": 48 bytes}
+        (the pipeline's fingerprint, the epoch, the samples and batches of it
+        handed out). Save it with the model's checkpoint; load_state_dict()
+        in a new loader resumes at the next batch. Nothing is snapshotted:
+        taking it costs nothing, and so does keeping it up to date."""
+        pos = self._catchup._position if self._catchup is not None else self._position
+        samples = self._catchup._samples if self._catchup is not None else self._samples
+        if pos is None:
+            return _state.encode(_state.BEGINNING)
+        return _state.encode(_state.State(pos[0], pos[1], samples, pos[2]))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resumes at the position state_dict() gave, before the first batch:
+        the next batch is the one after the last the saving loader handed
+        out, in the same batches as a run never interrupted. When the shared
+        stream is past it, this trainer's batches come from a producer of
+        its own until it can rejoin the stream at an epoch start
+        (docs/SHARED.md, "Resume"). ValueError for a state of another
+        pipeline (at the first batch) or one that is not a tsock state."""
+        state = _state.decode(state_dict)
+        if self._open or self._position is not None or self.epoch:
+            raise ValueError("load_state_dict() must come before the loader's first batch")
+        if state.world_size:
+            raise ValueError("this state is a partitioned consumer's (rank and world size): tsock.shared is not")
+        if not state.started:
+            return  # saved before any batch: the beginning, as without a state
+        self._position = (state.fingerprint, state.epoch, state.batch)
+        self._samples = state.samples
+        self._behind_ok = self._resumed = True
+
+    def _start_catchup(self) -> None:
+        """This trainer is behind the shared stream (resumed from an older
+        state, or a successor did not publish its next batch): it leaves the
+        stream and the roster (the shared producer must not wait for it) and
+        reads its own producer, the same pipeline from its position."""
+        factory, args, kwargs, producer, consumer = self._call
+        key = f"{self.key[:20]}.c{self._pid}.{next(_serials)}"
+        self._leave_shared()
+        self._catchup = SharedLoader(
+            factory,
+            args,
+            kwargs,
+            name=key,
+            linger=CATCHUP_LINGER_S,
+            producer=producer,
+            consumer=consumer,
+            start_at=self._position,
+        )
+        self._catchup._samples = self._samples
+        self.catchups += 1
+
+    def _leave_shared(self) -> None:
+        """Detaches from the shared stream and leaves its roster."""
+        consumer, self._consumer = self._consumer, None
+        self._state[0] = None
+        if consumer is not None:
+            consumer.close()
+        roster_fd, roster = self._state[1], self._state[2]
+        self._state[1] = None
+        if roster_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(roster)
+            close_lock(roster_fd)
+
+    def _next_caught_up(self):
+        """The next batch from the catch-up producer (None at an epoch's end);
+        at an epoch's start, first tries to go back to the shared stream."""
+        if self._catchup_epoch_start:
+            self._catchup_epoch_start = False
+            if self._rejoin():
+                return self._next_batch()
+        catchup = self._catchup
+        batch = catchup._next_batch()
+        self._position, self._samples = catchup._position, catchup._samples
+        if batch is None:
+            self._catchup_epoch_start = True
+        else:
+            self._open = True
+        return batch
+
+    def _rejoin(self) -> bool:
+        """Back to the shared stream if its next batch is not past this
+        trainer's: attached with start="now", the batches before its
+        position are let go unread until the stream reaches it. A stream
+        that is ahead, gone or silent for REJOIN_PROBE_S leaves the trainer
+        on its own producer until the next epoch start."""
+        if not lock_is_held(self._paths.alive):
+            return False
+        channel = self._ready_channel()
+        if channel is None:
+            return False
+        roster = self._paths.trainer(self._pid, next(_serials))
+        self._state[1], self._state[2] = self._paths.join_roster(roster), roster
+        try:
+            consumer = Consumer(channel, start="now", timeout=ATTACH_SLICE_S, **self._options)
+        except TsockError:
+            self._leave_shared()
+            return False
+        self._state[0] = self._consumer = consumer
+        consumer.track_tags = True
+        try:
+            tag = consumer._peek_tag(REJOIN_PROBE_S)
+        except TsockError:
+            tag = None  # the shared producer died or closed meanwhile
+        want = self._position
+        if tag is None or tag.fingerprint != want[0] or (tag.epoch, tag.index) > (want[1], want[2]):
+            self._leave_shared()
+            return False
+        self.channel = channel
+        catchup, self._catchup = self._catchup, None
+        catchup.close()
+        self._behind_ok = True
+        self.rejoins += 1
         return True
 
     @property
@@ -753,7 +904,7 @@ class SharedLoader:
     def __iter__(self):
         """One epoch, as a DataLoader's iterator; a loop that broke off
         before drops the rest of its epoch first (the producer is shared)."""
-        self._usable()  # now, not at the first next()
+        self._check_process()  # now, not at the first next()
         if self._open:
             while self._next_batch() is not None:
                 pass
@@ -769,6 +920,8 @@ class SharedLoader:
             yield batch
 
     def __len__(self) -> int:
+        if self._catchup is not None:
+            return len(self._catchup)
         while True:
             try:
                 return len(self._usable())
@@ -780,7 +933,10 @@ class SharedLoader:
     def close(self) -> None:
         """Detaches (the producer lingers, then exits, once no trainer is
         attached). Idempotent."""
+        self._closed = True
         self._consumer = None
+        if self._catchup is not None:
+            self._catchup.close()
         self._finalizer()
 
     def __enter__(self):
@@ -799,6 +955,8 @@ def _detach(state: list) -> None:
         return
     if consumer is not None:
         consumer.close()
+    if roster is None:
+        return  # out of the roster (catching up on a producer of its own)
     with contextlib.suppress(OSError):
         os.unlink(path)
     close_lock(roster)

@@ -54,8 +54,9 @@ class Gate:
     """Producer.before_publish: before the first batch, waits for every live
     trainer of the roster; later, lingers while no trainer is attached."""
 
-    def __init__(self, paths: shared.Paths, linger: float, alive: int, announce=None):
+    def __init__(self, paths: shared.Paths, linger: float, alive: int, announce=None, private: bool = False):
         self.paths = paths
+        self.private = private  # a catch-up producer's key: its files go with it
         self.announce = announce or _announce_ready  # a test's fake producer has no segment
         self.alive = alive
         self.linger = linger
@@ -96,6 +97,8 @@ class Gate:
             return False
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.paths.ready)
+        if self.private:
+            _forget_key(self.paths)
         producer.close()  # the segment is unlinked now
         shared.close_lock(self.alive)  # then KEY.start, at the exit: a trainer taking it finds no producer
         self.start_lock = start
@@ -145,10 +148,13 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
     slots = options.get("slots") or shared._capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
     options.setdefault("join_window", slots // 2)
     producer = Producer(loader, spec["channel"], **options)
-    producer.before_publish = Gate(paths, spec["linger"], alive)
+    producer.before_publish = Gate(paths, spec["linger"], alive, private=bool(spec.get("start")))
     try:
         if isinstance(loader, Pipeline):
-            start = _start_position(producer, loader) if spec["resume"] else (0, 0)
+            if spec["resume"]:
+                start = _start_position(producer, loader)
+            else:
+                start = tuple(spec.get("start") or (0, 0))  # a catch-up producer's: its trainer's position
             producer.run(epochs=None, start=start)
         else:
             _publish_epochs(producer, loader)
@@ -161,6 +167,15 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
         producer.close()
         if isinstance(loader, Pipeline):
             loader.close()
+
+
+def _forget_key(paths: shared.Paths) -> None:
+    """A catch-up producer's key is its trainer's alone, used once: its
+    files are removed at its exit (under KEY.start and KEY.alive, so no
+    trainer is between them), not left to pile up in the runtime directory."""
+    for path in (paths.alive, paths.start, paths.log, paths.error):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _forget_earlier_run(channel: str) -> None:
@@ -204,9 +219,10 @@ class Watchdog(threading.Thread):
 
     GRACE_S = 2.0
 
-    def __init__(self, paths: shared.Paths, linger: float, alive: int, channel: str):
+    def __init__(self, paths: shared.Paths, linger: float, alive: int, channel: str, private: bool = False):
         super().__init__(name="tsock-shared-watchdog", daemon=True)
         self.paths, self.linger, self.alive, self.channel = paths, linger, alive, channel
+        self.private = private
 
     def run(self) -> None:
         idle_since = None
@@ -233,6 +249,8 @@ class Watchdog(threading.Thread):
         for path in (self.paths.ready, shared.segment_path(self.channel), resume_note_path(self.channel)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        if self.private:
+            _forget_key(self.paths)
         shared.close_lock(self.alive)  # then KEY.start, at the exit, as the Gate's exit does
         os._exit(0)
 
@@ -276,7 +294,7 @@ def main() -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     print(f"tsock.shared: producer {os.getpid()} of '{spec['key']}' started", flush=True)
-    Watchdog(paths, spec["linger"], alive, spec["channel"]).start()
+    Watchdog(paths, spec["linger"], alive, spec["channel"], private=bool(spec.get("start"))).start()
     try:
         _run(spec, paths, alive)
     except BaseException as e:  # noqa: BLE001 - reported to the trainers, then the process ends

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+import time
 import weakref
 
 from . import _capi, _lifetime, _partition, _placement, _structure
@@ -440,6 +441,23 @@ class Consumer:
             # A marker first (started with "now" at an epoch end): its lease
             # may go, the record of it stays pending.
             self._release(raw)
+
+    def _peek_tag(self, timeout: float):
+        """The pipeline tag of the next batch, which stays pending for next();
+        None when none comes within `timeout` seconds (tsock.shared's probe
+        of a stream it may rejoin) or it is not a pipeline's."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._keeping:
+                self._life.settle()
+            raw = self._reader.acquire(deadline)
+            if raw is None:
+                return None
+            if raw.end:
+                self._release(raw)  # a marker first: the stream's next batch is what counts
+                continue
+            self._pending.append(raw)
+            return _structure.decode_tag(raw.meta)
 
     def _take(self, rows_so_far: int) -> Raw | None:
         """The next producer batch of this epoch (of this consumer's rank),

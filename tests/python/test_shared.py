@@ -16,10 +16,11 @@ import sys
 import time
 import types
 
+import numpy as np
 import pytest
 import shared_helpers as h
 import tsock
-from tsock import _shared
+from tsock import _shared, _state
 from tsock.producer import resume_note_path
 
 BOUND_S = 60.0  # only a failure waits this long
@@ -975,3 +976,217 @@ def test_a_trainer_queued_behind_one_waiting_for_a_slow_factory_is_told_too(runt
         assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
     first.wait(BOUND_S)
     assert first.stdout.read().strip() == "True"
+
+
+# ---- resume from a trainer's state (issue 14) ----
+
+
+PACED = """
+    import json, os, sys, time
+    import numpy as np, tsock, shared_helpers as h
+    n, bs, tok, pause, stop = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5]
+    loader = tsock.shared(h.pipeline, n, bs, tok, linger=0.5)
+
+    def done(e):  # the stop file holds the number of epochs to read
+        try:
+            with open(stop) as f:
+                return e >= int(f.read())
+        except (OSError, ValueError):
+            return False
+
+    e = 0
+    while not done(e):
+        ids, longest, t = [], 0.0, time.monotonic()
+        for _x, y in loader:
+            if ids:
+                longest = max(longest, time.monotonic() - t)  # waiting for this batch
+            ids.append(np.asarray(y).tolist())
+            time.sleep(pause)
+            t = time.monotonic()
+        epoch = loader.position.epoch - 1  # the pipeline's
+        print(json.dumps({"epoch": epoch, "batches": ids, "longest_wait": longest}), flush=True)
+        e += 1
+    loader.close()
+"""
+
+
+def test_state_dict_is_48_bytes_and_refuses_what_is_not_one(runtime):
+    loader = tsock.shared(h.pipeline, 40, 4, token(), linger=0.5)
+    try:
+        assert loader.state_dict() == {"tsock": _state.encode(_state.BEGINNING)["tsock"]}
+        it = iter(loader)
+        next(it)
+        next(it)
+        state = loader.state_dict()
+        assert len(state["tsock"]) == 48
+        decoded = _state.decode(state)
+        assert (decoded.epoch, decoded.batch, decoded.samples) == (0, 2, 8)
+        for bad in ({}, {"tsock": b"x" * 47}, {"tsock": b"TSS2" + bytes(44)}, "state", None):
+            with pytest.raises(ValueError, match="tsock loader state"):
+                _state.decode(bad)
+        with pytest.raises(ValueError, match="before the loader's first batch"):
+            loader.load_state_dict(state)
+    finally:
+        loader.close()
+
+
+def test_a_state_of_another_pipeline_is_refused(runtime):
+    tok = token()
+    first = tsock.shared(h.pipeline, 40, 4, tok, linger=0.5)
+    next(iter(first))
+    state = first.state_dict()
+    first.close()
+    other = tsock.shared(h.unseeded, 40, 4, tok, linger=0.5)  # another seed: another fingerprint
+    try:
+        other.load_state_dict(state)
+        with pytest.raises(ValueError, match="saved from another pipeline"):
+            next(iter(other))
+    finally:
+        other.close()
+
+
+def test_a_trainer_resumed_behind_the_stream_catches_up_exactly_then_rejoins(runtime, spawn, tmp_path):
+    n, bs, tok = 40, 4, token()
+    stop = tmp_path / "stop"
+    paced = spawn(PACED, n, bs, tok, 0.05, stop)  # about 20 batches a second: the stream's pace
+    early = tsock.shared(h.pipeline, n, bs, tok, linger=0.5)
+    it = iter(early)
+    got = [np.asarray(next(it)[1]).tolist() for _ in range(3)]  # 3 batches of an epoch
+    state = early.state_dict()
+    early.close()  # "killed" after its checkpoint
+    start = _state.decode(state).epoch  # the pipeline's epoch of those batches
+    while True:  # until the paced trainer finished that epoch: the stream is past the state
+        line = paced.stdout.readline()
+        assert line, paced.stderr.read()
+        if json.loads(line)["epoch"] >= start:
+            break
+    resumed = tsock.shared(h.pipeline, n, bs, tok, linger=0.5)
+    resumed.load_state_dict(state)
+    epochs, rejoined_at = [], None
+    try:
+        # Faster than the paced trainer, it overtakes the stream's position
+        # and goes back to it at an epoch start; then two epochs more.
+        while len(epochs) < 200 and (rejoined_at is None or len(epochs) < rejoined_at + 2):
+            epochs.append([np.asarray(y).tolist() for _, y in resumed])
+            if len(epochs) == 1:
+                assert resumed.catchups == 1 and resumed._catchup is not None
+            if resumed.rejoins and rejoined_at is None:
+                rejoined_at = len(epochs)
+        assert (resumed.catchups, resumed.rejoins) == (1, 1)
+        assert resumed._catchup is None
+        catchup_pids = [p for p in producer_processes(runtime) if p != resumed.producer_pid]
+    finally:
+        resumed.close()
+        stop.write_text("0")
+    paced.wait(BOUND_S)
+    assert paced.returncode == 0, paced.stderr.read()[-3000:]
+    # The rest of the epoch of the state, in the same batches as a run never
+    # interrupted; every later epoch whole, from its own producer or from
+    # the stream. (The pipeline's batches are a function of the epoch.)
+    with h.pipeline(n, bs) as reference:
+        assert got + epochs[0] == [y.tolist() for _, y in reference.batches(start)]
+        for e in range(1, len(epochs)):
+            assert epochs[e] == [y.tolist() for _, y in reference.batches(start + e)], e
+    assert (resumed.repeated_batches, resumed.lost_batches, resumed.restarts) == (0, 0, 0)
+    wait_for(lambda: not any(alive(p) for p in catchup_pids), "the catch-up producer to linger out")
+    wait_for(lambda: not glob.glob(str(runtime / f"*.c{os.getpid()}.*")), "the catch-up key's files to go with it")
+
+
+VICTIM = """
+    import json, os, sys, time
+    import numpy as np, tsock, shared_helpers as h
+    n, bs, tok, epochs, where = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    path = os.path.join(where, "checkpoint.json")
+    try:
+        with open(path) as f:
+            checkpoint = json.load(f)
+    except FileNotFoundError:
+        checkpoint = {"state": None, "batches": [], "catchups": []}
+    checkpoint["catchups"].append(0)
+    loader = tsock.shared(h.pipeline, n, bs, tok, linger=0.5)
+    if checkpoint["state"]:
+        loader.load_state_dict({"tsock": bytes.fromhex(checkpoint["state"])})
+    print("resumed", flush=True)
+    while True:
+        for _x, y in loader:
+            # The step's result and the loader's state, saved together (a
+            # checkpoint written whole, then renamed).
+            checkpoint["batches"].append(np.asarray(y).tolist())
+            checkpoint["state"] = loader.state_dict()["tsock"].hex()
+            checkpoint["catchups"][-1] = loader.catchups
+            with open(path + ".tmp", "w") as f:
+                json.dump(checkpoint, f)
+            os.replace(path + ".tmp", path)
+            print("saved", flush=True)
+            time.sleep(0.01)  # a step: faster than the others' (it can catch up with them)
+        if loader.position.epoch >= epochs:
+            break
+    print(json.dumps({"catchups": loader.catchups, "rejoins": loader.rejoins}), flush=True)
+    loader.close()
+"""
+
+
+def test_a_trainer_killed_at_random_points_resumes_from_its_checkpoint_exactly(runtime, spawn, tmp_path):
+    """The issue's test: 3 trainers, one killed with SIGKILL 10 times at
+    random points and restarted from its last checkpoint: its batches,
+    epoch by epoch, are those of a run never interrupted."""
+    n, bs, tok, epochs = 40, 4, token(), 30
+    stop = tmp_path / "stop"
+    others = [spawn(PACED, n, bs, tok, 0.02, stop) for _ in range(2)]
+    rng = random.Random(14)
+    for kill in range(10):
+        victim = spawn(VICTIM, n, bs, tok, epochs, tmp_path)
+        assert victim.stdout.readline() == "resumed\n", victim.stderr.read()
+        # Killed after a random number of steps of this run (0: while it
+        # starts, during its catch-up's start), then as soon as it can be.
+        for _ in range(0 if kill % 5 == 0 else rng.randrange(1, 25)):
+            assert victim.stdout.readline() == "saved\n", victim.stderr.read()
+        victim.kill()
+        victim.wait()
+    victim = spawn(VICTIM, n, bs, tok, epochs, tmp_path)
+    out, err = victim.communicate(timeout=300)
+    assert victim.returncode == 0, err[-3000:]
+    stop.write_text("0")
+    waits = []
+    for other in others:
+        assert other.wait(BOUND_S) == 0, other.stderr.read()[-3000:]
+        waits += [json.loads(line)["longest_wait"] for line in other.stdout]
+    checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
+    got = checkpoint["batches"]
+    # The restarted trainer was behind the stream (the others went on) and
+    # caught up on a producer of its own; the others never waited for it
+    # (5 s: far more than a batch takes even under load, far less than a
+    # stall on the victim would be: its restart plus its catch-up).
+    assert len(checkpoint["catchups"]) >= 9 and sum(checkpoint["catchups"]) >= 1, checkpoint["catchups"]
+    assert max(waits) < 5.0, waits
+    sys.stderr.write(f"\ncatch-ups per run {checkpoint['catchups']}; the others' longest wait {max(waits):.3f} s\n")
+    with h.pipeline(n, bs) as reference:
+        want = [y.tolist() for e in range(epochs) for _, y in reference.batches(e)]
+    # From wherever its first run joined: an epoch start, then exactly the
+    # pipeline's batches in order, through the last epoch.
+    first = want.index(got[0])
+    assert first % (n // bs) == 0 and got == want[first:], (first, len(got), len(want))
+
+
+def test_a_state_ahead_of_a_new_run_skips_to_its_position(runtime):
+    n, bs, tok = 40, 4, token()
+    first = tsock.shared(h.pipeline, n, bs, tok, linger=0.2)
+    for _ in range(2):
+        for _ in first:  # epochs 0 and 1
+            pass
+    it = iter(first)
+    got = [np.asarray(next(it)[1]).tolist() for _ in range(3)]
+    state, pid = first.state_dict(), first.producer_pid
+    first.close()
+    wait_for(lambda: not alive(pid), "the run's producer to linger out")
+    resumed = tsock.shared(h.pipeline, n, bs, tok, linger=0.2)  # a new run: its producer starts at epoch 0
+    resumed.load_state_dict(state)
+    try:
+        rest = [np.asarray(y).tolist() for _, y in resumed]
+        following = [np.asarray(y).tolist() for _, y in resumed]
+        assert resumed.catchups == 0  # the stream was behind: read and let go up to the position
+    finally:
+        resumed.close()
+    with h.pipeline(n, bs) as reference:
+        assert got + rest == [y.tolist() for _, y in reference.batches(2)]
+        assert following == [y.tolist() for _, y in reference.batches(3)]
