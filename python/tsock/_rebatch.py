@@ -31,6 +31,8 @@ class Epoch(Protocol):
 
     def _release(self, raw: Raw | None) -> None: ...
 
+    def _first_row(self) -> int: ...
+
 
 class Whole:
     """The producer's batches as they come (batch_size=None)."""
@@ -91,7 +93,7 @@ class Rebatched:
             cur = epoch._take(0)
             if cur is None:
                 return None
-            self._cur, self._off = cur, 0
+            self._cur, self._off = cur, epoch._first_row()
         avail = self.rows(cur) - self._off
         if avail >= size:
             # Inside one producer batch: zero-copy slices.

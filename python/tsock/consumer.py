@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 import sys
 import time
 import weakref
 
-from . import _capi, _lifetime, _partition, _placement, _structure
+from . import _capi, _lifetime, _partition, _placement, _state, _structure
 from ._reader import Raw, Reader
 from ._rebatch import Rebatched, Whole
 from .errors import ChannelClosed, TsockError
@@ -147,7 +148,10 @@ class Consumer:
         under anything kept; zero-copy device tensors on the device path.
       start: "epoch" (default): start with the producer's current epoch if
         this consumer attaches within the producer's join_window, else with
-        the next epoch; "now": with the next batch published.
+        the next epoch; "now": with the next batch published (the default
+        with `state`).
+      state: a state_dict() of an earlier consumer of the same pipeline:
+        resume after the last batch it handed out (see load_state_dict).
       timeout: seconds to wait for the channel to appear; None (default):
         wait for the producer however long it takes to start (its dataset
         set-up may take minutes), printing a line on stderr after 5 s and
@@ -195,7 +199,7 @@ class Consumer:
         drop_last: bool = False,
         output: str = "numpy",
         copy: bool = False,
-        start: str = "epoch",
+        start: str | None = None,
         timeout: float | None = None,
         device=None,
         device_path: str = "auto",
@@ -203,6 +207,7 @@ class Consumer:
         carry_over: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        state: dict | None = None,
     ):
         if not isinstance(name, str):
             raise TypeError(f"channel name must be str, got {type(name).__name__}")
@@ -212,6 +217,9 @@ class Consumer:
             if batch_size < 1:
                 raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
             batch_size = int(batch_size)
+        resume = None if state is None else _state.decode(state)  # before attaching
+        if start is None:
+            start = "epoch" if resume is None else "now"  # a stream past it is refused, not skipped a whole epoch
         if start not in _START:
             raise ValueError(f"start must be 'epoch' or 'now', got {start!r}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
@@ -219,6 +227,11 @@ class Consumer:
         if lifetime not in LIFETIMES:
             raise ValueError(f"lifetime must be one of {LIFETIMES}, got {lifetime!r}")
         rank, world_size = _partition.check(rank, world_size)
+        if resume is not None and resume.started and (resume.rank, resume.world_size) != (rank or 0, world_size or 0):
+            raise ValueError(
+                f"the state is rank {resume.rank} of {resume.world_size}'s, this consumer is rank {rank} of "
+                f"{world_size}'s (0 of 0: not partitioned)"
+            )
         from ._output import OUTPUTS
 
         if output not in OUTPUTS:
@@ -246,6 +259,14 @@ class Consumer:
         self._delivered = 0  # batches made in the epoch in progress
         self._closed_seen = False
         self._started = False  # a batch was taken
+        self._last_meta = None  # metadata of the last producer batch taken
+        # (metadata, rows cut from it) where each batch made and not yet
+        # handed out ends (the pinned host path makes one ahead), and where
+        # the last one handed out ends: the state.
+        self._made = collections.deque(maxlen=4)
+        self._handed = (None, None)
+        self._resume = None  # a loaded state, until the stream reaches its position
+        self._resume_rows = 0  # rows of the first batch after it that were handed out before
         #: this consumer's rank and the job's world size (None: not partitioned)
         self.rank, self.world_size = rank, world_size
         self._ranks = _partition.Ranks(name, rank, world_size)
@@ -306,6 +327,97 @@ class Consumer:
             self._cutter = Whole(self._out, self._reader)
         else:
             self._cutter = Rebatched(self._out, self._reader, batch_size, self.drop_last)
+        if resume is not None:
+            self.load_state_dict(state)
+
+    # ---- resume ----
+
+    def state_dict(self) -> dict:
+        """Where this consumer is in the pipeline's order: {"tsock": 48 bytes}
+        (the pipeline's fingerprint, the epoch, the samples and the next
+        batch of it, the rank). Save it with the model's checkpoint; a new
+        consumer given it (state=, or load_state_dict before its first
+        batch) hands out the batches after the last one this one handed
+        out, the same batches as a run never interrupted. Nothing is
+        snapshotted: it is read from the tag of the last batch taken, so
+        having it costs nothing per step. Needs a tsock.Pipeline producer
+        (TypeError otherwise: its batches carry no position)."""
+        if self._resume is not None:
+            return _state.encode(self._resume)  # loaded, not reached yet
+        meta, rows = self._handed
+        if meta is None:
+            return _state.encode(_state.BEGINNING)
+        tag = _structure.decode_tag(meta)
+        if tag is None:
+            raise TypeError(
+                f"channel '{self.name}': the producer's batches carry no position in a known order, so this "
+                "consumer has no state to save; publish a tsock.Pipeline (docs/PIPELINE.md)"
+            )
+        rows = tag.samples if rows is None else rows
+        step = tag.ranks if tag.world_size else 1  # a rank's batches are `ranks` apart
+        if rows < tag.samples:
+            index, samples = tag.index, tag.start + rows
+        else:
+            index, samples = tag.index + step, tag.start + tag.samples
+        epoch = tag.epoch
+        if self._layout is not None and self._layout.batches is not None and index >= self._layout.batches:
+            epoch, index, samples = epoch + 1, index - self._layout.batches, 0
+        return _state.encode(_state.State(tag.fingerprint, epoch, samples, index, tag.rank, tag.world_size))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resumes at a state_dict()'s position, before the first batch: the
+        batches before it are read and let go (the stream is behind it);
+        a stream already past it raises ValueError at the first batch, since
+        what lies between was published before this consumer attached:
+        start the producer there (Producer.run(start=...)), or share it with
+        tsock.shared, whose trainers catch up on their own."""
+        state = _state.decode(state_dict)
+        if self._started or self._delivered or self.epoch:
+            raise ValueError("load_state_dict() must come before the consumer's first batch")
+        if state.started and (state.rank, state.world_size) != (self.rank or 0, self.world_size or 0):
+            raise ValueError(f"the state is rank {state.rank} of {state.world_size}'s, not this consumer's")
+        self._resume = state if state.started else None
+
+    def _reached(self, raw: Raw) -> bool:
+        """Whether raw is at the loaded state's position (the earlier ones
+        are let go); raw is let go before an error is raised."""
+        state = self._resume
+        tag = _structure.decode_tag(raw.meta)
+        problem = None
+        if tag is None:
+            problem = TypeError("the state needs a tsock.Pipeline producer; this channel's batches carry no position")
+        elif tag.fingerprint != state.fingerprint:
+            problem = ValueError(
+                f"the state was saved from another pipeline (fingerprint {state.fingerprint.hex()}) than channel "
+                f"'{self.name}' publishes ({tag.fingerprint.hex()})"
+            )
+        else:
+            here, want = (tag.epoch, tag.index), (state.epoch, state.batch)
+            if here < want:
+                self._release(raw)
+                return False
+            rows = state.samples - tag.start
+            if here > want:
+                problem = ValueError(
+                    f"channel '{self.name}' is past the state's position (epoch {state.epoch}, batch {state.batch}; "
+                    f"its next batch is {tag.epoch}, {tag.index}): start the producer at the position "
+                    "(Producer.run(start=...)), attach before it gets there, or use tsock.shared, which catches up"
+                )
+            elif not 0 <= rows < max(1, tag.samples):
+                problem = ValueError(f"the state's samples ({state.samples}) do not fall in batch {tag.index}")
+            elif rows and self.batch_size is None:
+                problem = ValueError("the state was saved part of the way into a producer batch: give batch_size=")
+            else:
+                self._resume, self._resume_rows = None, rows
+                return True
+        self._release(raw)
+        raise problem
+
+    def _first_row(self) -> int:
+        """Rows of the first batch taken after a resume that were handed out
+        before it (the re-batching cutter starts there); 0 afterwards."""
+        rows, self._resume_rows = self._resume_rows, 0
+        return rows
 
     # ---- lifecycle ----
 
@@ -378,6 +490,8 @@ class Consumer:
             self._open = False
             raise StopIteration
         self._open = True
+        if self._made:
+            self._handed = self._made.popleft()
         return batch
 
     def _skip_rest(self) -> None:
@@ -395,6 +509,8 @@ class Consumer:
             if raw is None:
                 break
             self._release(raw)
+        self._made.clear()
+        self._handed = (self._last_meta, None)  # the epoch's batches are behind this consumer
         self.epoch += 1
         self._delivered = 0
         self._open = False
@@ -403,9 +519,14 @@ class Consumer:
         """The next batch of the epoch in the output's form, or None at its
         end. Counted here, where it is made: the pinned host path makes batch
         n+1 before it hands batch n out."""
-        batch = self._cutter.next(self)
+        cutter = self._cutter
+        batch = cutter.next(self)
         if batch is not None:
             self._delivered += 1
+            if type(cutter) is Rebatched and cutter._cur is not None:
+                self._made.append((cutter._cur.meta, cutter._off))  # a producer batch cut part of the way
+            else:
+                self._made.append((self._last_meta, None))
         return batch
 
     def __len__(self) -> int:
@@ -480,7 +601,7 @@ class Consumer:
             self.producer_epoch = raw.epoch
             if raw.end:
                 self._release(raw)
-                if not self._started:
+                if not self._started or self._resume is not None:
                     # Joined ("now") just before an epoch-end marker: the
                     # first epoch starts after it, not empty.
                     continue
@@ -489,6 +610,9 @@ class Consumer:
                 self._release(raw)  # another rank's: let go unread
                 continue
             self._layout = raw.layout
+            if self._resume is not None and not self._reached(raw):
+                continue
+            self._last_meta = raw.meta
             if self.track_tags:
                 self.last_tag = _structure.decode_tag(raw.meta)
             return raw

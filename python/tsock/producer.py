@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _capi, _dtypes, _structure
+from . import _capi, _dtypes, _state, _structure
 from ._reader import SLICE_NS
 from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
 from .pipeline import Pipeline, Position
@@ -184,6 +184,22 @@ def _cuda_ordinal(device) -> int:
     from ._devices import cuda_index
 
     return cuda_index(device)
+
+
+def _position_of_state(state_dict: dict, pipe: Pipeline) -> Position:
+    """Where a consumer's state_dict() resumes, in `pipe`'s batches: for a
+    rank's state, the start of its step (every rank's batch of it)."""
+    state = _state.decode(state_dict)
+    if not state.started:
+        return Position(0, 0)
+    if state.fingerprint != pipe.fingerprint:
+        raise ValueError(
+            f"the state was saved from another pipeline (fingerprint {state.fingerprint.hex()}) than {pipe!r} "
+            f"({pipe.fingerprint.hex()})"
+        )
+    batch = state.batch - state.batch % len(pipe.ranks) if state.world_size else state.batch
+    pipe._check_position(state.epoch, batch)
+    return Position(state.epoch, batch)
 
 
 def _check_same_pipeline(name: str, fingerprint: bytes, world_size: int, ranks: int, pipeline: Pipeline) -> None:
@@ -633,8 +649,11 @@ class Producer:
         epoch E, so a restarted run with the same `epochs` ends where an
         uninterrupted one would. start="recorded" starts where the previous
         producer of this channel stopped (Producer.recorded_position), or at
-        the beginning if there is nothing to resume. Every batch carries its
-        epoch, index and the pipeline's fingerprint in its metadata."""
+        the beginning if there is nothing to resume. start=a consumer's
+        state_dict() starts at its next batch (a job restarted from its
+        checkpoint: give the state of its rank furthest behind). Every batch
+        carries its epoch, index and the pipeline's fingerprint in its
+        metadata."""
         if self.loader is None:
             raise ValueError("Producer.run needs a loader; with loader=None use publish() and end_epoch()")
         if isinstance(self.loader, Pipeline):
@@ -661,6 +680,8 @@ class Producer:
         elif isinstance(start, str) and start == "recorded":
             self._usable()
             start = self.recorded_position(self.name, pipe) or Position(0, 0)
+        elif isinstance(start, dict):
+            start = _position_of_state(start, pipe)
         else:
             try:
                 start = Position(*start)

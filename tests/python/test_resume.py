@@ -1,0 +1,167 @@
+"""A Consumer's state_dict(): its position in a tsock.Pipeline's order, 48
+bytes, from which a new consumer resumes with exactly the batches after the
+last one handed out (docs/PIPELINE.md, "Consumer side"). tsock.shared's
+catch-up is tested in test_shared.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pipeline_helpers as h
+import pytest
+import tsock
+from tsock import _state
+
+
+def _batches(pipe, epoch, batch_size=None):
+    """The pipeline's batches of an epoch as lists of sample ids, cut into
+    batch_size ones (the last one partial) when given."""
+    ids = [b[1].tolist() for b in pipe.batches(epoch)]
+    if batch_size is None:
+        return ids
+    flat = sum(ids, [])
+    return [flat[i : i + batch_size] for i in range(0, len(flat), batch_size)]
+
+
+def _ids(batch) -> list:
+    return batch[1].tolist()
+
+
+def _first(consumer, k: int) -> list:
+    it = iter(consumer)
+    return [_ids(next(it)) for _ in range(k)]
+
+
+class Serving:
+    """Producer(pipe).run(epochs, start) in a thread; join() re-raises."""
+
+    def __init__(self, pipe, channel, epochs, start=None, **options):
+        self.error = None
+        self.producer = tsock.Producer(pipe, channel, wait_readers=1, **options)
+        self.thread = threading.Thread(target=self._run, args=(epochs, start), daemon=True)
+        self.thread.start()
+
+    def _run(self, epochs, start):
+        try:
+            self.producer.run(epochs=epochs, start=start)
+        except BaseException as e:  # noqa: BLE001 - re-raised by join()
+            self.error = e
+
+    def join(self):
+        self.thread.join(60)
+        self.producer.close()
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("batch_size", [None, 3, 10])
+def test_a_job_restarted_from_a_checkpoint_gets_the_batches_after_it(channel, batch_size):
+    """Producer and consumer restarted from the consumer's state: the rest of
+    the epoch in the same batches as a run never interrupted, re-batched
+    ones included (a state part of the way into a producer batch)."""
+    ref = h.make_pipeline()
+    serving = Serving(h.make_pipeline(), channel, epochs=2)
+    with tsock.Consumer(channel, batch_size=batch_size, timeout=30) as c:
+        for _ in c:  # epoch 0
+            pass
+        got = _first(c, 5)
+        state = c.state_dict()
+    serving.join()
+    decoded = _state.decode(state)
+    assert len(state["tsock"]) == 48 and (decoded.epoch, decoded.samples) == (1, 5 * (batch_size or 4))
+    assert (decoded.samples % 4 != 0) == (batch_size is not None)  # re-batched: part of the way into a batch
+    serving = Serving(h.make_pipeline(), channel, epochs=3, start=state)
+    with tsock.Consumer(channel, batch_size=batch_size, timeout=30, state=state) as c:
+        rest = [_ids(b) for b in c]
+        following = [_ids(b) for b in c]
+    serving.join()
+    assert got + rest == _batches(ref, 1, batch_size)
+    assert following == _batches(ref, 2, batch_size)
+
+
+def test_a_stream_behind_the_state_is_read_up_to_it(channel):
+    """Attached before the producer gets to the state's position (it runs
+    from the start of the epoch): the batches before it are let go."""
+    ref = h.make_pipeline()
+    serving = Serving(h.make_pipeline(), channel, epochs=2)
+    with tsock.Consumer(channel, timeout=30) as c:
+        got = _first(c, 7)
+        state = c.state_dict()
+    serving.join()
+    serving = Serving(h.make_pipeline(), channel, epochs=1)  # epoch 0 from its first batch
+    with tsock.Consumer(channel, timeout=30) as c:
+        c.load_state_dict(state)
+        rest = [_ids(b) for b in c]
+    serving.join()
+    assert got + rest == _batches(ref, 0)
+
+
+def test_a_stream_past_the_state_is_refused_naming_the_fix(channel):
+    serving = Serving(h.make_pipeline(), channel, epochs=1)
+    with tsock.Consumer(channel, timeout=30) as c:
+        _first(c, 2)
+        state = c.state_dict()
+    serving.join()
+    serving = Serving(h.make_pipeline(), channel, epochs=1, start=(0, 6))
+    try:
+        with tsock.Consumer(channel, timeout=30, state=state) as c:
+            with pytest.raises(ValueError, match=r"past the state's position.*run\(start=.*tsock.shared"):
+                next(iter(c))
+    finally:
+        serving.producer.close()
+        serving.thread.join(60)
+
+
+def test_a_state_of_another_pipeline_or_not_a_state_is_refused(channel):
+    serving = Serving(h.make_pipeline(n=40), channel, epochs=1)
+    with tsock.Consumer(channel, timeout=30) as c:
+        _first(c, 2)
+        state = c.state_dict()
+        with pytest.raises(ValueError, match="before the consumer's first batch"):
+            c.load_state_dict(state)
+    serving.join()
+    other = h.make_pipeline(n=44)  # another source: another fingerprint
+    with pytest.raises(ValueError, match="another pipeline"):
+        tsock.Producer(other, channel).run(start=state)
+    serving = Serving(other, channel, epochs=1)
+    try:
+        with tsock.Consumer(channel, timeout=30, state=state) as c:
+            with pytest.raises(ValueError, match="another pipeline"):
+                next(iter(c))
+    finally:
+        serving.producer.close()
+        serving.thread.join(60)
+    for bad in ({"tsock": b"TSS1"}, {"state": bytes(48)}, [1, 2]):
+        with pytest.raises(ValueError, match="tsock loader state"):
+            tsock.Consumer(channel, timeout=0, state=bad)
+
+
+def test_a_producer_of_plain_batches_has_no_state(channel):
+    with tsock.Producer([(h.np.zeros((2, 3)),)] * 3, channel, wait_readers=1) as p:
+        t = threading.Thread(target=p.run, daemon=True)
+        t.start()
+        with tsock.Consumer(channel, timeout=30) as c:
+            next(iter(c))
+            with pytest.raises(TypeError, match="publish a tsock.Pipeline"):
+                c.state_dict()
+        t.join(30)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_rank_resumes_its_share(channel, rank):
+    """A partitioned channel: rank r of 3's state; the producer restarted at
+    it (the start of its step) and the rank gets the rest of its share."""
+    make = lambda: h.make_pipeline(n=47, batch_size=3, world_size=3)  # noqa: E731
+    serving = Serving(make(), channel, epochs=2)
+    with tsock.Consumer(channel, timeout=30, rank=rank, world_size=3) as c:
+        got = _first(c, 3)
+        state = c.state_dict()
+    serving.producer.close()
+    serving.thread.join(60)
+    with pytest.raises(ValueError, match="rank"):
+        tsock.Consumer(channel, timeout=0, state=state, rank=1, world_size=3)
+    serving = Serving(make(), channel, epochs=1, start=state)
+    with tsock.Consumer(channel, timeout=30, rank=rank, world_size=3, state=state) as c:
+        rest = [_ids(b) for b in c]
+    serving.join()
+    assert sum(got + rest, []) == make().indices(0, rank=rank).tolist()
