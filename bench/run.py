@@ -6,7 +6,8 @@
 Sections (--only to pick some): transport (latency, throughput, bandwidth,
 producer scaling and shared memory: bench/latency, a Go driver with C reader
 processes), python (bench/python_consumer.py), e2e (bench/e2e.py), pipeline
-(bench/pipeline.py: tsock.Pipeline against a DataLoader). Every
+(bench/pipeline.py: tsock.Pipeline against a DataLoader), resume
+(bench/resume.py: tsock's state against torchdata's StatefulDataLoader). Every
 figure is a ratio against a baseline measured in the same run. Needs `make
 build` and the environment of `make bench-env`.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-SECTIONS = ("transport", "python", "e2e", "pipeline", "gpu")
+SECTIONS = ("transport", "python", "e2e", "pipeline", "resume", "gpu")
 
 
 def _cmd(*args: str) -> str:
@@ -152,6 +153,12 @@ def pipeline_section(quick: bool) -> dict:
     return pipeline.measure(pipeline.parse(["--quick"] if quick else []))
 
 
+def resume_section(quick: bool) -> dict:
+    import resume
+
+    return resume.measure(resume.parse(["--quick"] if quick else []))
+
+
 def gpu_section(quick: bool) -> dict:
     """bench/gpu.py where there is a GPU; else why not, for the document."""
     import gpu
@@ -174,6 +181,7 @@ def measure(a, only: list[str]) -> dict:
             ("python", lambda: python_section(a.quick)),
             ("e2e", lambda: e2e_section(a.quick, Path(tmp))),
             ("pipeline", lambda: pipeline_section(a.quick)),
+            ("resume", lambda: resume_section(a.quick)),
             ("gpu", lambda: gpu_section(a.quick)),
         ):
             if section in only:

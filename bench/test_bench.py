@@ -51,10 +51,12 @@ def test_quick_benchmark_writes_the_document(tmp_path):
         "## Python consumer",
         "## End to end",
         "## Pipeline against a DataLoader",
+        "## Resume against StatefulDataLoader",
         "## Scaling",
     ):
         assert heading in doc
     assert "FAILED" not in doc, doc
+    assert "WRONG BATCH" not in doc, doc  # a resume gave another batch than the uninterrupted run's
     for png in ("latency.png", "throughput.png", "e2e.png", "scaling.png"):
         assert (tmp_path / "bench" / png).stat().st_size > 1000
     res = json.loads((tmp_path / "bench" / "results.json").read_text())

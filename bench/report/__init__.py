@@ -9,6 +9,7 @@ from .gpu import gpu_md
 from .pipeline import pipeline_md
 from .plots import plots
 from .python_consumer import python_md
+from .resume import resume_md
 from .scaling import scaling_md
 from .targets import headline, target_notes, targets
 from .transport import transport_md
@@ -66,6 +67,8 @@ def markdown(res: dict, images: list[str], command: str) -> str:
         L += e2e_md(e, "e2e.png" in images)
     if res.get("pipeline"):
         L += pipeline_md(res["pipeline"])
+    if res.get("resume"):
+        L += resume_md(res["resume"])
     if t and (t.get("scaling") or t.get("shm") or t.get("flat")):
         L += scaling_md(t, "scaling.png" in images)
     if res.get("gpu"):
