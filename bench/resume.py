@@ -8,9 +8,11 @@ For each system:
 - state_dict() call: its median time mid-epoch;
 - per step: what having resume costs a step. StatefulDataLoader against a
   plain DataLoader of the same configuration (its workers send their state
-  with every batch at the default snapshot_every_n_steps=1); tsock's
-  Consumer with its position tracking against the same Consumer with it
-  replaced by a no-op (A/B in one process);
+  with every batch at the default snapshot_every_n_steps=1): time per step
+  over a run of steps, the median of 3 alternated runs each; tsock: the Consumer's time per next() with the ring
+  full (the producer ahead), its position tracking against a no-op in its
+  place, alternated round by round in one consumer (the fastest round of
+  each);
 - first batch after resume, at an early and a late step of an epoch: a new
   loader given the state until its first batch (tsock: the producer
   restarted at the state, Producer.run(start=state), and Consumer(state=);
@@ -92,8 +94,11 @@ def _steps_per_s(loader, steps: int) -> float:
 
 
 def torchdata_figures(n: int, workers: int, positions: list[int], steps: int) -> dict:
-    plain = _steps_per_s(_torch_loader(n, False, workers), steps)
-    stateful = _steps_per_s(_torch_loader(n, True, workers), steps)
+    rates = {True: [], False: []}
+    for _ in range(3):  # alternated: the machine's load drifts
+        for stateful in (False, True):
+            rates[stateful].append(_steps_per_s(_torch_loader(n, stateful, workers), steps))
+    plain, stateful = statistics.median(rates[False]), statistics.median(rates[True])
     loader = _torch_loader(n, True, workers)
     reference = [b[1].tolist() for b in loader]  # the uninterrupted epoch (epoch 0)
     out = {"steps_per_s_plain": plain, "steps_per_s": stateful, "resume": []}
@@ -135,10 +140,10 @@ class _NoTracking:
         return False
 
 
-def _serve(pipe, channel: str, epochs: int, start=None):
+def _serve(pipe, channel: str, epochs: int, start=None, **options):
     import tsock
 
-    producer = tsock.Producer(pipe, channel, wait_readers=1)
+    producer = tsock.Producer(pipe, channel, wait_readers=1, **options)
 
     def run():
         try:
@@ -158,31 +163,45 @@ def _pipeline(n: int, workers: int):
     return tsock.Pipeline(Synthetic(n), batch_size=BATCH, seed=0, workers=workers)
 
 
+def _consumer_step_us(channel: str, pipe, rounds: int) -> dict:
+    """A Consumer's time per next() with the ring full (no waiting for the
+    producer): rounds alternate the position tracking and a no-op in its
+    place, in one consumer; the fastest round of each (the machine is
+    shared: a round preempted midway says nothing about the code)."""
+    import tsock
+
+    slots, per_round = 32, 24
+    producer, thread = _serve(pipe, channel, epochs=None, slots=slots)
+    times = {"tracking": [], "none": []}
+    with tsock.Consumer(channel, timeout=60) as c:
+        tracking = c._made
+        it = iter(c)
+        next(it)
+        for r in range(rounds):
+            mode = "tracking" if r % 2 == 0 else "none"
+            c._made = tracking if mode == "tracking" else _NoTracking()
+            time.sleep(0.3)  # the producer fills the ring again
+            t = time.perf_counter()
+            for _ in range(per_round):
+                try:
+                    next(it)
+                except StopIteration:
+                    it = iter(c)
+            times[mode].append((time.perf_counter() - t) / per_round)
+        c._made = tracking
+    producer.close()
+    thread.join(60)
+    return {mode: 1e6 * min(v) for mode, v in times.items()}
+
+
 def tsock_figures(n: int, workers: int, positions: list[int], steps: int, channel: str) -> dict:
     import tsock
 
     with _pipeline(n, 0) as ref_pipe:
         reference = [b[1].tolist() for b in ref_pipe.batches(0)]
-    rates = {}
-    for mode in ("tracking", "none", "tracking2", "none2"):  # alternated: the machine's load drifts
-        pipe = _pipeline(n, workers)
-        producer, thread = _serve(pipe, channel, epochs=None)
-        with tsock.Consumer(channel, timeout=60) as c:
-            if mode.startswith("none"):
-                c._made = _NoTracking()
-            it = iter(c)
-            next(it)
-            t = time.perf_counter()
-            for _ in range(steps):
-                try:
-                    next(it)
-                except StopIteration:
-                    it = iter(c)
-            rates.setdefault(mode.rstrip("2"), []).append(steps / (time.perf_counter() - t))
-        producer.close()
-        thread.join(60)
-        pipe.close()
-    out = {"steps_per_s": max(rates["tracking"]), "steps_per_s_untracked": max(rates["none"]), "resume": []}
+    with _pipeline(n, workers) as pipe:
+        step = _consumer_step_us(channel, pipe, rounds=6 if steps < 50 else 40)
+    out = {"step_us": step["tracking"], "step_us_untracked": step["none"], "resume": []}
     for k in positions:
         pipe = _pipeline(n, workers)
         producer, thread = _serve(pipe, channel, epochs=1)
@@ -249,9 +268,10 @@ def table(res: dict) -> list[str]:
         "| --- | --- | --- |",
         f"| state | {ts['state_bytes']} bytes | {td['state_bytes']} bytes (pickled) |",
         f"| state_dict() call | {ts['state_dict_us']:.1f} us | {td['state_dict_us']:.1f} us |",
-        f"| steps/s with resume, against without | {ts['steps_per_s']:.0f} / {ts['steps_per_s_untracked']:.0f} "
-        f"= {ts['steps_per_s'] / ts['steps_per_s_untracked']:.2f} | {td['steps_per_s']:.0f} / "
-        f"{td['steps_per_s_plain']:.0f} (DataLoader) = {td['steps_per_s'] / td['steps_per_s_plain']:.2f} |",
+        f"| a step with resume against without | {ts['step_us']:.1f} / {ts['step_us_untracked']:.1f} us per next() "
+        f"= {ts['step_us'] / ts['step_us_untracked']:.2f} (ring full) | {1e6 / td['steps_per_s']:.0f} / "
+        f"{1e6 / td['steps_per_s_plain']:.0f} us per step (DataLoader) = "
+        f"{td['steps_per_s_plain'] / td['steps_per_s']:.2f} (throughput) |",
     ]
     for a, b in zip(ts["resume"], td["resume"]):
         exact = {True: "exact", False: "WRONG BATCH"}
