@@ -676,7 +676,8 @@ class SharedLoader:
             warnings.warn(
                 f"tsock.shared: the producer of '{self.key}' died and its successor started the loader over: "
                 f"epoch {self.epoch} restarted in this loop (its order is not known to be reproducible: return a "
-                "tsock.Pipeline from the factory for exact resume)",
+                "tsock.Pipeline or a seeded map-style DataLoader from the factory for exact resume; its log says why "
+                f"this one is not: {self._paths.log})",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -148,6 +148,10 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
     slots = options.get("slots") or shared._capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
     options.setdefault("join_window", slots // 2)
     producer = Producer(loader, spec["channel"], **options)
+    loader = producer.loader  # a seeded map-style DataLoader is a Pipeline now
+    if producer.not_resumable:
+        note = producer.not_resumable
+        print(f"tsock.shared: a crash restarts the epoch, since the factory's DataLoader: {note}", flush=True)
     producer.before_publish = Gate(paths, spec["linger"], alive, private=bool(spec.get("start")))
     try:
         if isinstance(loader, Pipeline):

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _capi, _dtypes, _state, _structure
+from . import _capi, _dtypes, _from_dataloader, _state, _structure
 from ._reader import SLICE_NS
 from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
 from .pipeline import Pipeline, Position
@@ -401,6 +401,14 @@ class Producer:
             raise ValueError(f"slot_bytes must be a positive int or None, got {slot_bytes!r}")
         if not isinstance(headroom, (int, float)) or headroom < 1:
             raise ValueError(f"headroom must be a number >= 1, got {headroom!r}")
+        converted, why = _from_dataloader.convert(loader)
+        #: why the loader's batches cannot be resumed exactly (a DataLoader
+        #: that is not a seeded map-style one), or None
+        self.not_resumable = why
+        #: the DataLoader given, when it was made a Pipeline (self.loader)
+        self.dataloader = loader if converted is not None else None
+        if converted is not None:
+            loader = converted
         if slots is None:
             slots = _default_slots(loader)
         if max_readers is None:
@@ -440,6 +448,7 @@ class Producer:
         self._packed: dict[tuple, bytes] = {}
         self._slot_views: dict[int, memoryview] = {}
         self._closed = False
+        self._running = False  # run() is publishing a Pipeline
         #: called with the producer before each batch is written, once the
         #: channel exists (tsock.shared's producer waits for its trainers
         #: and lingers there); it may raise to stop run()
@@ -657,10 +666,20 @@ class Producer:
         if self.loader is None:
             raise ValueError("Producer.run needs a loader; with loader=None use publish() and end_epoch()")
         if isinstance(self.loader, Pipeline):
-            self._run_pipeline(epochs, start)
+            self._running = True
+            try:
+                self._run_pipeline(epochs, start)
+            finally:
+                self._running = False
+                if self._closed and self.dataloader is not None:
+                    self.loader.close()  # closed while it ran (from another thread): its workers go now
             return
         if start is not None:
-            raise ValueError("start= needs a tsock.Pipeline as the loader: other loaders cannot seek")
+            why = f" (this DataLoader is not one: {self.not_resumable})" if self.not_resumable else ""
+            raise ValueError(
+                "start= needs a tsock.Pipeline or a seeded map-style DataLoader as the loader: other loaders cannot "
+                f"seek{why}"
+            )
         e = 0
         while epochs is None or e < epochs:
             for batch in self.loader:
@@ -812,6 +831,8 @@ class Producer:
         self._closed = True
         self._finalizer()
         self._slot_views.clear()  # they point into the unmapped segment now
+        if self.dataloader is not None and not self._running:
+            self.loader.close()  # the Pipeline made of it: its workers are this producer's (else run() closes it)
 
     def __enter__(self):
         return self

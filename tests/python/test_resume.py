@@ -165,3 +165,75 @@ def test_a_rank_resumes_its_share(channel, rank):
         rest = [_ids(b) for b in c]
     serving.join()
     assert sum(got + rest, []) == make().indices(0, rank=rank).tolist()
+
+
+# ---- a DataLoader as a Pipeline ----
+
+
+def _dataloader(**kw):
+    import torch
+    from torch.utils.data import DataLoader
+
+    kw.setdefault("batch_size", 4)
+    return DataLoader(h.Numbers(60), **kw), torch
+
+
+def test_a_seeded_map_style_dataloader_is_published_as_a_pipeline_and_resumes(channel):
+    loader, torch = _dataloader(shuffle=True, generator=torch_generator(5), num_workers=2)
+    producer = tsock.Producer(loader, channel, wait_readers=1)
+    try:
+        assert isinstance(producer.loader, tsock.Pipeline) and producer.dataloader is loader
+        assert producer.not_resumable is None
+        assert (producer.loader.seed, producer.loader.shuffle, producer.loader.workers) == (5, True, 2)
+        t = threading.Thread(target=_run_until_closed, args=(producer,), daemon=True)
+        t.start()
+        with tsock.Consumer(channel, output="torch", timeout=30) as c:
+            got = _first(c, 4)
+            state = c.state_dict()
+        producer.close()
+        t.join(60)
+    finally:
+        producer.close()
+    reference, _ = _dataloader(shuffle=True, generator=torch_generator(5))
+    with tsock.Producer(reference, channel + "r") as ref_producer:  # the same Pipeline, computed here
+        expected = [b[1].tolist() for b in ref_producer.loader.batches(0)]
+    assert sorted(sum(expected, [])) == list(range(60))  # every sample once: shuffled by the seed
+    assert got == expected[:4]
+    serving = Serving(_dataloader(shuffle=True, generator=torch_generator(5))[0], channel, epochs=1, start=state)
+    with tsock.Consumer(channel, output="torch", timeout=30, state=state) as c:
+        rest = [_ids(b) for b in c]
+    serving.join()
+    assert got + rest == expected
+
+
+def _run_until_closed(producer) -> None:
+    try:
+        producer.run(epochs=1)
+    except tsock.TsockError:
+        assert producer._closed  # closed under it: how the test stops it
+
+
+def torch_generator(seed: int):
+    import torch
+
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+@pytest.mark.parametrize(
+    "options, why",
+    [
+        ({"shuffle": True}, "without a seeded generator"),
+        ({"batch_size": None}, "batch_sampler"),
+        ({"sampler": [3, 1, 2]}, "sampler is a list"),
+        ({"worker_init_fn": print}, "worker_init_fn"),
+    ],
+)
+def test_any_other_dataloader_is_published_as_it_is_and_says_why(channel, options, why):
+    loader, _ = _dataloader(**options)
+    with tsock.Producer(loader, channel) as producer:
+        assert producer.loader is loader and producer.dataloader is None
+        assert why in producer.not_resumable
+        with pytest.raises(ValueError, match=f"not one: .*{why}"):
+            producer.run(start=(0, 1))
