@@ -339,9 +339,9 @@ class Consumer:
         consumer given it (state=, or load_state_dict before its first
         batch) hands out the batches after the last one this one handed
         out, the same batches as a run never interrupted. Nothing is
-        snapshotted: it is read from the tag of the last batch taken, so
-        having it costs nothing per step. Needs a tsock.Pipeline producer
-        (TypeError otherwise: its batches carry no position)."""
+        snapshotted: it is read from the tag of the last batch handed out,
+        which costs a step well under a microsecond. Needs a tsock.Pipeline
+        producer (TypeError otherwise: its batches carry no position)."""
         if self._resume is not None:
             return _state.encode(self._resume)  # loaded, not reached yet
         meta, rows = self._handed
@@ -360,9 +360,22 @@ class Consumer:
         else:
             index, samples = tag.index + step, tag.start + tag.samples
         epoch = tag.epoch
-        if self._layout is not None and self._layout.batches is not None and index >= self._layout.batches:
-            epoch, index, samples = epoch + 1, index - self._layout.batches, 0
+        if self._skip or self._epoch_ends_at(index, samples):
+            # The rest of the epoch will not be handed out: a new iter()
+            # drops it, or it is shorter than a batch that drop_last drops.
+            epoch, index, samples = epoch + 1, tag.index % step, 0
         return _state.encode(_state.State(tag.fingerprint, epoch, samples, index, tag.rank, tag.world_size))
+
+    def _epoch_ends_at(self, index: int, samples: int) -> bool:
+        """Whether nothing of the epoch is handed out after this position."""
+        layout = self._layout
+        if layout is None:
+            return False
+        if layout.batches is not None and index >= layout.batches:
+            return True
+        if self.drop_last and self.batch_size is not None and layout.samples is not None:
+            return layout.samples // self._ranks.ranks - samples < self.batch_size
+        return False
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resumes at a state_dict()'s position, before the first batch: the
@@ -372,7 +385,7 @@ class Consumer:
         start the producer there (Producer.run(start=...)), or share it with
         tsock.shared, whose trainers catch up on their own."""
         state = _state.decode(state_dict)
-        if self._started or self._delivered or self.epoch:
+        if self._handed[0] is not None or self._delivered or self.epoch or self._open:
             raise ValueError("load_state_dict() must come before the consumer's first batch")
         if state.started and (state.rank, state.world_size) != (self.rank or 0, self.world_size or 0):
             raise ValueError(f"the state is rank {state.rank} of {state.world_size}'s, not this consumer's")
@@ -404,7 +417,11 @@ class Consumer:
                     "(Producer.run(start=...)), attach before it gets there, or use tsock.shared, which catches up"
                 )
             elif not 0 <= rows < max(1, tag.samples):
-                problem = ValueError(f"the state's samples ({state.samples}) do not fall in batch {tag.index}")
+                problem = ValueError(
+                    f"the state's position (epoch {state.epoch}, batch {state.batch}, sample {state.samples}) is not "
+                    f"one of channel '{self.name}''s batches (batch {tag.index} holds samples {tag.start} to "
+                    f"{tag.start + tag.samples - 1}): its pipeline is laid out otherwise (another ranks= of a node?)"
+                )
             elif rows and self.batch_size is None:
                 problem = ValueError("the state was saved part of the way into a producer batch: give batch_size=")
             else:

@@ -237,3 +237,39 @@ def test_any_other_dataloader_is_published_as_it_is_and_says_why(channel, option
         assert why in producer.not_resumable
         with pytest.raises(ValueError, match=f"not one: .*{why}"):
             producer.run(start=(0, 1))
+
+
+def test_the_state_after_an_epoch_is_the_next_epoch_whatever_ended_it(channel):
+    """After the last batch drop_last hands out, and after a break and a new
+    iter() (which drops the rest): the next epoch's start (review 28: the
+    resumed loop was empty, or got the dropped rest)."""
+    serving = Serving(h.make_pipeline(), channel, epochs=1)  # 60 samples
+    with tsock.Consumer(channel, batch_size=7, drop_last=True, timeout=30) as c:
+        assert len([b for b in c]) == 8  # 4 samples dropped
+        assert _state.decode(c.state_dict())[1:4] == (1, 0, 0)
+    serving.join()
+    serving = Serving(h.make_pipeline(), channel, epochs=2)
+    with tsock.Consumer(channel, timeout=30) as c:
+        _first(c, 3)
+        assert _state.decode(c.state_dict())[1:4] == (0, 12, 3)
+        iter(c)  # a new epoch: the rest of epoch 0 is dropped
+        assert _state.decode(c.state_dict())[1:4] == (1, 0, 0)
+        assert len(c) == 15
+    serving.producer.close()
+    serving.thread.join(60)
+
+
+def test_load_state_dict_after_len(channel):
+    ref = h.make_pipeline()
+    serving = Serving(h.make_pipeline(), channel, epochs=1)
+    with tsock.Consumer(channel, timeout=30) as c:
+        got = _first(c, 5)
+        state = c.state_dict()
+    serving.join()
+    serving = Serving(h.make_pipeline(), channel, epochs=1, start=state)
+    with tsock.Consumer(channel, timeout=30, start="now") as c:
+        assert len(c) == 15  # peeks the first batch: sizes the schedule first
+        c.load_state_dict(state)
+        rest = [_ids(b) for b in c]
+    serving.join()
+    assert got + rest == _batches(ref, 0)
