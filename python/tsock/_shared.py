@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import secrets
 import stat
 import subprocess
@@ -455,8 +456,15 @@ class SharedLoader:
     """What tsock.shared returns: a loader over the shared producer's batches
     (see tsock.shared)."""
 
-    def __init__(self, factory, args, kwargs, *, name, linger, producer, consumer, start_at=None):
+    def __init__(self, factory, args, kwargs, *, name, linger, producer, consumer, start_at=None, state=None):
         ref = factory_ref(factory)
+        private = start_at is not None  # a catch-up loader: its key is this trainer's alone
+        if state is not None:
+            loaded = _state.decode(state)  # before anything starts
+            if loaded.world_size:
+                raise ValueError("this state is a partitioned consumer's (rank and world size): tsock.shared is not")
+            if loaded.started:
+                start_at = (loaded.fingerprint, loaded.epoch, loaded.batch)
         self._call = (factory, args, kwargs, producer, consumer)  # for a catch-up producer
         if name is None:
             self.description = fingerprint(ref, args, kwargs)
@@ -488,7 +496,8 @@ class SharedLoader:
             "description": self.description,
             "linger": float(linger),
             "producer": dict(producer),
-            "start": start_at and list(start_at[1:]),  # (epoch, batch) of a catch-up producer's run
+            "start": start_at and list(start_at[1:]),  # (epoch, batch) where a first producer's run starts
+            "private": private,
         }
         self._options = consumer
         self._paths = Paths(runtime_dir(), key)
@@ -506,15 +515,20 @@ class SharedLoader:
         #: pid of the producer this trainer reads from
         self.producer_pid = 0
         self._position = start_at  # (fingerprint, epoch, next index) in a pipeline's order
-        self._samples = 0  # samples of the position's epoch handed out (state_dict)
         self._behind_ok = start_at is not None  # batches before the position are expected (skipped, not repeated)
-        self._resumed = False  # load_state_dict() set the position
+        self._resumed = state is not None and start_at is not None  # a loaded state set the position
+        self._resumed_samples = loaded.samples if self._resumed else 0  # samples before it: a whole batch's?
+        self._samples = self._resumed_samples  # samples of the position's epoch handed out (state_dict)
         self._catchup = None  # the private loader this trainer reads while behind the shared stream
         self._catchup_epoch_start = False  # it just ended an epoch: try to rejoin first
+        if not private:
+            _sweep_dead_catchups(self._paths)
         #: times this trainer was behind the shared stream and caught up on a producer of its own
         self.catchups = 0
         #: times it then went back to the shared stream
         self.rejoins = 0
+        #: batches of a stream behind this trainer's resumed position it read and let go
+        self.skipped_batches = 0
         self._tagged = None  # the stream carries pipeline tags (None: no batch seen yet)
         self._open = False  # the trainer's epoch in progress has handed out a batch
         self._epoch_done = False  # ended by a tag; the ring's marker may still come
@@ -749,7 +763,9 @@ class SharedLoader:
         else:
             here, want = (tag.epoch, tag.index), (pos[1], pos[2])
             if here < want:
-                if not self._behind_ok:
+                if self._behind_ok:
+                    self.skipped_batches += 1
+                else:
                     self.repeated_batches += 1  # handed out before the crash
                 return False
             if here > want and self._catchup is None:
@@ -764,6 +780,12 @@ class SharedLoader:
                     RuntimeWarning,
                     stacklevel=4,
                 )
+        if self._resumed and tag.start != self._resumed_samples:
+            raise ValueError(
+                f"tsock.shared: the loaded state is {self._resumed_samples - tag.start} samples into batch "
+                f"{tag.index} (a re-batching Consumer's?): a shared loader hands out whole batches; use a state it "
+                "saved, or tsock.Consumer(..., batch_size=) to resume it"
+            )
         self._behind_ok = self._resumed = False
         if tag.index + 1 >= batches:
             self._position = (tag.fingerprint, tag.epoch + 1, 0)
@@ -804,7 +826,7 @@ class SharedLoader:
         if not state.started:
             return  # saved before any batch: the beginning, as without a state
         self._position = (state.fingerprint, state.epoch, state.batch)
-        self._samples = state.samples
+        self._samples = self._resumed_samples = state.samples
         self._behind_ok = self._resumed = True
 
     def _start_catchup(self) -> None:
@@ -815,18 +837,38 @@ class SharedLoader:
         factory, args, kwargs, producer, consumer = self._call
         key = f"{self.key[:20]}.c{self._pid}.{next(_serials)}"
         self._leave_shared()
-        self._catchup = SharedLoader(
-            factory,
-            args,
-            kwargs,
-            name=key,
-            linger=CATCHUP_LINGER_S,
-            producer=producer,
-            consumer=consumer,
-            start_at=self._position,
-        )
-        self._catchup._samples = self._samples
+        _sweep_dead_catchups(self._paths)
+        try:
+            catchup = SharedLoader(
+                factory,
+                args,
+                kwargs,
+                name=key,
+                linger=CATCHUP_LINGER_S,
+                producer=producer,
+                consumer=consumer,
+                start_at=self._position,
+            )
+        except BaseException:
+            # Its producer failed (the factory's error is raised): nothing of
+            # the key is left, and the trainer is back on the stream, where
+            # its next batch tries again.
+            _forget_private_key(Paths(self._paths.dir, key))
+            self._join_shared()
+            raise
+        catchup._samples = self._samples
+        # The loaded state's checks go with the position, to the catch-up's first batch.
+        catchup._resumed, catchup._resumed_samples = self._resumed, self._resumed_samples
+        self._resumed = False
+        self._catchup = catchup
         self.catchups += 1
+
+    def _join_shared(self) -> None:
+        """Back in the roster and attached to the shared stream (its producer
+        started again if it is gone)."""
+        roster = self._paths.trainer(self._pid, next(_serials))
+        self._state[1], self._state[2] = self._paths.join_roster(roster), roster
+        self._consumer = self._connect(recovering=False)
 
     def _leave_shared(self) -> None:
         """Detaches from the shared stream and leaves its roster."""
@@ -950,6 +992,58 @@ class SharedLoader:
         return f"<tsock.SharedLoader key={self.key!r} channel={self.channel!r} producer_pid={self.producer_pid}>"
 
 
+_PRIVATE_KEY = re.compile(r".*\.c(\d+)\.\d+")
+
+
+def _forget_private_key(paths: Paths) -> None:
+    """Removes a catch-up key's files and what its channel left in /dev/shm
+    (its producer and its trainer are gone)."""
+    from .producer import resume_note_path
+
+    channel = paths.read_alive().get("channel")
+    if isinstance(channel, str):
+        with contextlib.suppress(TsockError):
+            check_name_of_run(channel)
+            for path in (segment_path(channel), resume_note_path(channel)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+    for path in (paths.ready, paths.error, paths.log, paths.alive, paths.start):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _sweep_dead_catchups(paths: Paths) -> None:
+    """Catch-up keys whose trainer and producer were killed together (an
+    OOM kill, a job killed whole) left a segment and files that nobody
+    would remove: a trainer of the same key removes them (review 28)."""
+    try:
+        entries = os.listdir(paths.dir)
+    except OSError:
+        return
+    prefix = paths.key[:20] + ".c"
+    for entry in entries:
+        key, _, suffix = entry.rpartition(".")
+        if suffix != "alive" or not key.startswith(prefix):
+            continue
+        found = _PRIVATE_KEY.fullmatch(key)
+        if found is None or _pid_alive(int(found.group(1))):
+            continue
+        private = Paths(paths.dir, key)
+        if lock_is_held(private.alive):
+            continue  # its producer lingers still
+        _forget_private_key(private)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _detach(state: list) -> None:
     consumer, roster, path, pid = state
     if os.getpid() != pid:
@@ -1033,6 +1127,7 @@ def shared(
     output: str = "numpy",
     copy: bool = False,
     lifetime: str = "referenced",
+    state: dict | None = None,
     **kwargs,
 ) -> SharedLoader:
     """A loader over `factory(*args, **kwargs)`'s batches, made once by one
@@ -1057,10 +1152,15 @@ def shared(
       producer: Producer options (slots, slot_bytes, headroom, join_window,
         max_readers, evict_after), used if this call starts the producer.
       output, copy, lifetime: the Consumer's options.
+      state: a loader's state_dict() to resume after: a new run's first
+        producer starts there (load_state_dict() after the call would read
+        a new run from its beginning up to it).
     """
     producer = dict(producer or {})
     unknown = set(producer) - set(PRODUCER_OPTIONS)
     if unknown:
         raise TypeError(f"producer= takes {PRODUCER_OPTIONS}, not {sorted(unknown)}")
     consumer = {"output": output, "copy": copy, "lifetime": lifetime}
-    return SharedLoader(factory, args, kwargs, name=name, linger=linger, producer=producer, consumer=consumer)
+    return SharedLoader(
+        factory, args, kwargs, name=name, linger=linger, producer=producer, consumer=consumer, state=state
+    )

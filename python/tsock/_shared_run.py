@@ -152,13 +152,13 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
     if producer.not_resumable:
         note = producer.not_resumable
         print(f"tsock.shared: a crash restarts the epoch, since the factory's DataLoader: {note}", flush=True)
-    producer.before_publish = Gate(paths, spec["linger"], alive, private=bool(spec.get("start")))
+    producer.before_publish = Gate(paths, spec["linger"], alive, private=bool(spec.get("private")))
     try:
         if isinstance(loader, Pipeline):
             if spec["resume"]:
                 start = _start_position(producer, loader)
             else:
-                start = tuple(spec.get("start") or (0, 0))  # a catch-up producer's: its trainer's position
+                start = tuple(spec.get("start") or (0, 0))  # a catch-up's, or a resumed trainer's new run
             producer.run(epochs=None, start=start)
         else:
             _publish_epochs(producer, loader)
@@ -298,7 +298,7 @@ def main() -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     print(f"tsock.shared: producer {os.getpid()} of '{spec['key']}' started", flush=True)
-    Watchdog(paths, spec["linger"], alive, spec["channel"], private=bool(spec.get("start"))).start()
+    Watchdog(paths, spec["linger"], alive, spec["channel"], private=bool(spec.get("private"))).start()
     try:
         _run(spec, paths, alive)
     except BaseException as e:  # noqa: BLE001 - reported to the trainers, then the process ends

@@ -76,6 +76,14 @@ def dying(n: int, batch_size: int, token: str = ""):
     os._exit(3)
 
 
+def failing_once_marked(n: int, batch_size: int, token: str, marker: str):
+    """pipeline(), until the file `marker` exists: then the factory fails
+    (a catch-up producer started after that)."""
+    if os.path.exists(marker):
+        raise RuntimeError("the catch-up factory fails: the dataset moved")
+    return pipeline(n, batch_size)
+
+
 def failing(n: int, batch_size: int, token: str = ""):
     raise ValueError(f"dataset {n} is not there (token {token})")
 

@@ -12,7 +12,9 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -1010,6 +1012,20 @@ PACED = """
 """
 
 
+PACED_OF = """
+    import json, os, sys, time
+    import numpy as np, tsock, shared_helpers as h
+    factory, n, bs, tok, extra = getattr(h, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    pause, stop = float(sys.argv[6]), sys.argv[7]
+    loader = tsock.shared(factory, n, bs, tok, extra, linger=0.5)
+    while not os.path.exists(stop):
+        for _x, y in loader:
+            time.sleep(pause)
+        print(json.dumps({"epoch": loader.position.epoch - 1}), flush=True)
+    loader.close()
+"""
+
+
 def test_state_dict_is_48_bytes_and_refuses_what_is_not_one(runtime):
     loader = tsock.shared(h.pipeline, 40, 4, token(), linger=0.5)
     try:
@@ -1184,9 +1200,106 @@ def test_a_state_ahead_of_a_new_run_skips_to_its_position(runtime):
     try:
         rest = [np.asarray(y).tolist() for _, y in resumed]
         following = [np.asarray(y).tolist() for _, y in resumed]
-        assert resumed.catchups == 0  # the stream was behind: read and let go up to the position
+        assert resumed.catchups == 0 and resumed.skipped_batches == 23  # read and let go up to the position
     finally:
         resumed.close()
     with h.pipeline(n, bs) as reference:
         assert got + rest == [y.tolist() for _, y in reference.batches(2)]
         assert following == [y.tolist() for _, y in reference.batches(3)]
+
+
+def test_a_state_given_to_shared_starts_a_new_run_at_it(runtime):
+    """state= (not load_state_dict afterwards): the new run's producer starts
+    at the position, so nothing before it is computed or read (review 28:
+    the first batch came after reading every batch before the position)."""
+    n, bs, tok = 40, 4, token()
+    first = tsock.shared(h.pipeline, n, bs, tok, linger=0.2)
+    for _ in range(3):
+        for _ in first:
+            pass
+    it = iter(first)
+    got = [np.asarray(next(it)[1]).tolist() for _ in range(2)]
+    state, pid = first.state_dict(), first.producer_pid
+    first.close()
+    wait_for(lambda: not alive(pid), "the run's producer to linger out")
+    resumed = tsock.shared(h.pipeline, n, bs, tok, linger=0.2, state=state)
+    try:
+        rest = [np.asarray(y).tolist() for _, y in resumed]
+        assert (resumed.skipped_batches, resumed.catchups, resumed.repeated_batches) == (0, 0, 0)
+    finally:
+        resumed.close()
+    with h.pipeline(n, bs) as reference:
+        assert got + rest == [y.tolist() for _, y in reference.batches(3)]
+
+
+def test_a_state_part_of_the_way_into_a_batch_is_refused(runtime, channel):
+    """A re-batching Consumer's state of the same pipeline: tsock.shared hands
+    out whole batches, so it refuses it rather than repeat rows (review 28)."""
+    n, bs, tok = 40, 4, token()
+    with h.pipeline(n, bs) as pipe:
+        producer = tsock.Producer(pipe, channel, wait_readers=1)
+        t = threading.Thread(target=lambda: _quietly(producer.run), daemon=True)
+        t.start()
+        with tsock.Consumer(channel, batch_size=3, timeout=30) as c:
+            next(iter(c))
+            state = c.state_dict()
+        producer.close()
+        t.join(60)
+    assert _state.decode(state).samples == 3
+    loader = tsock.shared(h.pipeline, n, bs, tok, linger=0.2, state=state)
+    try:
+        with pytest.raises(ValueError, match="3 samples into batch 0"):
+            next(iter(loader))
+    finally:
+        loader.close()
+
+
+def _quietly(run):
+    try:
+        run()
+    except tsock.TsockError:
+        pass  # closed under it: how the test stops it
+
+
+def test_a_catch_up_whose_producer_fails_raises_its_error_and_leaves_nothing(runtime, spawn, tmp_path):
+    n, bs, tok = 40, 4, token()
+    marker = tmp_path / "fail"
+    stop = tmp_path / "stop"
+    loader = tsock.shared(h.failing_once_marked, n, bs, tok, str(marker), linger=0.5)
+    next(iter(loader))
+    state = loader.state_dict()
+    loader.close()
+    paced = spawn(PACED_OF, "failing_once_marked", n, bs, tok, str(marker), 0.02, stop)
+    while json.loads(paced.stdout.readline())["epoch"] < 1:  # the stream is past the state
+        pass
+    marker.touch()  # from now on the factory fails: the catch-up producer's does
+    resumed = tsock.shared(h.failing_once_marked, n, bs, tok, str(marker), linger=0.5)
+    resumed.load_state_dict(state)
+    try:
+        for _ in range(2):  # and again: the loader is not left broken
+            with pytest.raises(tsock.ProducerGone, match="the catch-up factory fails"):
+                next(iter(resumed))
+    finally:
+        resumed.close()
+        stop.write_text("0")
+    assert paced.wait(BOUND_S) == 0, paced.stderr.read()[-3000:]
+    assert not glob.glob(str(runtime / f"*.c{os.getpid()}.*"))
+
+
+def test_a_dead_catch_up_s_leftovers_are_removed(runtime):
+    """A trainer and its catch-up producer killed together leave a key and a
+    segment nobody else uses: the next loader of the key removes them."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is no more
+    key = f"{token()[:8]}"
+    private = _shared.Paths(str(runtime), f"{key}.c{gone.pid}.0")
+    channel = _shared.new_channel(private.key)
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    with open(private.alive, "w") as f:
+        json.dump({"pid": gone.pid, "channel": channel}, f)
+    for path in (private.start, private.log, _shared.segment_path(channel)):
+        open(path, "w").close()
+    loader = tsock.shared(h.pipeline, 40, 4, "x", name=key, linger=0.2)
+    loader.close()
+    assert not glob.glob(str(runtime / f"{key}.c*"))
+    assert not os.path.exists(_shared.segment_path(channel))
