@@ -169,15 +169,21 @@ class Paths:
         return fd
 
     def live_trainers(self) -> int:
-        """Trainers whose roster file is locked; removes dead ones' files,
-        each while holding its lock (so never a live one's)."""
-        live = 0
+        """How many trainers are in the roster (see live_trainer_pids)."""
+        return len(self.live_trainer_pids())
+
+    def live_trainer_pids(self) -> list[int]:
+        """The pid of each trainer whose roster file is locked (a process with
+        two loaders twice); removes dead ones' files, each while holding its
+        lock (so never a live one's)."""
+        live = []
         try:
             entries = os.listdir(self.dir)
         except OSError:
             return 0
         for entry in entries:
-            if not entry.startswith(self.trainer_prefix):
+            pid = self._roster_pid(entry)
+            if pid is None:
                 continue
             path = os.path.join(self.dir, entry)
             try:
@@ -190,13 +196,20 @@ class Paths:
             _held_fds.add(fd)
             try:
                 if not try_lock(fd):
-                    live += 1
+                    live.append(pid)
                 elif os.path.exists(path) and os.path.samestat(os.fstat(fd), os.stat(path)):
                     with contextlib.suppress(OSError):
                         os.unlink(path)
             finally:
                 close_lock(fd)
         return live
+
+    def _roster_pid(self, entry: str) -> int | None:
+        """The pid of roster file name `entry` (KEY.trainer.PID.SERIAL), or None."""
+        if not entry.startswith(self.trainer_prefix):
+            return None
+        pid, _, serial = entry[len(self.trainer_prefix) :].partition(".")
+        return int(pid) if pid.isdigit() and serial.isdigit() else None
 
     def read_error(self) -> str | None:
         try:
@@ -724,7 +737,8 @@ class SharedLoader:
                 self.repeated_batches += 1
                 return False  # handed out before the crash
             if here > want:
-                missed = (tag.index - pos[2]) if tag.epoch == pos[1] else tag.index + max(0, batches - pos[2])
+                # Every epoch skipped counts, not only the first boundary (review 27, N1).
+                missed = (tag.epoch - pos[1]) * batches + tag.index - pos[2]
                 self.lost_batches += missed
                 warnings.warn(
                     f"tsock.shared: {missed} batch(es) of '{self.key}' were not published again after a producer "

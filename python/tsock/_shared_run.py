@@ -3,6 +3,7 @@ pickled spec on stdin (docs/SHARED.md, "Starting the producer")."""
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import contextlib
 import json
@@ -65,18 +66,18 @@ class Gate:
         if self.first:
             self.first = False
             self.announce(self.paths, producer.name)
-            self._wait(producer, lambda readers, trainers: readers >= max(1, trainers))
+            self._wait(producer, _every_trainer_attached)
         elif producer.stats()["readers"] == 0:
-            self._wait(producer, lambda readers, trainers: readers >= 1)
+            self._wait(producer, lambda readers, trainers: len(readers) >= 1)
 
     def _wait(self, producer, enough) -> None:
         idle_since = None
         while True:
-            readers = producer.stats()["readers"]
-            trainers = self.paths.live_trainers()
+            readers = producer.reader_pids()
+            trainers = self.paths.live_trainer_pids()
             if enough(readers, trainers):
                 return
-            if readers == 0 and trainers == 0:
+            if not readers and not trainers:
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since >= self.linger and self._may_stop(producer):
                     raise Stop
@@ -100,6 +101,16 @@ class Gate:
         shared.close_lock(self.alive)  # then KEY.start, at the exit: a trainer taking it finds no producer
         self.start_lock = start
         return True
+
+
+def _every_trainer_attached(readers: list, trainers: list) -> bool:
+    """Whether each live trainer of the roster has a reader of its own pid
+    attached (one per loader), and there is one reader at least. Identities,
+    not counts: a trainer killed just after it attached leaves the roster at
+    once (its flock) but stays a reader until the producer has seen its
+    connection end; counted, it stood in for a live trainer not attached
+    yet, which then missed the first batches (review 27, N1)."""
+    return bool(readers) and not collections.Counter(trainers) - collections.Counter(readers)
 
 
 def _announce_ready(paths: shared.Paths, channel: str) -> None:

@@ -785,6 +785,22 @@ class Producer:
         )
         return out
 
+    def reader_pids(self) -> list[int]:
+        """The pid of each reader attached now (evicted ones left out), as the
+        kernel told it at the join (in this process's pid namespace; 0 when
+        not visible here); a process with two readers is there twice. [] once
+        closed."""
+        if self._handle.value is None or self._closed:
+            return []
+        count = ctypes.c_uint32(0)
+        while True:
+            cap = count.value + 8  # room for readers joining meanwhile
+            pids = (ctypes.c_int32 * cap)()
+            rc = self._lib.tsock_producer_reader_pids(self._handle, pids, cap, ctypes.byref(count))
+            check(self._lib, rc, "reader_pids")
+            if count.value <= cap:
+                return list(pids[: count.value])
+
     def close(self) -> None:
         """Closes the channel: consumers read what was published, then get
         ChannelClosed. Idempotent."""

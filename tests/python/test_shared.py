@@ -343,13 +343,18 @@ def test_a_plain_loader_restarts_the_epoch_and_tells_the_trainer(runtime):
 
 
 class FakeProducer:
+    """The Gate's view of a producer: the pids of its attached readers."""
+
     name = "shared.fake"
 
     def __init__(self):
-        self.readers = 0
+        self.readers = []
 
     def stats(self):
-        return {"readers": self.readers}
+        return {"readers": len(self.readers)}
+
+    def reader_pids(self):
+        return list(self.readers)
 
 
 def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime):
@@ -369,18 +374,82 @@ def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime)
 
     t = threading.Thread(target=lambda: passed.append(gate(producer)), daemon=True)
     t.start()
-    producer.readers = 1
+    producer.readers = [1]
     time.sleep(0.2)  # long enough for the gate's 10 ms polls to let it through, were it to
     assert not passed
-    producer.readers = 2
+    producer.readers = [1, 1]
     t.join(BOUND_S)
     assert passed == [None]
     # A trainer that dies is counted out: one live trainer, one reader.
     gate.first = True
     _shared.close_lock(rosters[0])
-    producer.readers = 1
+    producer.readers = [1]
     gate(producer)
     _shared.close_lock(rosters[1])
+
+
+def test_a_killed_trainers_reader_does_not_stand_in_for_a_live_trainer_not_attached_yet(runtime):
+    """A trainer killed just after it attached leaves the roster at once (its
+    flock), but stays a reader until the producer has seen its connection
+    end. The successor counted readers against trainers: the dead one's
+    reader stood in for a live trainer busy elsewhere, the successor
+    published, and that trainer, attaching later with start="now", lost
+    those batches (review 27, N1). Here trainer 11 is attached, 12 is not
+    yet, and 13 (killed) is still a reader: the gate must wait for 12."""
+    import threading
+
+    from tsock import _shared_run
+
+    runtime.mkdir(mode=0o700)
+    paths = _shared.Paths(str(runtime), "k")
+    rosters = [_shared.open_lock(paths.trainer(pid)) for pid in (11, 12)]
+    for fd in rosters:
+        assert _shared.try_lock(fd)
+    producer = FakeProducer()
+    producer.readers = [11, 13]
+    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel: None)
+    passed = []
+    t = threading.Thread(target=lambda: passed.append(gate(producer)), daemon=True)
+    t.start()
+    time.sleep(0.2)  # long enough for the gate's 10 ms polls to let it through, were it to
+    assert not passed, "published before trainer 12 attached"
+    producer.readers = [11, 12]  # 13's entry freed, 12 attached
+    t.join(BOUND_S)
+    assert passed == [None]
+    for fd in rosters:
+        _shared.close_lock(fd)
+
+
+def test_batches_lost_across_several_epochs_are_all_counted():
+    """A jump from (1, 27) to (3, 388) in epochs of 400 batches lost the rest
+    of epoch 1, all of epoch 2 and 388 of epoch 3: only the first epoch
+    boundary was counted (review 27, N1)."""
+    import warnings
+
+    loader = object.__new__(_shared.SharedLoader)
+    loader.key, loader.epoch, loader.restarts, loader.lost_batches = "k", 0, 0, 0
+    loader._position, loader._epoch_done = ("f", 1, 27), False
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert loader._take(types.SimpleNamespace(fingerprint="f", epoch=3, index=388), 400)
+    assert loader.lost_batches == (400 - 27) + 400 + 388
+    assert loader.position == (3, 389)
+
+
+def test_the_producer_names_its_readers_by_pid(runtime):
+    """What the gate matches the roster against: the kernel's pid of each
+    attached reader, once per reader."""
+    channel = f"rp{os.getpid()}x{time.monotonic_ns() % 10**9}"
+    import numpy as np
+
+    with tsock.Producer(name=channel) as producer:
+        producer.publish((np.zeros(4, np.float32),))  # the channel exists from the first batch
+        assert producer.reader_pids() == []
+        with tsock.Consumer(channel, timeout=BOUND_S), tsock.Consumer(channel, timeout=BOUND_S):
+            wait_for(lambda: len(producer.reader_pids()) == 2, "two readers")
+            assert producer.reader_pids() == [os.getpid(), os.getpid()]
+        wait_for(lambda: producer.reader_pids() == [], "the readers to leave")
+    assert producer.reader_pids() == []
 
 
 SCRIPT = """
