@@ -174,13 +174,23 @@ class Paths:
 
     def live_trainer_pids(self) -> list[int]:
         """The pid of each trainer whose roster file is locked (a process with
-        two loaders twice); removes dead ones' files, each while holding its
-        lock (so never a live one's)."""
+        two loaders twice)."""
+        return [pid for pid, _channel in self.live_roster()]
+
+    def live_trainer_channels(self) -> set[str]:
+        """The channels live trainers are (or were last) attached to: each
+        holds a position in that channel's run."""
+        return {channel for _pid, channel in self.live_roster() if channel}
+
+    def live_roster(self) -> list[tuple[int, str]]:
+        """(pid, channel it last attached to, "" before) of each trainer whose
+        roster file is locked; removes dead ones' files, each while holding
+        its lock (so never a live one's)."""
         live = []
         try:
             entries = os.listdir(self.dir)
         except OSError:
-            return 0
+            return []
         for entry in entries:
             pid = self._roster_pid(entry)
             if pid is None:
@@ -196,7 +206,7 @@ class Paths:
             _held_fds.add(fd)
             try:
                 if not try_lock(fd):
-                    live.append(pid)
+                    live.append((pid, os.pread(fd, 256, 0).decode(errors="replace")))
                 elif os.path.exists(path) and os.path.samestat(os.fstat(fd), os.stat(path)):
                     with contextlib.suppress(OSError):
                         os.unlink(path)
@@ -535,9 +545,6 @@ class SharedLoader:
 
     def _connect(self, recovering: bool) -> Consumer:
         paths = self._paths
-        # A successor publishes on its predecessor's channel (it reads where
-        # that one stopped from its ring); a new run gets a new one.
-        channel = self.channel if recovering else None
         successor = recovering  # a producer of this trainer's died (not a first start)
         start = open_lock(paths.start)
         try:
@@ -548,11 +555,8 @@ class SharedLoader:
                     error = paths.read_error() if recovering else None
                     if error is not None:
                         raise self._failed(error, successor)
-                    # A successor resumes its predecessor's run; a first
-                    # producer starts at the beginning, whatever a dead one
-                    # left in /dev/shm.
-                    channel = channel or new_channel(self.key)
-                    start_producer(paths, {**self._spec, "channel": channel, "resume": recovering})
+                    channel, resume = self._run_to_start()
+                    start_producer(paths, {**self._spec, "channel": channel, "resume": resume})
                 alive = paths.read_alive()
                 self._check_description(alive)
                 self._announced = False
@@ -564,7 +568,7 @@ class SharedLoader:
                 error = paths.read_error()
                 if error is not None:
                     raise self._failed(error, successor)
-                recovering = True  # the next one resumes what this one recorded
+                recovering = True  # from here on a KEY.error is this run's, and attaching is start="now"
                 if self._announced:  # it got as far as its channel: the factory works
                     deaths, since = 0, time.monotonic()
                 deaths += 1
@@ -576,6 +580,27 @@ class SharedLoader:
                     )
         finally:
             close_lock(start)  # releases KEY.start
+
+    def _run_to_start(self) -> tuple[str, bool]:
+        """(channel, resume) of the producer to start, decided under KEY.start.
+        A successor on the last producer's channel (it reads where that one
+        stopped from its ring, or its resume note) while a live trainer of
+        the roster holds a position in that run: this one recovering, one
+        busy elsewhere when the producer died while this one arrives (review
+        27, N4), or one attached while this one was attaching (N3). A new
+        run on a new channel otherwise: nobody holds a position in the last
+        one, which its first producer forgets."""
+        last = self._paths.read_alive().get("channel")
+        if isinstance(last, str) and last in self._paths.live_trainer_channels():
+            return check_name_of_run(last), True
+        return new_channel(self.key), False
+
+    def _record_channel(self, channel: str) -> None:
+        """Writes in this loader's roster file the channel it is attached to
+        (under KEY.start, where every producer start is decided): it holds a
+        position in that run."""
+        os.ftruncate(self._roster, 0)
+        os.pwrite(self._roster, channel.encode(), 0)
 
     def _take_start_lock(self, start: int) -> None:
         """KEY.start, waited for in short tries: another trainer holds it
@@ -644,6 +669,7 @@ class SharedLoader:
                     raise
                 continue  # the producer answered no join in the slice (stopped, starved of CPU): it still lives
             consumer.track_tags = True
+            self._record_channel(channel)
             self.channel = channel
             self._state[0] = consumer
             return consumer

@@ -452,6 +452,83 @@ def test_the_producer_names_its_readers_by_pid(runtime):
     assert producer.reader_pids() == []
 
 
+def read_into_epoch_3(loader):
+    """35 batches of a 40-sample pipeline of batch 4 (10 a epoch): epoch 3,
+    batch 5. Returns the epoch's iterator."""
+    for _ in range(3):
+        assert sum(1 for _ in loader) == 10
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    assert loader.position == (3, 5)
+    return it
+
+
+def read_on_past_the_dead_ring(loader, epoch_3) -> None:
+    """The rest of epoch 3 and epochs 4 and 5: 25 batches, more than the
+    dead producer's ring held (16 slots), so the trainer recovers on the way."""
+    rest = [y for _, ys in epoch_3 for y in ys.tolist()]
+    assert len(rest) == 20
+    for _ in range(2):
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+    assert loader.position == (6, 0)
+
+
+def test_a_trainer_arriving_while_the_only_trainer_is_busy_after_a_crash_starts_a_successor(runtime, spawn, tmp_path):
+    """The run's only trainer is busy (an evaluation) when its producer dies,
+    and a new trainer arrives. It started a new run (a new channel, epoch 0)
+    and removed the dead run's segment: the busy trainer came back, attached
+    and dropped the 35 batches up to its position (review 27, N4)."""
+    tok, stop = token(), tmp_path / "stop"
+    busy = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    channel = busy.channel
+    epoch_3 = read_into_epoch_3(busy)
+    dead = busy.producer_pid
+    os.kill(dead, signal.SIGKILL)
+    wait_for(lambda: not _shared.lock_is_held(busy._paths.alive), "the producer to die")
+    newcomer = start_trainer(spawn, "pipeline", 40, 4, tok, 1, stop)
+    assert json.loads(newcomer.stdout.readline())["attached"] not in (0, dead)
+    read_on_past_the_dead_ring(busy, epoch_3)  # the busy trainer comes back
+    assert busy.channel == channel  # the run's successor, not a new run
+    assert (busy.recoveries, busy.repeated_batches, busy.lost_batches) == (1, 0, 0)
+    busy.close()
+    stop.touch()
+    result = finish(newcomer)
+    assert result[-1] == {"recoveries": 0, "restarts": 0, "lost": 0, "repeated": 0}
+    for line in epochs_of(result):  # from the next epoch start, whole
+        assert sorted(line["ids"]) == list(range(40))
+
+
+def test_a_trainer_attaching_when_the_producer_dies_starts_a_successor_on_its_channel(runtime, spawn, tmp_path):
+    """A trainer attaching to a live producer that dies before it is attached
+    started a producer on a new channel: the run restarted at epoch 0 and
+    the trainer already in it dropped the batches up to its position
+    (review 27, N3). The producer is stopped while the second trainer
+    joins, then killed."""
+    tok, stop = token(), tmp_path / "stop"
+    first = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    channel = first.channel
+    epoch_3 = read_into_epoch_3(first)
+    pid = first.producer_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        second = start_trainer(spawn, "pipeline", 40, 4, tok, 1, stop)
+        wait_for(lambda: first._paths.live_trainers() == 2, "the second trainer to register")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+    assert json.loads(second.stdout.readline())["attached"] not in (0, pid)
+    read_on_past_the_dead_ring(first, epoch_3)
+    assert first.channel == channel  # the successor took the run's channel, and resumed it
+    assert (first.recoveries, first.repeated_batches, first.lost_batches) == (1, 0, 0)
+    first.close()
+    stop.touch()
+    result = finish(second)
+    assert result[-1] == {"recoveries": 0, "restarts": 0, "lost": 0, "repeated": 0}
+    for line in epochs_of(result):
+        assert sorted(line["ids"]) == list(range(40))
+
+
 SCRIPT = """
 import multiprocessing as mp
 import sys
