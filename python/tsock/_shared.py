@@ -25,7 +25,7 @@ import weakref
 
 from . import _capi
 from .consumer import Consumer
-from .errors import ChannelClosed, ChannelNotFound, ProducerGone, TsockError
+from .errors import ChannelClosed, ChannelNotFound, Evicted, ProducerGone, TsockError
 from .pipeline import Position
 
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
@@ -519,6 +519,8 @@ class SharedLoader:
         self.lost_batches = 0
         #: batches a successor published again that this trainer had (dropped; 0 when it resumed exactly)
         self.repeated_batches = 0
+        #: times the producer evicted this trainer (producer={"evict_after": s}); it attached again each time
+        self.evictions = 0
         #: epochs completed (each for-loop that ran to its end)
         self.epoch = 0
         #: pid of the producer this trainer reads from
@@ -705,6 +707,27 @@ class SharedLoader:
                 stacklevel=4,
             )
 
+    def _reattach_evicted(self) -> None:
+        """producer={"evict_after": s}: this trainer held the producer back
+        that long and was evicted. It attaches again (start="now"), told;
+        the batches published meanwhile are lost to it, and a Pipeline's
+        tags count them in lost_batches. Before, Evicted ended the loader
+        for good, and its close() raised too, leaving it in the roster
+        (review 27, N8)."""
+        old, self._consumer = self._consumer, None
+        self._state[0] = None
+        with contextlib.suppress(TsockError):
+            old.close()  # evicted: its batches still referenced cannot be kept
+        self.evictions += 1
+        warnings.warn(
+            f"tsock.shared: this trainer held the producer of '{self.key}' back longer than its evict_after and was "
+            "evicted; it attaches again, and the batches published meanwhile are lost to it (a Pipeline's are "
+            "counted in lost_batches)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self._consumer = self._connect(recovering=True)
+
     # ---- iterating ----
 
     def _usable(self) -> Consumer:
@@ -735,6 +758,9 @@ class SharedLoader:
                 # Closed: a producer closes only with no reader attached, or
                 # when its loader failed (its KEY.error says so).
                 self._recover()
+                continue
+            except Evicted:
+                self._reattach_evicted()
                 continue
             tag = consumer.last_tag
             self._tagged = tag is not None
@@ -767,8 +793,9 @@ class SharedLoader:
                 missed = (tag.epoch - pos[1]) * batches + tag.index - pos[2]
                 self.lost_batches += missed
                 warnings.warn(
-                    f"tsock.shared: {missed} batch(es) of '{self.key}' were not published again after a producer "
-                    f"crash (at epoch {pos[1]}, batch {pos[2]}; went on at {tag.epoch}, {tag.index})",
+                    f"tsock.shared: {missed} batch(es) of '{self.key}' were lost to this trainer (at epoch {pos[1]}, "
+                    f"batch {pos[2]}; went on at {tag.epoch}, {tag.index}): "
+                    + ("it was evicted" if self.evictions else "not published again after a producer crash"),
                     RuntimeWarning,
                     stacklevel=4,
                 )
@@ -836,11 +863,17 @@ def _detach(state: list) -> None:
     consumer, roster, path, pid = state
     if os.getpid() != pid:
         return
-    if consumer is not None:
-        consumer.close()
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-    close_lock(roster)
+    try:
+        if consumer is not None:
+            with contextlib.suppress(Evicted):  # evicted: nothing left to detach
+                consumer.close()
+    finally:
+        # Whatever close() raised: a loader left in the roster would hold
+        # every later producer of the key back for the process's life
+        # (review 27, N8).
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        close_lock(roster)
 
 
 def shared(

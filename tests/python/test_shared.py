@@ -529,6 +529,57 @@ def test_a_trainer_attaching_when_the_producer_dies_starts_a_successor_on_its_ch
         assert sorted(line["ids"]) == list(range(40))
 
 
+def evict(busy, steady):
+    """`busy` reads a batch and stops; `steady` reads on, more than the ring
+    holds past busy's batch: the producer cannot have published that much
+    without evicting busy (evict_after)."""
+    it = iter(busy)
+    held = next(it)
+    steady_it = iter(steady)
+    for _ in range(3 * 4):  # slots=4
+        next(steady_it)
+    return it, held
+
+
+EVICTING = {"evict_after": 0.3, "slots": 4}
+
+
+def test_an_evicted_trainer_attaches_again_and_is_told(runtime):
+    """Evicted escaped the loop, and every later next() raised it again:
+    the loader was dead for good (review 27, N8)."""
+    tok = token()
+    steady = tsock.shared(h.pipeline, 400, 4, tok, linger=0.3, producer=EVICTING)
+    busy = tsock.shared(h.pipeline, 400, 4, tok, linger=0.3, producer=EVICTING)
+    it, _held = evict(busy, steady)
+    steady.close()  # not to hold the producer back in turn
+    with pytest.warns(RuntimeWarning) as told:
+        more = [y for _, ys in it for y in ys.tolist()]
+    told = [str(w.message) for w in told]
+    assert any("evicted; it attaches again" in m for m in told), told
+    assert any(re.search("lost to this trainer.*it was evicted", m) for m in told), told
+    assert more and busy.evictions == 1
+    assert busy.lost_batches > 0  # counted from the tags
+    assert busy.position == (1, 0)
+    # The next epoch comes whole.
+    assert sorted(y for _, ys in busy for y in ys.tolist()) == list(range(400))
+    busy.close()
+    assert busy._paths.live_trainers() == 0
+
+
+def test_closing_an_evicted_trainer_leaves_the_roster(runtime):
+    """close() raised Evicted (the Consumer's keep) before the roster file
+    was released: it stayed locked for the process's life, and every later
+    producer of the key waited for it (review 27, N8)."""
+    tok = token()
+    steady = tsock.shared(h.pipeline, 400, 4, tok, linger=0.3, producer=EVICTING)
+    busy = tsock.shared(h.pipeline, 400, 4, tok, linger=0.3, producer=EVICTING)
+    _it, held = evict(busy, steady)  # a batch still referenced: close() keeps it, which an eviction refuses
+    busy.close()
+    assert busy._paths.live_trainers() == 1  # steady only
+    steady.close()
+    assert busy._paths.live_trainers() == 0
+
+
 SCRIPT = """
 import multiprocessing as mp
 import sys
