@@ -18,6 +18,7 @@ import secrets
 import stat
 import subprocess
 import sys
+import threading
 import time
 import types
 import warnings
@@ -469,6 +470,8 @@ def start_producer(paths: Paths, spec: dict) -> int:
 # ---- the trainer's loader ----
 
 _serials = itertools.count()
+# This process's open loaders: a recovery attaches its siblings of the same key ahead.
+_open_loaders: weakref.WeakSet = weakref.WeakSet()
 
 
 class SharedLoader:
@@ -531,17 +534,24 @@ class SharedLoader:
         self._epoch_done = False  # ended by a tag; the ring's marker may still come
         self._consumer = None
         self._announced = False  # the producer being attached to made its channel
+        self._ahead_pid = 0  # the producer of the consumer attached ahead (_attach_siblings)
         roster = self._paths.trainer(self._pid, next(_serials))
         self._roster = self._paths.join_roster(roster)
         # What the finalizer undoes: the consumer (replaced at each
         # recovery), the roster lock and its file.
-        self._state = [None, self._roster, roster, self._pid]
+        # What the finalizer undoes also holds the consumer attached ahead
+        # to a successor for a sibling (_attach_siblings), until it is used.
+        self._state = [None, self._roster, roster, self._pid, None]
         self._finalizer = weakref.finalize(self, _detach, self._state)
+        # Held while this loader changes consumers: a sibling's recovery
+        # attaches it ahead from another thread, perhaps.
+        self._switching = threading.RLock()
         try:
-            self._consumer = self._connect(recovering=False)
+            self._use(self._connect(recovering=False))
         except BaseException:
             self.close()
             raise
+        _open_loaders.add(self)
 
     # ---- attaching ----
 
@@ -673,7 +683,6 @@ class SharedLoader:
             consumer.track_tags = True
             self._record_channel(channel)
             self.channel = channel
-            self._state[0] = consumer
             return consumer
         return None
 
@@ -689,14 +698,28 @@ class SharedLoader:
             stacklevel=5,
         )
 
+    def _use(self, consumer, pending=None) -> None:
+        """Makes `consumer` this loader's (and `pending` the one attached ahead)."""
+        self._consumer = self._state[0] = consumer
+        self._state[4] = pending
+
     def _recover(self) -> None:
         """The producer died: attach to its successor (starting it if this
-        trainer is the first to notice)."""
-        old, self._consumer = self._consumer, None
-        if old is not None:
-            old.close()
-        self.recoveries += 1
-        self._consumer = self._connect(recovering=True)
+        trainer is the first to notice), or take the consumer a sibling's
+        recovery attached ahead; then attach ahead this process's other
+        loaders of the key still reading the dead producer's ring."""
+        with self._switching:
+            dead, old, ahead = self.producer_pid, self._consumer, self._state[4]
+            self._use(None)
+            if old is not None:
+                old.close()
+            self.recoveries += 1
+            if ahead is not None:
+                self._use(ahead)
+                self.producer_pid = self._ahead_pid
+            else:
+                self._use(self._connect(recovering=True))
+        self._attach_siblings(dead)
         if self._tagged is False and self._open:
             self.restarts += 1
             warnings.warn(
@@ -707,6 +730,29 @@ class SharedLoader:
                 stacklevel=4,
             )
 
+    def _attach_siblings(self, dead: int) -> None:
+        """This process's other open loaders of the key, still on the dead
+        producer's ring: each gets a consumer of the successor now, kept
+        until it has read the dead ring out (its ProducerGone), so that it
+        loses nothing. The successor waits for every loader of the roster
+        before its first batch, and a sibling reads only when this one
+        returns (zip(loader_a, loader_b)): without this, the two waited for
+        each other for ever (review 27, N6)."""
+        for sibling in list(_open_loaders):
+            if sibling is self or sibling.key != self.key or sibling._pid != os.getpid():
+                continue
+            if not sibling._switching.acquire(blocking=False):
+                continue  # recovering in another thread by itself
+            try:
+                if sibling._consumer is None or sibling._state[4] is not None or sibling.producer_pid != dead:
+                    continue
+                current = sibling.producer_pid
+                ahead = sibling._connect(recovering=True)
+                sibling._ahead_pid, sibling.producer_pid = sibling.producer_pid, current
+                sibling._use(sibling._consumer, ahead)
+            finally:
+                sibling._switching.release()
+
     def _reattach_evicted(self) -> None:
         """producer={"evict_after": s}: this trainer held the producer back
         that long and was evicted. It attaches again (start="now"), told;
@@ -714,8 +760,8 @@ class SharedLoader:
         tags count them in lost_batches. Before, Evicted ended the loader
         for good, and its close() raised too, leaving it in the roster
         (review 27, N8)."""
-        old, self._consumer = self._consumer, None
-        self._state[0] = None
+        old = self._consumer
+        self._use(None, self._state[4])
         with contextlib.suppress(TsockError):
             old.close()  # evicted: its batches still referenced cannot be kept
         self.evictions += 1
@@ -726,7 +772,7 @@ class SharedLoader:
             RuntimeWarning,
             stacklevel=4,
         )
-        self._consumer = self._connect(recovering=True)
+        self._use(self._connect(recovering=True), self._state[4])
 
     # ---- iterating ----
 
@@ -860,10 +906,12 @@ class SharedLoader:
 
 
 def _detach(state: list) -> None:
-    consumer, roster, path, pid = state
+    consumer, roster, path, pid, ahead = state
     if os.getpid() != pid:
         return
     try:
+        if ahead is not None:
+            ahead.close()
         if consumer is not None:
             with contextlib.suppress(Evicted):  # evicted: nothing left to detach
                 consumer.close()

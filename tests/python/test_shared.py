@@ -529,6 +529,46 @@ def test_a_trainer_attaching_when_the_producer_dies_starts_a_successor_on_its_ch
         assert sorted(line["ids"]) == list(range(40))
 
 
+def test_two_loaders_of_one_key_in_one_process_survive_a_crash(runtime):
+    """Two models trained in lockstep, zip(a, b): after a crash the first
+    loader to notice attached to the successor and waited for its first
+    batch, which waited for the second loader, which could attach only
+    when the first returned: they waited for each other for ever (review
+    27, N6)."""
+    import threading
+
+    tok = token()
+    a = tsock.shared(h.pipeline, 40, 4, tok, linger=0.5)
+    b = tsock.shared(h.pipeline, 40, 4, tok, linger=0.5)
+    epochs, failed = [], []
+
+    def lockstep():
+        try:
+            for epoch in range(4):
+                got = ([], [])
+                for (_xa, ya), (_xb, yb) in zip(a, b):
+                    got[0].extend(ya.tolist())
+                    got[1].extend(yb.tolist())
+                    if epoch == 1 and len(got[0]) == 8:
+                        os.kill(a.producer_pid, signal.SIGKILL)  # mid-epoch
+                epochs.append(got)
+        except Exception as e:
+            failed.append(e)
+
+    t = threading.Thread(target=lockstep, daemon=True)
+    t.start()
+    t.join(BOUND_S)
+    assert not t.is_alive(), "the two loaders still wait for each other"
+    assert not failed, failed
+    for got in epochs:
+        assert sorted(got[0]) == sorted(got[1]) == list(range(40))
+    assert a.recoveries == b.recoveries == 1
+    assert (a.repeated_batches, a.lost_batches, b.repeated_batches, b.lost_batches) == (0, 0, 0, 0)
+    a.close()
+    b.close()
+    assert a._paths.live_trainers() == 0
+
+
 def evict(busy, steady):
     """`busy` reads a batch and stops; `steady` reads on, more than the ring
     holds past busy's batch: the producer cannot have published that much
