@@ -710,6 +710,33 @@ def test_a_killed_trainers_forked_children_do_not_keep_it_in_the_roster(runtime,
         os.killpg(trainer.pid, signal.SIGKILL)
 
 
+def test_a_key_that_extends_another_with_trainer_is_not_in_its_roster(runtime):
+    """name='exp' and name='exp.trainer.x': every file of the second matched
+    the first's roster prefix 'exp.trainer.': its producer counted the
+    other key's trainers (and producer lock) as its own, waited for them,
+    and removed the other key's unlocked files (.ready, .start, .log)
+    (review 27, N7). The roster is now the names KEY.trainer.PID.SERIAL
+    exactly."""
+    runtime.mkdir(mode=0o700)
+    exp = _shared.Paths(str(runtime), "exp")
+    others = [_shared.Paths(str(runtime), key) for key in ("exp.trainer.x", "exp.trainer.7", "exp.trainer.7.0")]
+    held, files = [], []
+    for other in others:
+        held.append(other.join_roster(other.trainer(os.getpid())))
+        held.append(_shared.open_lock(other.alive))
+        assert _shared.try_lock(held[-1])
+        for path in (other.start, other.ready, other.log, other.error):
+            open(path, "w").close()
+            files.append(path)
+    try:
+        assert exp.live_trainers() == 0
+        assert all(os.path.exists(path) for path in files)
+        assert [other.live_trainers() for other in others] == [1, 1, 1]
+    finally:
+        for fd in held:
+            _shared.close_lock(fd)
+
+
 def test_a_lock_file_of_another_user_is_refused(runtime):
     runtime.mkdir(mode=0o700)
     key = _shared.fingerprint(_shared.factory_ref(h.pipeline), (40, 4, "x"), {})
