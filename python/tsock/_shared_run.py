@@ -32,6 +32,18 @@ def _detach() -> None:
         os._exit(0)
 
 
+def _keep_resume_notes_in(directory: str) -> None:
+    """This process's producer writes its resume note in the user's 0700
+    runtime directory, not in /dev/shm: there another uid, reading the
+    run's channel from `ls /dev/shm`, could plant a file at the note's name
+    that a successor can neither replace nor remove, and its "cannot record
+    the resume position" ended every trainer at the next crash (review 27,
+    N2). The process runs one producer only: the module's setting is its."""
+    from . import producer
+
+    producer.RESUME_DIR = directory
+
+
 def _load_factory(ref: dict):
     if ref["file"] is None:
         import importlib
@@ -187,7 +199,17 @@ def _forget_earlier_run(channel: str) -> None:
     except shared.TsockError:
         return  # not a name this user's producers use: not ours to remove
     for path in (shared.segment_path(channel), resume_note_path(channel)):
-        with contextlib.suppress(FileNotFoundError):
+        _remove_if_ours(path)
+
+
+def _remove_if_ours(path: str) -> None:
+    """Unlinks `path` if it is a file of this uid. /dev/shm is world-writable
+    and sticky: a file another uid put at a name this run used (its channel
+    is listed there) can be neither removed nor replaced by us, and the
+    PermissionError ended every later producer of the key before it said
+    ok (review 27, N2). Such a file is left: no later run uses that name."""
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_uid == os.geteuid():
             os.unlink(path)
 
 
@@ -242,8 +264,7 @@ class Watchdog(threading.Thread):
         from .producer import resume_note_path
 
         for path in (self.paths.ready, shared.segment_path(self.channel), resume_note_path(self.channel)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            _remove_if_ours(path)  # never raise here: this thread holds KEY.start and KEY.alive
         shared.close_lock(self.alive)  # then KEY.start, at the exit, as the Gate's exit does
         os._exit(0)
 
@@ -263,6 +284,7 @@ def main() -> int:
     spec = pickle.loads(sys.stdin.buffer.read())
     _detach()
     paths = shared.Paths(shared.runtime_dir(), spec["key"])
+    _keep_resume_notes_in(paths.dir)
     alive = shared.open_lock(paths.alive)
     if not shared.try_lock(alive):
         print("busy", flush=True)

@@ -61,9 +61,14 @@ def runtime(tmp_path, monkeypatch):
         channel = _shared.Paths(str(path), key).read_alive().get("channel")
         if not channel:
             continue
-        for leftover in (f"/dev/shm/tsock.{channel}", resume_note_path(channel)):
+        for leftover in (f"/dev/shm/tsock.{channel}", note_path(path, channel)):
             if os.path.exists(leftover):
                 os.unlink(leftover)
+
+
+def note_path(runtime, channel: str) -> str:
+    """Where a shared producer keeps its resume note: the runtime directory."""
+    return os.path.join(runtime, os.path.basename(resume_note_path(channel)))
 
 
 def token() -> str:
@@ -277,7 +282,7 @@ def test_the_producer_lingers_then_exits_leaving_nothing_in_dev_shm(runtime):
     assert os.path.exists(f"/dev/shm/tsock.{channel}")  # lingering
     wait_for(lambda: not alive(pid), "the producer to exit after its linger time")
     assert not os.path.exists(f"/dev/shm/tsock.{channel}")
-    assert not os.path.exists(resume_note_path(channel))
+    assert not os.path.exists(note_path(runtime, channel))
     assert not glob.glob(str(runtime / "*.trainer.*"))
 
 
@@ -911,6 +916,70 @@ def test_a_new_run_whose_first_producer_dies_does_not_resume_a_dead_earlier_run(
         assert sorted(y for _, ys in fresh for y in ys.tolist()) == list(range(40))
         assert fresh.position == (1, 0)  # its epoch 0, not the rest of the earlier run's
         assert fresh.recoveries == 0 and fresh.repeated_batches == 0
+
+
+def test_a_successor_keeps_its_resume_note_in_the_runtime_directory(runtime):
+    """It was /dev/shm/.tsock-resume.CHANNEL, where another uid, who reads
+    the channel from `ls /dev/shm`, could plant a file the successor can
+    neither replace nor remove: its TsockError ended every trainer at the
+    next crash (review 27, N2). The note lives while the successor waits
+    for a trainer (here a roster entry that never attaches)."""
+    import threading
+
+    tok = token()
+    loader = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    it = iter(loader)
+    for _ in range(13):  # epoch 1, batch 3: a position to resume at
+        if next(it, None) is None:
+            it = iter(loader)
+            next(it)
+    stalling = loader._paths.join_roster(loader._paths.trainer(os.getpid(), 10**6))
+    os.kill(loader.producer_pid, signal.SIGKILL)
+    rest = []
+    reader = threading.Thread(target=lambda: rest.extend(y for _, ys in it for y in ys.tolist()), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: os.path.exists(note_path(runtime, loader.channel)), "the successor's resume note")
+        assert not os.path.exists(resume_note_path(loader.channel))  # not in /dev/shm
+    finally:
+        _shared.close_lock(stalling)  # the successor publishes now, and removes its note
+    reader.join(BOUND_S)
+    assert len(rest) == 28 and loader.recoveries == 1
+    assert (loader.repeated_batches, loader.lost_batches) == (0, 0)
+    wait_for(lambda: not os.path.exists(note_path(runtime, loader.channel)), "the note to go")
+    loader.close()
+
+
+def test_a_file_of_another_user_at_a_dead_runs_names_does_not_stop_a_new_run(monkeypatch):
+    """A new run's first producer removes the dead run's segment and note;
+    a file another uid planted there (the name is listed in /dev/shm) is one
+    a non-root user can neither remove nor replace, and the PermissionError
+    ended every later producer of the key at its start (review 27, N2). A
+    non-root victim's unlink is simulated here: it raises EPERM."""
+    import errno
+
+    from tsock import _shared_run
+
+    channel = _shared.new_channel(f"plant{os.getpid()}")
+    planted = _shared.segment_path(channel)
+    with open(planted, "w") as f:
+        f.write("planted")
+    real_unlink = os.unlink
+    try:
+        if os.geteuid() == 0:
+            os.chown(planted, 65534, 65534)
+
+        def unlink_as_a_user(path, *args, **kwargs):
+            if path == planted:
+                raise PermissionError(errno.EPERM, "Operation not permitted", path)
+            return real_unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", unlink_as_a_user)
+        _shared_run._forget_earlier_run(channel)  # raised PermissionError
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        assert os.path.exists(planted)  # not ours: left
+    finally:
+        real_unlink(planted)
 
 
 def plant(path: str, user: str = "") -> None:
