@@ -279,6 +279,26 @@ func tsockgo_producer_stats(h C.uintptr_t, out *C.tsock_producer_stats_t) C.int 
 	return 0
 }
 
+//export tsockgo_producer_reader_pids
+func tsockgo_producer_reader_pids(h C.uintptr_t, pids *C.int32_t, capacity C.uint32_t, count *C.uint32_t) C.int {
+	e, rc := lookup(h)
+	if e == nil {
+		return rc
+	}
+	var live []int32
+	for _, r := range e.p.Readers() {
+		if !r.Evicted {
+			live = append(live, r.Pid)
+		}
+	}
+	*count = C.uint32_t(len(live))
+	if capacity > 0 {
+		out := unsafe.Slice((*int32)(unsafe.Pointer(pids)), int(capacity))
+		copy(out, live)
+	}
+	return 0
+}
+
 //export tsockgo_producer_close
 func tsockgo_producer_close(h C.uintptr_t) C.int {
 	handlesMu.Lock()

@@ -171,6 +171,14 @@ int tsock_producer_stats(tsock_producer_t *p, tsock_producer_stats_t *stats) {
   return tsockgo_producer_stats((GoUintptr)p, stats);
 }
 
+int tsock_producer_reader_pids(tsock_producer_t *p, int32_t *pids, uint32_t cap, uint32_t *count) {
+  ENTER(p);
+  if (count == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_producer_reader_pids: count is NULL");
+  if (pids == NULL && cap != 0)
+    return tsock__fail(TSOCK_EINVAL, "tsock_producer_reader_pids: pids is NULL with cap %u", cap);
+  return tsockgo_producer_reader_pids((GoUintptr)p, pids, cap, count);
+}
+
 int tsock_producer_close(tsock_producer_t *p) {
   ENTER(p);
   return tsockgo_producer_close((GoUintptr)p);

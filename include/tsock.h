@@ -214,6 +214,14 @@ typedef struct tsock_producer_stats {
 /* Fills *stats (set stats->size first). Thread-safe. */
 int tsock_producer_stats(tsock_producer_t *p, tsock_producer_stats_t *stats);
 
+/* The readers attached now (evicted ones left out: they read nothing
+ * more), by who they are: fills pids[0 .. min(cap, *count)) with each one's
+ * pid as the kernel told it at the join (SO_PEERCRED, in the producer's pid
+ * namespace; 0 when not visible there) and sets *count to how many are
+ * attached (call again with a larger array when *count > cap). pids may be
+ * NULL when cap is 0. Thread-safe. */
+int tsock_producer_reader_pids(tsock_producer_t *p, int32_t *pids, uint32_t cap, uint32_t *count);
+
 /* Marks the channel closed (readers drain what is published, then get
  * TSOCK_ECLOSED), removes its name and frees the handle. Thread-safe;
  * a second close returns TSOCK_EHANDLE. A batch still reserved is

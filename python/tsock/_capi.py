@@ -215,6 +215,10 @@ _PRODUCER = {
     "tsock_producer_end_epoch": (_I, [_P, ctypes.c_int64]),
     "tsock_producer_wait_readers": (_I, [_P, ctypes.c_uint32, ctypes.c_int64]),
     "tsock_producer_stats": (_I, [_P, ctypes.POINTER(ProducerStats)]),
+    "tsock_producer_reader_pids": (
+        _I,
+        [_P, ctypes.POINTER(ctypes.c_int32), ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)],
+    ),
     "tsock_producer_close": (_I, [_P]),
     "tsock_producer_peek": (_I, [ctypes.c_char_p, ctypes.c_uint64, ctypes.POINTER(Peek)]),
 }

@@ -19,6 +19,7 @@ import secrets
 import stat
 import subprocess
 import sys
+import threading
 import time
 import types
 import warnings
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 from . import _capi, _state
 from .consumer import Consumer
-from .errors import ChannelClosed, ChannelNotFound, ProducerGone, TsockError
+from .errors import ChannelClosed, ChannelNotFound, Evicted, ProducerGone, TsockError
 from .pipeline import Position
 
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
@@ -173,15 +174,31 @@ class Paths:
         return fd
 
     def live_trainers(self) -> int:
-        """Trainers whose roster file is locked; removes dead ones' files,
-        each while holding its lock (so never a live one's)."""
-        live = 0
+        """How many trainers are in the roster (see live_trainer_pids)."""
+        return len(self.live_trainer_pids())
+
+    def live_trainer_pids(self) -> list[int]:
+        """The pid of each trainer whose roster file is locked (a process with
+        two loaders twice)."""
+        return [pid for pid, _channel in self.live_roster()]
+
+    def live_trainer_channels(self) -> set[str]:
+        """The channels live trainers are (or were last) attached to: each
+        holds a position in that channel's run."""
+        return {channel for _pid, channel in self.live_roster() if channel}
+
+    def live_roster(self) -> list[tuple[int, str]]:
+        """(pid, channel it last attached to, "" before) of each trainer whose
+        roster file is locked; removes dead ones' files, each while holding
+        its lock (so never a live one's)."""
+        live = []
         try:
             entries = os.listdir(self.dir)
         except OSError:
-            return 0
+            return []
         for entry in entries:
-            if not entry.startswith(self.trainer_prefix):
+            pid = self._roster_pid(entry)
+            if pid is None:
                 continue
             path = os.path.join(self.dir, entry)
             try:
@@ -194,13 +211,20 @@ class Paths:
             _held_fds.add(fd)
             try:
                 if not try_lock(fd):
-                    live += 1
+                    live.append((pid, os.pread(fd, 256, 0).decode(errors="replace")))
                 elif os.path.exists(path) and os.path.samestat(os.fstat(fd), os.stat(path)):
                     with contextlib.suppress(OSError):
                         os.unlink(path)
             finally:
                 close_lock(fd)
         return live
+
+    def _roster_pid(self, entry: str) -> int | None:
+        """The pid of roster file name `entry` (KEY.trainer.PID.SERIAL), or None."""
+        if not entry.startswith(self.trainer_prefix):
+            return None
+        pid, _, serial = entry[len(self.trainer_prefix) :].partition(".")
+        return int(pid) if pid.isdigit() and serial.isdigit() else None
 
     def read_error(self) -> str | None:
         try:
@@ -450,6 +474,8 @@ def start_producer(paths: Paths, spec: dict) -> int:
 # ---- the trainer's loader ----
 
 _serials = itertools.count()
+# This process's open loaders: a recovery attaches its siblings of the same key ahead.
+_open_loaders: weakref.WeakSet = weakref.WeakSet()
 
 
 class SharedLoader:
@@ -510,6 +536,8 @@ class SharedLoader:
         self.lost_batches = 0
         #: batches a successor published again that this trainer had (dropped; 0 when it resumed exactly)
         self.repeated_batches = 0
+        #: times the producer evicted this trainer (producer={"evict_after": s}); it attached again each time
+        self.evictions = 0
         #: epochs completed (each for-loop that ran to its end)
         self.epoch = 0
         #: pid of the producer this trainer reads from
@@ -535,25 +563,29 @@ class SharedLoader:
         self._consumer = None
         self._closed = False
         self._announced = False  # the producer being attached to made its channel
+        self._ahead_pid = 0  # the producer of the consumer attached ahead (_attach_siblings)
         roster = self._paths.trainer(self._pid, next(_serials))
         self._roster = self._paths.join_roster(roster)
         # What the finalizer undoes: the consumer (replaced at each
         # recovery), the roster lock and its file.
-        self._state = [None, self._roster, roster, self._pid]
+        # What the finalizer undoes also holds the consumer attached ahead
+        # to a successor for a sibling (_attach_siblings), until it is used.
+        self._state = [None, self._roster, roster, self._pid, None]
         self._finalizer = weakref.finalize(self, _detach, self._state)
+        # Held while this loader changes consumers: a sibling's recovery
+        # attaches it ahead from another thread, perhaps.
+        self._switching = threading.RLock()
         try:
-            self._consumer = self._connect(recovering=False)
+            self._use(self._connect(recovering=False))
         except BaseException:
             self.close()
             raise
+        _open_loaders.add(self)
 
     # ---- attaching ----
 
     def _connect(self, recovering: bool) -> Consumer:
         paths = self._paths
-        # A successor publishes on its predecessor's channel (it reads where
-        # that one stopped from its ring); a new run gets a new one.
-        channel = self.channel if recovering else None
         successor = recovering  # a producer of this trainer's died (not a first start)
         start = open_lock(paths.start)
         try:
@@ -564,11 +596,8 @@ class SharedLoader:
                     error = paths.read_error() if recovering else None
                     if error is not None:
                         raise self._failed(error, successor)
-                    # A successor resumes its predecessor's run; a first
-                    # producer starts at the beginning, whatever a dead one
-                    # left in /dev/shm.
-                    channel = channel or new_channel(self.key)
-                    start_producer(paths, {**self._spec, "channel": channel, "resume": recovering})
+                    channel, resume = self._run_to_start()
+                    start_producer(paths, {**self._spec, "channel": channel, "resume": resume})
                 alive = paths.read_alive()
                 self._check_description(alive)
                 self._announced = False
@@ -580,7 +609,7 @@ class SharedLoader:
                 error = paths.read_error()
                 if error is not None:
                     raise self._failed(error, successor)
-                recovering = True  # the next one resumes what this one recorded
+                recovering = True  # from here on a KEY.error is this run's, and attaching is start="now"
                 if self._announced:  # it got as far as its channel: the factory works
                     deaths, since = 0, time.monotonic()
                 deaths += 1
@@ -592,6 +621,27 @@ class SharedLoader:
                     )
         finally:
             close_lock(start)  # releases KEY.start
+
+    def _run_to_start(self) -> tuple[str, bool]:
+        """(channel, resume) of the producer to start, decided under KEY.start.
+        A successor on the last producer's channel (it reads where that one
+        stopped from its ring, or its resume note) while a live trainer of
+        the roster holds a position in that run: this one recovering, one
+        busy elsewhere when the producer died while this one arrives (review
+        27, N4), or one attached while this one was attaching (N3). A new
+        run on a new channel otherwise: nobody holds a position in the last
+        one, which its first producer forgets."""
+        last = self._paths.read_alive().get("channel")
+        if isinstance(last, str) and last in self._paths.live_trainer_channels():
+            return check_name_of_run(last), True
+        return new_channel(self.key), False
+
+    def _record_channel(self, channel: str) -> None:
+        """Writes in this loader's roster file the channel it is attached to
+        (under KEY.start, where every producer start is decided): it holds a
+        position in that run."""
+        os.ftruncate(self._roster, 0)
+        os.pwrite(self._roster, channel.encode(), 0)
 
     def _take_start_lock(self, start: int) -> None:
         """KEY.start, waited for in short tries: another trainer holds it
@@ -660,8 +710,8 @@ class SharedLoader:
                     raise
                 continue  # the producer answered no join in the slice (stopped, starved of CPU): it still lives
             consumer.track_tags = True
+            self._record_channel(channel)
             self.channel = channel
-            self._state[0] = consumer
             return consumer
         return None
 
@@ -677,14 +727,28 @@ class SharedLoader:
             stacklevel=5,
         )
 
+    def _use(self, consumer, pending=None) -> None:
+        """Makes `consumer` this loader's (and `pending` the one attached ahead)."""
+        self._consumer = self._state[0] = consumer
+        self._state[4] = pending
+
     def _recover(self) -> None:
         """The producer died: attach to its successor (starting it if this
-        trainer is the first to notice)."""
-        old, self._consumer = self._consumer, None
-        if old is not None:
-            old.close()
-        self.recoveries += 1
-        self._consumer = self._connect(recovering=True)
+        trainer is the first to notice), or take the consumer a sibling's
+        recovery attached ahead; then attach ahead this process's other
+        loaders of the key still reading the dead producer's ring."""
+        with self._switching:
+            dead, old, ahead = self.producer_pid, self._consumer, self._state[4]
+            self._use(None)
+            if old is not None:
+                old.close()
+            self.recoveries += 1
+            if ahead is not None:
+                self._use(ahead)
+                self.producer_pid = self._ahead_pid
+            else:
+                self._use(self._connect(recovering=True))
+        self._attach_siblings(dead)
         if self._tagged is False and self._open:
             self.restarts += 1
             warnings.warn(
@@ -695,6 +759,50 @@ class SharedLoader:
                 RuntimeWarning,
                 stacklevel=4,
             )
+
+    def _attach_siblings(self, dead: int) -> None:
+        """This process's other open loaders of the key, still on the dead
+        producer's ring: each gets a consumer of the successor now, kept
+        until it has read the dead ring out (its ProducerGone), so that it
+        loses nothing. The successor waits for every loader of the roster
+        before its first batch, and a sibling reads only when this one
+        returns (zip(loader_a, loader_b)): without this, the two waited for
+        each other for ever (review 27, N6)."""
+        for sibling in list(_open_loaders):
+            if sibling is self or sibling.key != self.key or sibling._pid != os.getpid():
+                continue
+            if not sibling._switching.acquire(blocking=False):
+                continue  # recovering in another thread by itself
+            try:
+                if sibling._consumer is None or sibling._state[4] is not None or sibling.producer_pid != dead:
+                    continue
+                current = sibling.producer_pid
+                ahead = sibling._connect(recovering=True)
+                sibling._ahead_pid, sibling.producer_pid = sibling.producer_pid, current
+                sibling._use(sibling._consumer, ahead)
+            finally:
+                sibling._switching.release()
+
+    def _reattach_evicted(self) -> None:
+        """producer={"evict_after": s}: this trainer held the producer back
+        that long and was evicted. It attaches again (start="now"), told;
+        the batches published meanwhile are lost to it, and a Pipeline's
+        tags count them in lost_batches. Before, Evicted ended the loader
+        for good, and its close() raised too, leaving it in the roster
+        (review 27, N8)."""
+        old = self._consumer
+        self._use(None, self._state[4])
+        with contextlib.suppress(TsockError):
+            old.close()  # evicted: its batches still referenced cannot be kept
+        self.evictions += 1
+        warnings.warn(
+            f"tsock.shared: this trainer held the producer of '{self.key}' back longer than its evict_after and was "
+            "evicted; it attaches again, and the batches published meanwhile are lost to it (a Pipeline's are "
+            "counted in lost_batches)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self._use(self._connect(recovering=True), self._state[4])
 
     # ---- iterating ----
 
@@ -732,6 +840,9 @@ class SharedLoader:
                 # Closed: a producer closes only with no reader attached, or
                 # when its loader failed (its KEY.error says so).
                 self._recover()
+                continue
+            except Evicted:
+                self._reattach_evicted()
                 continue
             tag = consumer.last_tag
             self._tagged = tag is not None
@@ -772,11 +883,13 @@ class SharedLoader:
                 self._start_catchup()  # the shared stream is ahead: this trainer's batches from a producer of its own
                 return False
             if here > want:
-                missed = (tag.index - pos[2]) if tag.epoch == pos[1] else tag.index + max(0, batches - pos[2])
+                # Every epoch skipped counts, not only the first boundary (review 27, N1).
+                missed = (tag.epoch - pos[1]) * batches + tag.index - pos[2]
                 self.lost_batches += missed
                 warnings.warn(
-                    f"tsock.shared: {missed} batch(es) of '{self.key}' were not published again after a producer "
-                    f"crash (at epoch {pos[1]}, batch {pos[2]}; went on at {tag.epoch}, {tag.index})",
+                    f"tsock.shared: {missed} batch(es) of '{self.key}' were lost to this trainer (at epoch {pos[1]}, "
+                    f"batch {pos[2]}; went on at {tag.epoch}, {tag.index}): "
+                    + ("it was evicted" if self.evictions else "not published again after a producer crash"),
                     RuntimeWarning,
                     stacklevel=4,
                 )
@@ -995,21 +1108,31 @@ class SharedLoader:
 _PRIVATE_KEY = re.compile(r".*\.c(\d+)\.\d+")
 
 
+def remove_if_ours(path: str) -> None:
+    """Unlinks `path` if it is a file of this uid. /dev/shm is world-writable
+    and sticky: a file another uid put at a name this run used (its channel
+    is listed there) can be neither removed nor replaced by us, and the
+    PermissionError ended every later producer of the key before it said
+    ok (review 27, N2). Such a file is left: no later run uses that name."""
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_uid == os.geteuid():
+            os.unlink(path)
+
+
 def _forget_private_key(paths: Paths) -> None:
-    """Removes a catch-up key's files and what its channel left in /dev/shm
-    (its producer and its trainer are gone)."""
+    """Removes a catch-up key's files, its channel's segment and its resume
+    note (kept in the runtime directory: review 27, N2); its producer and
+    its trainer are gone."""
     from .producer import resume_note_path
 
     channel = paths.read_alive().get("channel")
     if isinstance(channel, str):
         with contextlib.suppress(TsockError):
             check_name_of_run(channel)
-            for path in (segment_path(channel), resume_note_path(channel)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            for path in (segment_path(channel), resume_note_path(channel, paths.dir)):
+                remove_if_ours(path)
     for path in (paths.ready, paths.error, paths.log, paths.alive, paths.start):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        remove_if_ours(path)
 
 
 def _sweep_dead_catchups(paths: Paths) -> None:
@@ -1045,16 +1168,24 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _detach(state: list) -> None:
-    consumer, roster, path, pid = state
+    consumer, roster, path, pid, ahead = state
     if os.getpid() != pid:
         return
-    if consumer is not None:
-        consumer.close()
-    if roster is None:
-        return  # out of the roster (catching up on a producer of its own)
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-    close_lock(roster)
+    try:
+        if ahead is not None:
+            ahead.close()
+        if consumer is not None:
+            with contextlib.suppress(Evicted):  # evicted: nothing left to detach
+                consumer.close()
+    finally:
+        # Whatever close() raised: a loader left in the roster would hold
+        # every later producer of the key back for the process's life
+        # (review 27, N8). None: out of the roster (catching up on a
+        # producer of its own).
+        if roster is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            close_lock(roster)
 
 
 class SharedProducer(NamedTuple):

@@ -3,6 +3,7 @@ pickled spec on stdin (docs/SHARED.md, "Starting the producer")."""
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import contextlib
 import json
@@ -29,6 +30,18 @@ def _detach() -> None:
     re-parented to init, in the session start_new_session made."""
     if os.fork() > 0:
         os._exit(0)
+
+
+def _keep_resume_notes_in(directory: str) -> None:
+    """This process's producer writes its resume note in the user's 0700
+    runtime directory, not in /dev/shm: there another uid, reading the
+    run's channel from `ls /dev/shm`, could plant a file at the note's name
+    that a successor can neither replace nor remove, and its "cannot record
+    the resume position" ended every trainer at the next crash (review 27,
+    N2). The process runs one producer only: the module's setting is its."""
+    from . import producer
+
+    producer.RESUME_DIR = directory
 
 
 def _load_factory(ref: dict):
@@ -66,18 +79,18 @@ class Gate:
         if self.first:
             self.first = False
             self.announce(self.paths, producer.name)
-            self._wait(producer, lambda readers, trainers: readers >= max(1, trainers))
+            self._wait(producer, _every_trainer_attached)
         elif producer.stats()["readers"] == 0:
-            self._wait(producer, lambda readers, trainers: readers >= 1)
+            self._wait(producer, lambda readers, trainers: len(readers) >= 1)
 
     def _wait(self, producer, enough) -> None:
         idle_since = None
         while True:
-            readers = producer.stats()["readers"]
-            trainers = self.paths.live_trainers()
+            readers = producer.reader_pids()
+            trainers = self.paths.live_trainer_pids()
             if enough(readers, trainers):
                 return
-            if readers == 0 and trainers == 0:
+            if not readers and not trainers:
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since >= self.linger and self._may_stop(producer):
                     raise Stop
@@ -103,6 +116,16 @@ class Gate:
         shared.close_lock(self.alive)  # then KEY.start, at the exit: a trainer taking it finds no producer
         self.start_lock = start
         return True
+
+
+def _every_trainer_attached(readers: list, trainers: list) -> bool:
+    """Whether each live trainer of the roster has a reader of its own pid
+    attached (one per loader), and there is one reader at least. Identities,
+    not counts: a trainer killed just after it attached leaves the roster at
+    once (its flock) but stays a reader until the producer has seen its
+    connection end; counted, it stood in for a live trainer not attached
+    yet, which then missed the first batches (review 27, N1)."""
+    return bool(readers) and not collections.Counter(trainers) - collections.Counter(readers)
 
 
 def _announce_ready(paths: shared.Paths, channel: str) -> None:
@@ -195,8 +218,7 @@ def _forget_earlier_run(channel: str) -> None:
     except shared.TsockError:
         return  # not a name this user's producers use: not ours to remove
     for path in (shared.segment_path(channel), resume_note_path(channel)):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        shared.remove_if_ours(path)
 
 
 def _publish_epochs(producer, loader) -> None:
@@ -251,8 +273,7 @@ class Watchdog(threading.Thread):
         from .producer import resume_note_path
 
         for path in (self.paths.ready, shared.segment_path(self.channel), resume_note_path(self.channel)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            shared.remove_if_ours(path)  # never raise here: this thread holds KEY.start and KEY.alive
         if self.private:
             _forget_key(self.paths)
         shared.close_lock(self.alive)  # then KEY.start, at the exit, as the Gate's exit does
@@ -274,6 +295,7 @@ def main() -> int:
     spec = pickle.loads(sys.stdin.buffer.read())
     _detach()
     paths = shared.Paths(shared.runtime_dir(), spec["key"])
+    _keep_resume_notes_in(paths.dir)
     alive = shared.open_lock(paths.alive)
     if not shared.try_lock(alive):
         print("busy", flush=True)

@@ -226,9 +226,10 @@ RESUME_DIR = "/dev/shm"
 _NOTE_MAX = 4096
 
 
-def resume_note_path(name: str) -> str:
-    """Hidden, beside the channel's segment, with no name a channel can have."""
-    return os.path.join(RESUME_DIR, f".tsock-resume.{name}")
+def resume_note_path(name: str, directory: str | None = None) -> str:
+    """Hidden, beside the channel's segment (or in tsock.shared's runtime
+    directory: RESUME_DIR, or `directory`), with no name a channel can have."""
+    return os.path.join(directory or RESUME_DIR, f".tsock-resume.{name}")
 
 
 def _remove_dead_temporaries(name: str) -> None:
@@ -824,6 +825,22 @@ class Producer:
             readers_evicted=st.readers_evicted,
         )
         return out
+
+    def reader_pids(self) -> list[int]:
+        """The pid of each reader attached now (evicted ones left out), as the
+        kernel told it at the join (in this process's pid namespace; 0 when
+        not visible here); a process with two readers is there twice. [] once
+        closed."""
+        if self._handle.value is None or self._closed:
+            return []
+        count = ctypes.c_uint32(0)
+        while True:
+            cap = count.value + 8  # room for readers joining meanwhile
+            pids = (ctypes.c_int32 * cap)()
+            rc = self._lib.tsock_producer_reader_pids(self._handle, pids, cap, ctypes.byref(count))
+            check(self._lib, rc, "reader_pids")
+            if count.value <= cap:
+                return list(pids[: count.value])
 
     def close(self) -> None:
         """Closes the channel: consumers read what was published, then get

@@ -33,6 +33,7 @@ int main(int argc, char **argv) {
                             "tsock_producer_reserve", "tsock_producer_publish",
                             "tsock_producer_abort", "tsock_producer_end_epoch",
                             "tsock_producer_wait_readers", "tsock_producer_stats",
+                            "tsock_producer_reader_pids",
                             "tsock_producer_close", "tsock_producer_peek"};
   for (size_t i = 0; i < sizeof producer / sizeof producer[0]; i++)
     CHECK((dlsym(lib, producer[i]) != NULL) == want_producer);

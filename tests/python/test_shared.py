@@ -64,9 +64,14 @@ def runtime(tmp_path, monkeypatch):
         channel = _shared.Paths(str(path), key).read_alive().get("channel")
         if not channel:
             continue
-        for leftover in (f"/dev/shm/tsock.{channel}", resume_note_path(channel)):
+        for leftover in (f"/dev/shm/tsock.{channel}", note_path(path, channel)):
             if os.path.exists(leftover):
                 os.unlink(leftover)
+
+
+def note_path(runtime, channel: str) -> str:
+    """Where a shared producer keeps its resume note: the runtime directory."""
+    return os.path.join(runtime, os.path.basename(resume_note_path(channel)))
 
 
 def token() -> str:
@@ -326,7 +331,7 @@ def test_the_producer_lingers_then_exits_leaving_nothing_in_dev_shm(runtime):
     assert os.path.exists(f"/dev/shm/tsock.{channel}")  # lingering
     wait_for(lambda: not alive(pid), "the producer to exit after its linger time")
     assert not os.path.exists(f"/dev/shm/tsock.{channel}")
-    assert not os.path.exists(resume_note_path(channel))
+    assert not os.path.exists(note_path(runtime, channel))
     assert not glob.glob(str(runtime / "*.trainer.*"))
 
 
@@ -413,13 +418,18 @@ def test_a_plain_loader_restarts_the_epoch_and_tells_the_trainer(runtime):
 
 
 class FakeProducer:
+    """The Gate's view of a producer: the pids of its attached readers."""
+
     name = "shared.fake"
 
     def __init__(self):
-        self.readers = 0
+        self.readers = []
 
     def stats(self):
-        return {"readers": self.readers}
+        return {"readers": len(self.readers)}
+
+    def reader_pids(self):
+        return list(self.readers)
 
 
 def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime):
@@ -439,18 +449,250 @@ def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime)
 
     t = threading.Thread(target=lambda: passed.append(gate(producer)), daemon=True)
     t.start()
-    producer.readers = 1
+    producer.readers = [1]
     time.sleep(0.2)  # long enough for the gate's 10 ms polls to let it through, were it to
     assert not passed
-    producer.readers = 2
+    producer.readers = [1, 1]
     t.join(BOUND_S)
     assert passed == [None]
     # A trainer that dies is counted out: one live trainer, one reader.
     gate.first = True
     _shared.close_lock(rosters[0])
-    producer.readers = 1
+    producer.readers = [1]
     gate(producer)
     _shared.close_lock(rosters[1])
+
+
+def test_a_killed_trainers_reader_does_not_stand_in_for_a_live_trainer_not_attached_yet(runtime):
+    """A trainer killed just after it attached leaves the roster at once (its
+    flock), but stays a reader until the producer has seen its connection
+    end. The successor counted readers against trainers: the dead one's
+    reader stood in for a live trainer busy elsewhere, the successor
+    published, and that trainer, attaching later with start="now", lost
+    those batches (review 27, N1). Here trainer 11 is attached, 12 is not
+    yet, and 13 (killed) is still a reader: the gate must wait for 12."""
+    import threading
+
+    from tsock import _shared_run
+
+    runtime.mkdir(mode=0o700)
+    paths = _shared.Paths(str(runtime), "k")
+    rosters = [_shared.open_lock(paths.trainer(pid)) for pid in (11, 12)]
+    for fd in rosters:
+        assert _shared.try_lock(fd)
+    producer = FakeProducer()
+    producer.readers = [11, 13]
+    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel: None)
+    passed = []
+    t = threading.Thread(target=lambda: passed.append(gate(producer)), daemon=True)
+    t.start()
+    time.sleep(0.2)  # long enough for the gate's 10 ms polls to let it through, were it to
+    assert not passed, "published before trainer 12 attached"
+    producer.readers = [11, 12]  # 13's entry freed, 12 attached
+    t.join(BOUND_S)
+    assert passed == [None]
+    for fd in rosters:
+        _shared.close_lock(fd)
+
+
+def test_batches_lost_across_several_epochs_are_all_counted():
+    """A jump from (1, 27) to (3, 388) in epochs of 400 batches lost the rest
+    of epoch 1, all of epoch 2 and 388 of epoch 3: only the first epoch
+    boundary was counted (review 27, N1)."""
+    import warnings
+
+    loader = object.__new__(_shared.SharedLoader)
+    loader.key, loader.epoch, loader.restarts, loader.lost_batches = "k", 0, 0, 0
+    loader._position, loader._epoch_done = ("f", 1, 27), False
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert loader._take(types.SimpleNamespace(fingerprint="f", epoch=3, index=388), 400)
+    assert loader.lost_batches == (400 - 27) + 400 + 388
+    assert loader.position == (3, 389)
+
+
+def test_the_producer_names_its_readers_by_pid(runtime):
+    """What the gate matches the roster against: the kernel's pid of each
+    attached reader, once per reader."""
+    channel = f"rp{os.getpid()}x{time.monotonic_ns() % 10**9}"
+    import numpy as np
+
+    with tsock.Producer(name=channel) as producer:
+        producer.publish((np.zeros(4, np.float32),))  # the channel exists from the first batch
+        assert producer.reader_pids() == []
+        with tsock.Consumer(channel, timeout=BOUND_S), tsock.Consumer(channel, timeout=BOUND_S):
+            wait_for(lambda: len(producer.reader_pids()) == 2, "two readers")
+            assert producer.reader_pids() == [os.getpid(), os.getpid()]
+        wait_for(lambda: producer.reader_pids() == [], "the readers to leave")
+    assert producer.reader_pids() == []
+
+
+def read_into_epoch_3(loader):
+    """35 batches of a 40-sample pipeline of batch 4 (10 a epoch): epoch 3,
+    batch 5. Returns the epoch's iterator."""
+    for _ in range(3):
+        assert sum(1 for _ in loader) == 10
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    assert loader.position == (3, 5)
+    return it
+
+
+def read_on_past_the_dead_ring(loader, epoch_3) -> None:
+    """The rest of epoch 3 and epochs 4 and 5: 25 batches, more than the
+    dead producer's ring held (16 slots), so the trainer recovers on the way."""
+    rest = [y for _, ys in epoch_3 for y in ys.tolist()]
+    assert len(rest) == 20
+    for _ in range(2):
+        assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
+    assert loader.position == (6, 0)
+
+
+def test_a_trainer_arriving_while_the_only_trainer_is_busy_after_a_crash_starts_a_successor(runtime, spawn, tmp_path):
+    """The run's only trainer is busy (an evaluation) when its producer dies,
+    and a new trainer arrives. It started a new run (a new channel, epoch 0)
+    and removed the dead run's segment: the busy trainer came back, attached
+    and dropped the 35 batches up to its position (review 27, N4)."""
+    tok, stop = token(), tmp_path / "stop"
+    busy = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    channel = busy.channel
+    epoch_3 = read_into_epoch_3(busy)
+    dead = busy.producer_pid
+    os.kill(dead, signal.SIGKILL)
+    wait_for(lambda: not _shared.lock_is_held(busy._paths.alive), "the producer to die")
+    newcomer = start_trainer(spawn, "pipeline", 40, 4, tok, 1, stop)
+    assert json.loads(newcomer.stdout.readline())["attached"] not in (0, dead)
+    read_on_past_the_dead_ring(busy, epoch_3)  # the busy trainer comes back
+    assert busy.channel == channel  # the run's successor, not a new run
+    assert (busy.recoveries, busy.repeated_batches, busy.lost_batches) == (1, 0, 0)
+    busy.close()
+    stop.touch()
+    result = finish(newcomer)
+    assert result[-1] == {"recoveries": 0, "restarts": 0, "lost": 0, "repeated": 0}
+    for line in epochs_of(result):  # from the next epoch start, whole
+        assert sorted(line["ids"]) == list(range(40))
+
+
+def test_a_trainer_attaching_when_the_producer_dies_starts_a_successor_on_its_channel(runtime, spawn, tmp_path):
+    """A trainer attaching to a live producer that dies before it is attached
+    started a producer on a new channel: the run restarted at epoch 0 and
+    the trainer already in it dropped the batches up to its position
+    (review 27, N3). The producer is stopped while the second trainer
+    joins, then killed."""
+    tok, stop = token(), tmp_path / "stop"
+    first = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    channel = first.channel
+    epoch_3 = read_into_epoch_3(first)
+    pid = first.producer_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        second = start_trainer(spawn, "pipeline", 40, 4, tok, 1, stop)
+        wait_for(lambda: first._paths.live_trainers() == 2, "the second trainer to register")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+    assert json.loads(second.stdout.readline())["attached"] not in (0, pid)
+    read_on_past_the_dead_ring(first, epoch_3)
+    assert first.channel == channel  # the successor took the run's channel, and resumed it
+    assert (first.recoveries, first.repeated_batches, first.lost_batches) == (1, 0, 0)
+    first.close()
+    stop.touch()
+    result = finish(second)
+    assert result[-1] == {"recoveries": 0, "restarts": 0, "lost": 0, "repeated": 0}
+    for line in epochs_of(result):
+        assert sorted(line["ids"]) == list(range(40))
+
+
+def test_two_loaders_of_one_key_in_one_process_survive_a_crash(runtime):
+    """Two models trained in lockstep, zip(a, b): after a crash the first
+    loader to notice attached to the successor and waited for its first
+    batch, which waited for the second loader, which could attach only
+    when the first returned: they waited for each other for ever (review
+    27, N6)."""
+    import threading
+
+    tok = token()
+    a = tsock.shared(h.pipeline, 40, 4, tok, linger=0.5)
+    b = tsock.shared(h.pipeline, 40, 4, tok, linger=0.5)
+    epochs, failed = [], []
+
+    def lockstep():
+        try:
+            for epoch in range(4):
+                got = ([], [])
+                for (_xa, ya), (_xb, yb) in zip(a, b):
+                    got[0].extend(ya.tolist())
+                    got[1].extend(yb.tolist())
+                    if epoch == 1 and len(got[0]) == 8:
+                        os.kill(a.producer_pid, signal.SIGKILL)  # mid-epoch
+                epochs.append(got)
+        except Exception as e:
+            failed.append(e)
+
+    t = threading.Thread(target=lockstep, daemon=True)
+    t.start()
+    t.join(BOUND_S)
+    assert not t.is_alive(), "the two loaders still wait for each other"
+    assert not failed, failed
+    for got in epochs:
+        assert sorted(got[0]) == sorted(got[1]) == list(range(40))
+    assert a.recoveries == b.recoveries == 1
+    assert (a.repeated_batches, a.lost_batches, b.repeated_batches, b.lost_batches) == (0, 0, 0, 0)
+    a.close()
+    b.close()
+    assert a._paths.live_trainers() == 0
+
+
+def evict(busy, steady):
+    """`busy` reads a batch and stops; `steady` reads on, more than the ring
+    holds past busy's batch: the producer cannot have published that much
+    without evicting busy (evict_after)."""
+    it = iter(busy)
+    held = next(it)
+    steady_it = iter(steady)
+    for _ in range(3 * 4):  # slots=4
+        next(steady_it)
+    return it, held
+
+
+EVICTING = {"evict_after": 0.3, "slots": 4}
+
+
+def test_an_evicted_trainer_attaches_again_and_is_told(runtime):
+    """Evicted escaped the loop, and every later next() raised it again:
+    the loader was dead for good (review 27, N8)."""
+    tok = token()
+    steady = tsock.shared(h.pipeline, 400, 4, tok, linger=0.3, producer=EVICTING)
+    busy = tsock.shared(h.pipeline, 400, 4, tok, linger=0.3, producer=EVICTING)
+    it, _held = evict(busy, steady)
+    steady.close()  # not to hold the producer back in turn
+    with pytest.warns(RuntimeWarning) as told:
+        more = [y for _, ys in it for y in ys.tolist()]
+    told = [str(w.message) for w in told]
+    assert any("evicted; it attaches again" in m for m in told), told
+    assert any(re.search("lost to this trainer.*it was evicted", m) for m in told), told
+    assert more and busy.evictions == 1
+    assert busy.lost_batches > 0  # counted from the tags
+    assert busy.position == (1, 0)
+    # The next epoch comes whole.
+    assert sorted(y for _, ys in busy for y in ys.tolist()) == list(range(400))
+    busy.close()
+    assert busy._paths.live_trainers() == 0
+
+
+def test_closing_an_evicted_trainer_leaves_the_roster(runtime):
+    """close() raised Evicted (the Consumer's keep) before the roster file
+    was released: it stayed locked for the process's life, and every later
+    producer of the key waited for it (review 27, N8)."""
+    tok = token()
+    steady = tsock.shared(h.pipeline, 400, 4, tok, linger=0.3, producer=EVICTING)
+    busy = tsock.shared(h.pipeline, 400, 4, tok, linger=0.3, producer=EVICTING)
+    _it, held = evict(busy, steady)  # a batch still referenced: close() keeps it, which an eviction refuses
+    busy.close()
+    assert busy._paths.live_trainers() == 1  # steady only
+    steady.close()
+    assert busy._paths.live_trainers() == 0
 
 
 SCRIPT = """
@@ -541,6 +783,33 @@ def test_a_killed_trainers_forked_children_do_not_keep_it_in_the_roster(runtime,
         wait_for(lambda: paths.live_trainers() == 0, "the killed trainer to leave the roster")
     finally:
         os.killpg(trainer.pid, signal.SIGKILL)
+
+
+def test_a_key_that_extends_another_with_trainer_is_not_in_its_roster(runtime):
+    """name='exp' and name='exp.trainer.x': every file of the second matched
+    the first's roster prefix 'exp.trainer.': its producer counted the
+    other key's trainers (and producer lock) as its own, waited for them,
+    and removed the other key's unlocked files (.ready, .start, .log)
+    (review 27, N7). The roster is now the names KEY.trainer.PID.SERIAL
+    exactly."""
+    runtime.mkdir(mode=0o700)
+    exp = _shared.Paths(str(runtime), "exp")
+    others = [_shared.Paths(str(runtime), key) for key in ("exp.trainer.x", "exp.trainer.7", "exp.trainer.7.0")]
+    held, files = [], []
+    for other in others:
+        held.append(other.join_roster(other.trainer(os.getpid())))
+        held.append(_shared.open_lock(other.alive))
+        assert _shared.try_lock(held[-1])
+        for path in (other.start, other.ready, other.log, other.error):
+            open(path, "w").close()
+            files.append(path)
+    try:
+        assert exp.live_trainers() == 0
+        assert all(os.path.exists(path) for path in files)
+        assert [other.live_trainers() for other in others] == [1, 1, 1]
+    finally:
+        for fd in held:
+            _shared.close_lock(fd)
 
 
 def test_a_lock_file_of_another_user_is_refused(runtime):
@@ -717,6 +986,70 @@ def test_a_new_run_whose_first_producer_dies_does_not_resume_a_dead_earlier_run(
         assert sorted(y for _, ys in fresh for y in ys.tolist()) == list(range(40))
         assert fresh.position == (1, 0)  # its epoch 0, not the rest of the earlier run's
         assert fresh.recoveries == 0 and fresh.repeated_batches == 0
+
+
+def test_a_successor_keeps_its_resume_note_in_the_runtime_directory(runtime):
+    """It was /dev/shm/.tsock-resume.CHANNEL, where another uid, who reads
+    the channel from `ls /dev/shm`, could plant a file the successor can
+    neither replace nor remove: its TsockError ended every trainer at the
+    next crash (review 27, N2). The note lives while the successor waits
+    for a trainer (here a roster entry that never attaches)."""
+    import threading
+
+    tok = token()
+    loader = tsock.shared(h.pipeline, 40, 4, tok, linger=30.0)
+    it = iter(loader)
+    for _ in range(13):  # epoch 1, batch 3: a position to resume at
+        if next(it, None) is None:
+            it = iter(loader)
+            next(it)
+    stalling = loader._paths.join_roster(loader._paths.trainer(os.getpid(), 10**6))
+    os.kill(loader.producer_pid, signal.SIGKILL)
+    rest = []
+    reader = threading.Thread(target=lambda: rest.extend(y for _, ys in it for y in ys.tolist()), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: os.path.exists(note_path(runtime, loader.channel)), "the successor's resume note")
+        assert not os.path.exists(resume_note_path(loader.channel))  # not in /dev/shm
+    finally:
+        _shared.close_lock(stalling)  # the successor publishes now, and removes its note
+    reader.join(BOUND_S)
+    assert len(rest) == 28 and loader.recoveries == 1
+    assert (loader.repeated_batches, loader.lost_batches) == (0, 0)
+    wait_for(lambda: not os.path.exists(note_path(runtime, loader.channel)), "the note to go")
+    loader.close()
+
+
+def test_a_file_of_another_user_at_a_dead_runs_names_does_not_stop_a_new_run(monkeypatch):
+    """A new run's first producer removes the dead run's segment and note;
+    a file another uid planted there (the name is listed in /dev/shm) is one
+    a non-root user can neither remove nor replace, and the PermissionError
+    ended every later producer of the key at its start (review 27, N2). A
+    non-root victim's unlink is simulated here: it raises EPERM."""
+    import errno
+
+    from tsock import _shared_run
+
+    channel = _shared.new_channel(f"plant{os.getpid()}")
+    planted = _shared.segment_path(channel)
+    with open(planted, "w") as f:
+        f.write("planted")
+    real_unlink = os.unlink
+    try:
+        if os.geteuid() == 0:
+            os.chown(planted, 65534, 65534)
+
+        def unlink_as_a_user(path, *args, **kwargs):
+            if path == planted:
+                raise PermissionError(errno.EPERM, "Operation not permitted", path)
+            return real_unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", unlink_as_a_user)
+        _shared_run._forget_earlier_run(channel)  # raised PermissionError
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        assert os.path.exists(planted)  # not ours: left
+    finally:
+        real_unlink(planted)
 
 
 def plant(path: str, user: str = "") -> None:
