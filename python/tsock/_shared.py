@@ -532,7 +532,7 @@ class SharedLoader:
         self.recoveries = 0
         #: epochs that started over after a crash (the loader's order is not reproducible)
         self.restarts = 0
-        #: batches a successor did not publish again for this trainer (0 unless something is wrong)
+        #: batches this trainer did not get (always 0: a Pipeline's are caught up, see catchups)
         self.lost_batches = 0
         #: batches a successor published again that this trainer had (dropped; 0 when it resumed exactly)
         self.repeated_batches = 0
@@ -786,10 +786,11 @@ class SharedLoader:
     def _reattach_evicted(self) -> None:
         """producer={"evict_after": s}: this trainer held the producer back
         that long and was evicted. It attaches again (start="now"), told;
-        the batches published meanwhile are lost to it, and a Pipeline's
-        tags count them in lost_batches. Before, Evicted ended the loader
-        for good, and its close() raised too, leaving it in the roster
-        (review 27, N8)."""
+        a Pipeline's batches published meanwhile come from a catch-up
+        producer of its own (its tags show the stream went on), another
+        loader's are lost to it. Before, Evicted ended the loader for good,
+        and its close() raised too, leaving it in the roster (review 27,
+        N8)."""
         old = self._consumer
         self._use(None, self._state[4])
         with contextlib.suppress(TsockError):
@@ -797,8 +798,8 @@ class SharedLoader:
         self.evictions += 1
         warnings.warn(
             f"tsock.shared: this trainer held the producer of '{self.key}' back longer than its evict_after and was "
-            "evicted; it attaches again, and the batches published meanwhile are lost to it (a Pipeline's are "
-            "counted in lost_batches)",
+            "evicted; it attaches again, and the batches published meanwhile come from a producer of its own "
+            "(a Pipeline's; another loader's are lost to it)",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -879,20 +880,13 @@ class SharedLoader:
                 else:
                     self.repeated_batches += 1  # handed out before the crash
                 return False
-            if here > want and self._catchup is None:
-                self._start_catchup()  # the shared stream is ahead: this trainer's batches from a producer of its own
-                return False
             if here > want:
-                # Every epoch skipped counts, not only the first boundary (review 27, N1).
-                missed = (tag.epoch - pos[1]) * batches + tag.index - pos[2]
-                self.lost_batches += missed
-                warnings.warn(
-                    f"tsock.shared: {missed} batch(es) of '{self.key}' were lost to this trainer (at epoch {pos[1]}, "
-                    f"batch {pos[2]}; went on at {tag.epoch}, {tag.index}): "
-                    + ("it was evicted" if self.evictions else "not published again after a producer crash"),
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+                # The stream is past this trainer's next batch (it resumed
+                # from an older state, was evicted, or a successor did not
+                # publish it again): its batches come from a producer of its
+                # own from its position, nothing is lost.
+                self._start_catchup()
+                return False
         if self._resumed and tag.start != self._resumed_samples:
             raise ValueError(
                 f"tsock.shared: the loaded state is {self._resumed_samples - tag.start} samples into batch "
