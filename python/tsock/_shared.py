@@ -710,15 +710,20 @@ class SharedLoader:
         loaders of the key still reading the dead producer's ring."""
         with self._switching:
             dead, old, ahead = self.producer_pid, self._consumer, self._state[4]
-            self._use(None)
-            if old is not None:
-                old.close()
             self.recoveries += 1
             if ahead is not None:
                 self._use(ahead)
                 self.producer_pid = self._ahead_pid
             else:
-                self._use(self._connect(recovering=True))
+                # The old consumer stays open until this one is attached:
+                # its reader lock keeps the dead segment, which holds the
+                # position the successor resumes from (read after its
+                # factory ran), from being reclaimed by any Create of this
+                # user meanwhile (30 s after the dead producer's last
+                # publish): the run restarted at epoch 0 (review 27, N5).
+                self._use(self._connect(recovering=True), None)
+            if old is not None:
+                old.close()
         self._attach_siblings(dead)
         if self._tagged is False and self._open:
             self.restarts += 1

@@ -144,10 +144,20 @@ def _start_position(producer, pipe: Pipeline):
     """Where the dead predecessor stopped; the beginning when there is none or
     it published another pipeline (then trainers see the new fingerprint)."""
     try:
-        return producer.recorded_position(producer.name, pipe) or (0, 0)
+        position = producer.recorded_position(producer.name, pipe)
     except (ValueError, shared.TsockError) as e:
         print(f"tsock.shared: not resuming ({e}); starting at epoch 0", flush=True)
         return (0, 0)
+    if position is None:
+        # Its trainers hold a position in this run (they will drop batches
+        # up to it): say so (review 27, N5).
+        print(
+            f"tsock.shared: not resuming (no position of channel '{producer.name}': neither its ring nor a resume "
+            "note is left); starting at epoch 0",
+            flush=True,
+        )
+        return (0, 0)
+    return position
 
 
 def _run(spec: dict, paths: shared.Paths, alive: int) -> None:

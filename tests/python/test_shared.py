@@ -23,6 +23,7 @@ from tsock import _shared
 from tsock.producer import resume_note_path
 
 BOUND_S = 60.0  # only a failure waits this long
+RECLAIM_GRACE_S = 30.0  # producer/reclaim.go reclaimGrace
 
 
 def wait_for(condition, what: str, timeout: float = BOUND_S):
@@ -918,6 +919,14 @@ def test_a_new_run_whose_first_producer_dies_does_not_resume_a_dead_earlier_run(
         assert fresh.recoveries == 0 and fresh.repeated_batches == 0
 
 
+def read_past_the_dead_ring(loader, it, into: list) -> None:
+    """The rest of the epoch and one more (17 batches from (1, 3) in epochs
+    of 10: more than a dead ring of 16 slots held), into `into`: the
+    trainer recovers on the way."""
+    into.extend(y for _, ys in it for y in ys.tolist())
+    into.extend(y for _, ys in loader for y in ys.tolist())
+
+
 def test_a_successor_keeps_its_resume_note_in_the_runtime_directory(runtime):
     """It was /dev/shm/.tsock-resume.CHANNEL, where another uid, who reads
     the channel from `ls /dev/shm`, could plant a file the successor can
@@ -936,7 +945,7 @@ def test_a_successor_keeps_its_resume_note_in_the_runtime_directory(runtime):
     stalling = loader._paths.join_roster(loader._paths.trainer(os.getpid(), 10**6))
     os.kill(loader.producer_pid, signal.SIGKILL)
     rest = []
-    reader = threading.Thread(target=lambda: rest.extend(y for _, ys in it for y in ys.tolist()), daemon=True)
+    reader = threading.Thread(target=read_past_the_dead_ring, args=(loader, it, rest), daemon=True)
     reader.start()
     try:
         wait_for(lambda: os.path.exists(note_path(runtime, loader.channel)), "the successor's resume note")
@@ -944,7 +953,7 @@ def test_a_successor_keeps_its_resume_note_in_the_runtime_directory(runtime):
     finally:
         _shared.close_lock(stalling)  # the successor publishes now, and removes its note
     reader.join(BOUND_S)
-    assert len(rest) == 28 and loader.recoveries == 1
+    assert len(rest) == 28 + 40 and loader.position == (3, 0) and loader.recoveries == 1
     assert (loader.repeated_batches, loader.lost_batches) == (0, 0)
     wait_for(lambda: not os.path.exists(note_path(runtime, loader.channel)), "the note to go")
     loader.close()
@@ -980,6 +989,52 @@ def test_a_file_of_another_user_at_a_dead_runs_names_does_not_stop_a_new_run(mon
         assert os.path.exists(planted)  # not ours: left
     finally:
         real_unlink(planted)
+
+
+@pytest.mark.filterwarnings("ignore:.*has not published its first batch:RuntimeWarning")
+def test_a_slow_successor_resumes_though_another_producer_is_created_meanwhile(runtime, tmp_path):
+    """The successor reads where the dead producer stopped after its factory
+    ran. Every trainer had closed its consumer of the dead ring by then, so
+    any Create of this user 30 s after the dead producer's last publish
+    (another key's producer, any tsock.Producer) reclaimed the dead segment
+    and the successor restarted the run at epoch 0, silently (review 27,
+    N5). This test waits those 30 s."""
+    import threading
+
+    import numpy as np
+
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    (gate / "go").touch()
+    loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=30.0)
+    it = iter(loader)
+    for _ in range(13):  # epoch 1, batch 3
+        if next(it, None) is None:
+            it = iter(loader)
+            next(it)
+    (gate / "go").unlink()
+    first = loader.producer_pid
+    os.kill(first, signal.SIGKILL)
+    killed_at = time.monotonic()
+    rest = []
+    reader = threading.Thread(target=read_past_the_dead_ring, args=(loader, it, rest), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: [f for f in gate.glob("factory.*") if f.name != f"factory.{first}"], "the successor")
+        dead = _shared.segment_path(loader.channel)
+        # Past the library's grace for a dead channel (30 s after its last
+        # publish, producer/reclaim.go): a lower bound, whatever the load.
+        time.sleep(max(0.0, killed_at + RECLAIM_GRACE_S + 2 - time.monotonic()))
+        other = f"other{os.getpid()}x{time.monotonic_ns() % 10**9}"
+        with tsock.Producer(name=other) as producer:
+            producer.publish((np.zeros(4, np.float32),))  # its Create reclaims the dead channels nobody holds
+        assert os.path.exists(dead)  # held by the trainer's consumer of it
+    finally:
+        (gate / "go").touch()
+    reader.join(BOUND_S)
+    assert len(rest) == 28 + 40 and loader.position == (3, 0)
+    assert (loader.recoveries, loader.repeated_batches, loader.lost_batches) == (1, 0, 0)
+    loader.close()
 
 
 def plant(path: str, user: str = "") -> None:
