@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -276,7 +277,19 @@ class Watchdog(threading.Thread):
         for path in (self.paths.ready, shared.segment_path(self.channel), resume_note_path(self.channel)):
             _remove_if_ours(path)  # never raise here: this thread holds KEY.start and KEY.alive
         shared.close_lock(self.alive)  # then KEY.start, at the exit, as the Gate's exit does
-        os._exit(0)
+        _exit_with_workers()
+
+
+def _exit_with_workers() -> None:
+    """Ends this process and the pipeline's worker processes it forked: they
+    share its process group, the one start_new_session made for the
+    producer alone. os._exit left them running, and a worker stuck in the
+    I/O the watchdog exists for (a dead mount) stayed for ever (review 27,
+    N12)."""
+    group = os.getpgid(0)
+    if group == os.getsid(0):  # the producer's own session and group, as started
+        os.killpg(group, signal.SIGKILL)  # this process too: its work is done
+    os._exit(0)
 
 
 def _record_error(paths: shared.Paths, text: str) -> None:

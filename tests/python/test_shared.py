@@ -1164,6 +1164,26 @@ def test_a_producer_whose_factory_hangs_exits_once_no_trainer_is_left(runtime, s
     assert not os.path.exists(_shared.segment_path(channel))
 
 
+def test_the_watchdog_exit_takes_the_pipelines_workers_along(runtime, spawn, tmp_path):
+    """The watchdog's os._exit left the pipeline's worker processes running:
+    a worker stuck in the I/O the watchdog exists for stayed for ever
+    (review 27, N12)."""
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    code = """
+        import sys, shared_helpers as h, tsock
+        tsock.shared(h.stuck_pipeline, 40, 4, sys.argv[1], sys.argv[2], linger=0.3)
+    """
+    trainer = spawn(code, tok, gate)
+    try:
+        wait_for(lambda: len(list(gate.glob("worker.*"))) == 2, "both workers to be stuck")
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        wait_for(lambda: not producer_processes(runtime), "the producer and its workers to exit")
+    finally:
+        (gate / "go").touch()  # releases workers left behind (before the fix)
+
+
 def test_producers_killed_at_start_up_do_not_end_the_trainer(runtime, tmp_path, monkeypatch):
     """Six producers in a row killed before their first batch (an OOM killer
     at start-up), the factory itself fine: the trainer goes on. Before, the
