@@ -470,6 +470,10 @@ def start_producer(paths: Paths, spec: dict) -> int:
 # ---- the trainer's loader ----
 
 _serials = itertools.count()
+# True in a producer process while it loads the training script (the
+# factory is defined there): a shared() call at the script's top level runs
+# then, and would start a producer of another key that cannot import it.
+_loading_script = False
 # This process's open loaders: a recovery attaches its siblings of the same key ahead.
 _open_loaders: weakref.WeakSet = weakref.WeakSet()
 
@@ -963,6 +967,12 @@ def shared(
         max_readers, evict_after), used if this call starts the producer.
       output, copy, lifetime: the Consumer's options.
     """
+    if _loading_script:
+        raise RuntimeError(
+            "tsock.shared was called while the producer process loaded the training script to import the factory "
+            'from it: put the script\'s work under `if __name__ == "__main__":` (the producer loads the script '
+            "as a module, as multiprocessing's spawn does)"
+        )
     producer = dict(producer or {})
     unknown = set(producer) - set(PRODUCER_OPTIONS)
     if unknown:

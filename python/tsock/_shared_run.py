@@ -60,7 +60,11 @@ def _load_factory(ref: dict):
         module = importlib.util.module_from_spec(spec)
         for name in (*shared.MAIN_MODULES, "__tsock_main__"):  # where pickled arguments look for its classes
             sys.modules[name] = module
-        spec.loader.exec_module(module)
+        shared._loading_script = True  # a tsock.shared() call at its top level is refused (review 27, N11)
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            shared._loading_script = False
     return shared._lookup(module, ref["qualname"])
 
 

@@ -1262,6 +1262,44 @@ def test_a_function_of_the_script_passed_to_a_module_factory_is_refused_naming_t
     assert not glob.glob(str(runtime / "*.alive"))  # refused in the trainer, before anything started
 
 
+NO_GUARD_SCRIPT = """
+import shared_helpers as h
+import tsock
+
+
+def make(n, batch_size, tok):
+    return tsock.Pipeline(h.Ids(n), batch_size=batch_size, seed=3)
+
+
+try:  # no `if __name__ == "__main__":` guard: the producer runs this too
+    tsock.shared(make, 40, 4, "{tok}", linger=0.3)
+except tsock.ProducerGone as e:
+    print("ProducerGone:", e)
+"""
+
+
+def test_a_script_without_the_main_guard_is_told_so(runtime, spawn, tmp_path):
+    """Its top-level shared() call ran in the producer while it loaded the
+    script: it started a producer of another key, which could not import
+    the script (a nested ProducerGone ... ModuleNotFoundError naming no fix),
+    and left that key's files (review 27, N11)."""
+    script = tmp_path / "train.py"
+    script.write_text(NO_GUARD_SCRIPT.replace("{tok}", token()))
+    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = spawn(code, script)
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert "RuntimeError: tsock.shared was called while the producer process loaded the training script" in out, (
+        out,
+        err[-3000:],
+    )
+    assert 'if __name__ == "__main__":' in out
+    assert len(glob.glob(str(runtime / "*.alive"))) == 1  # no producer of a second key
+
+
 def test_functions_of_two_scripts_have_two_keys(runtime, monkeypatch, tmp_path):
     """Both were '__main__.scale': two scripts would share one producer."""
     ref = _shared.factory_ref(h.pipeline)
