@@ -283,6 +283,14 @@ def factory_ref(factory) -> dict:
     ref = {"module": module, "qualname": qualname, "file": None}
     if module in MAIN_MODULES:
         main = sys.modules.get(module)
+        name = getattr(getattr(main, "__spec__", None), "name", None)
+        if name and name not in MAIN_MODULES:
+            # Run as `python -m package.train`: imported by that name, as
+            # multiprocessing's spawn does, so that its relative imports
+            # work; loaded from its file, it had no package (review 27, N10).
+            if _lookup(main, qualname) is not factory:
+                raise TypeError(f"tsock.shared: {module}.{qualname} does not name the factory given; {fix}")
+            return {"module": name, "qualname": qualname, "file": None, "main": True}
         path = getattr(main, "__file__", None)
         if not path or not path.endswith(".py"):
             raise TypeError(
@@ -506,7 +514,7 @@ class SharedLoader:
         self.key = key
         self._spec = {
             "factory": ref,
-            "args": _pickled(args, kwargs, script_loaded=ref["file"] is not None),
+            "args": _pickled(args, kwargs, script_loaded=ref["file"] is not None or ref.get("main", False)),
             "sys_path": list(sys.path),
             "cwd": os.getcwd(),
             "channel": None,

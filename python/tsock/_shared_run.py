@@ -46,7 +46,20 @@ def _keep_resume_notes_in(directory: str) -> None:
 
 
 def _load_factory(ref: dict):
-    if ref["file"] is None:
+    if ref["file"] is None and ref.get("main"):
+        # The trainer's script, run as `python -m package.train`: imported
+        # by its module name (its `if __name__ == "__main__":` part does not
+        # run), and where pickled arguments look for its classes.
+        import importlib
+
+        shared._loading_script = True
+        try:
+            module = importlib.import_module(ref["module"])
+        finally:
+            shared._loading_script = False
+        for name in shared.MAIN_MODULES:
+            sys.modules[name] = module
+    elif ref["file"] is None:
         import importlib
 
         module = importlib.import_module(ref["module"])

@@ -1300,6 +1300,50 @@ def test_a_script_without_the_main_guard_is_told_so(runtime, spawn, tmp_path):
     assert len(glob.glob(str(runtime / "*.alive"))) == 1  # no producer of a second key
 
 
+PACKAGE_SCRIPT = """
+import sys
+
+import numpy as np
+import tsock
+
+from .data import Ids  # a relative import: the script is run as `python -m package.train`
+
+
+def make(n, batch_size, tok):
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=3)
+
+
+if __name__ == "__main__":
+    with tsock.shared(make, 40, 4, sys.argv[1], linger=0.3) as loader:
+        ids = sorted(int(y) for _, ys in loader for y in np.asarray(ys).tolist())
+        print("ok" if ids == list(range(40)) else ids, loader.key)
+"""
+
+
+def test_a_factory_of_a_script_run_as_a_module_with_relative_imports(runtime, spawn, tmp_path):
+    """`python -m package.train`: the producer loaded the script from its
+    file with no package, and its relative import failed ("attempted
+    relative import with no known parent package", review 27, N10)."""
+    package = tmp_path / "r27pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "data.py").write_text("from shared_helpers import Ids  # noqa: F401\n")
+    (package / "train.py").write_text(PACKAGE_SCRIPT)
+    code = """
+        import runpy, sys
+        sys.path.insert(0, sys.argv[1])
+        sys.argv = ["train", sys.argv[2]]
+        runpy.run_module("r27pkg.train", run_name="__main__", alter_sys=True)
+    """
+    proc = spawn(code, tmp_path, token())
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert proc.returncode == 0 and out.startswith("ok "), (out, err[-3000:])
+
+
 def test_functions_of_two_scripts_have_two_keys(runtime, monkeypatch, tmp_path):
     """Both were '__main__.scale': two scripts would share one producer."""
     ref = _shared.factory_ref(h.pipeline)
