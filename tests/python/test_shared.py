@@ -433,7 +433,7 @@ def test_batches_lost_across_several_epochs_are_all_counted():
     import warnings
 
     loader = object.__new__(_shared.SharedLoader)
-    loader.key, loader.epoch, loader.restarts, loader.lost_batches = "k", 0, 0, 0
+    loader.key, loader.epoch, loader.restarts, loader.lost_batches, loader.evictions = "k", 0, 0, 0, 0
     loader._position, loader._epoch_done = ("f", 1, 27), False
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
