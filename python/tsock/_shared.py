@@ -287,6 +287,14 @@ def factory_ref(factory) -> dict:
     ref = {"module": module, "qualname": qualname, "file": None}
     if module in MAIN_MODULES:
         main = sys.modules.get(module)
+        name = getattr(getattr(main, "__spec__", None), "name", None)
+        if name and name not in MAIN_MODULES:
+            # Run as `python -m package.train`: imported by that name, as
+            # multiprocessing's spawn does, so that its relative imports
+            # work; loaded from its file, it had no package (review 27, N10).
+            if _lookup(main, qualname) is not factory:
+                raise TypeError(f"tsock.shared: {module}.{qualname} does not name the factory given; {fix}")
+            return {"module": name, "qualname": qualname, "file": None, "main": True}
         path = getattr(main, "__file__", None)
         if not path or not path.endswith(".py"):
             raise TypeError(
@@ -474,6 +482,10 @@ def start_producer(paths: Paths, spec: dict) -> int:
 # ---- the trainer's loader ----
 
 _serials = itertools.count()
+# True in a producer process while it loads the training script (the
+# factory is defined there): a shared() call at the script's top level runs
+# then, and would start a producer of another key that cannot import it.
+_loading_script = False
 # This process's open loaders: a recovery attaches its siblings of the same key ahead.
 _open_loaders: weakref.WeakSet = weakref.WeakSet()
 
@@ -514,7 +526,7 @@ class SharedLoader:
         self.key = key
         self._spec = {
             "factory": ref,
-            "args": _pickled(args, kwargs, script_loaded=ref["file"] is not None),
+            "args": _pickled(args, kwargs, script_loaded=ref["file"] is not None or ref.get("main", False)),
             "sys_path": list(sys.path),
             "cwd": os.getcwd(),
             "channel": None,
@@ -739,15 +751,20 @@ class SharedLoader:
         loaders of the key still reading the dead producer's ring."""
         with self._switching:
             dead, old, ahead = self.producer_pid, self._consumer, self._state[4]
-            self._use(None)
-            if old is not None:
-                old.close()
             self.recoveries += 1
             if ahead is not None:
                 self._use(ahead)
                 self.producer_pid = self._ahead_pid
             else:
-                self._use(self._connect(recovering=True))
+                # The old consumer stays open until this one is attached:
+                # its reader lock keeps the dead segment, which holds the
+                # position the successor resumes from (read after its
+                # factory ran), from being reclaimed by any Create of this
+                # user meanwhile (30 s after the dead producer's last
+                # publish): the run restarted at epoch 0 (review 27, N5).
+                self._use(self._connect(recovering=True), None)
+            if old is not None:
+                old.close()
         self._attach_siblings(dead)
         if self._tagged is False and self._open:
             self.restarts += 1
@@ -1281,6 +1298,12 @@ def shared(
         producer starts there (load_state_dict() after the call would read
         a new run from its beginning up to it).
     """
+    if _loading_script:
+        raise RuntimeError(
+            "tsock.shared was called while the producer process loaded the training script to import the factory "
+            'from it: put the script\'s work under `if __name__ == "__main__":` (the producer loads the script '
+            "as a module, as multiprocessing's spawn does)"
+        )
     producer = dict(producer or {})
     unknown = set(producer) - set(PRODUCER_OPTIONS)
     if unknown:

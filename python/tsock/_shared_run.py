@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -45,7 +46,20 @@ def _keep_resume_notes_in(directory: str) -> None:
 
 
 def _load_factory(ref: dict):
-    if ref["file"] is None:
+    if ref["file"] is None and ref.get("main"):
+        # The trainer's script, run as `python -m package.train`: imported
+        # by its module name (its `if __name__ == "__main__":` part does not
+        # run), and where pickled arguments look for its classes.
+        import importlib
+
+        shared._loading_script = True
+        try:
+            module = importlib.import_module(ref["module"])
+        finally:
+            shared._loading_script = False
+        for name in shared.MAIN_MODULES:
+            sys.modules[name] = module
+    elif ref["file"] is None:
         import importlib
 
         module = importlib.import_module(ref["module"])
@@ -59,7 +73,11 @@ def _load_factory(ref: dict):
         module = importlib.util.module_from_spec(spec)
         for name in (*shared.MAIN_MODULES, "__tsock_main__"):  # where pickled arguments look for its classes
             sys.modules[name] = module
-        spec.loader.exec_module(module)
+        shared._loading_script = True  # a tsock.shared() call at its top level is refused (review 27, N11)
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            shared._loading_script = False
     return shared._lookup(module, ref["qualname"])
 
 
@@ -147,10 +165,20 @@ def _start_position(producer, pipe: Pipeline):
     """Where the dead predecessor stopped; the beginning when there is none or
     it published another pipeline (then trainers see the new fingerprint)."""
     try:
-        return producer.recorded_position(producer.name, pipe) or (0, 0)
+        position = producer.recorded_position(producer.name, pipe)
     except (ValueError, shared.TsockError) as e:
         print(f"tsock.shared: not resuming ({e}); starting at epoch 0", flush=True)
         return (0, 0)
+    if position is None:
+        # Its trainers hold a position in this run (they will drop batches
+        # up to it): say so (review 27, N5).
+        print(
+            f"tsock.shared: not resuming (no position of channel '{producer.name}': neither its ring nor a resume "
+            "note is left); starting at epoch 0",
+            flush=True,
+        )
+        return (0, 0)
+    return position
 
 
 def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
@@ -277,7 +305,19 @@ class Watchdog(threading.Thread):
         if self.private:
             _forget_key(self.paths)
         shared.close_lock(self.alive)  # then KEY.start, at the exit, as the Gate's exit does
-        os._exit(0)
+        _exit_with_workers()
+
+
+def _exit_with_workers() -> None:
+    """Ends this process and the pipeline's worker processes it forked: they
+    share its process group, the one start_new_session made for the
+    producer alone. os._exit left them running, and a worker stuck in the
+    I/O the watchdog exists for (a dead mount) stayed for ever (review 27,
+    N12)."""
+    group = os.getpgid(0)
+    if group == os.getsid(0):  # the producer's own session and group, as started
+        os.killpg(group, signal.SIGKILL)  # this process too: its work is done
+    os._exit(0)
 
 
 def _record_error(paths: shared.Paths, text: str) -> None:

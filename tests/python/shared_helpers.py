@@ -66,6 +66,25 @@ def gated_pipeline(n: int, batch_size: int, token: str, gate_dir: str):
     return pipeline(n, batch_size)
 
 
+class StuckUntil:
+    """An augment stage that blocks (a dead mount, say) until `gate_dir`/go
+    exists; each worker process running it leaves a file worker.PID there."""
+
+    def __init__(self, gate_dir: str):
+        self.gate_dir = gate_dir
+
+    def __call__(self, sample, rng):
+        open(os.path.join(self.gate_dir, f"worker.{os.getpid()}"), "w").close()
+        while not os.path.exists(os.path.join(self.gate_dir, "go")):
+            time.sleep(0.05)
+        return sample
+
+
+def stuck_pipeline(n: int, batch_size: int, token: str, gate_dir: str):
+    """A Pipeline whose two workers block in their first sample."""
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7, augment=StuckUntil(gate_dir), workers=2)
+
+
 def generator(n: int, batch_size: int, token: str = ""):
     """Not re-iterable: its batches come once (an iterator, refused)."""
     return (batch for batch in plain(n, batch_size))

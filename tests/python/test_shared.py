@@ -26,6 +26,7 @@ from tsock import _shared, _state
 from tsock.producer import resume_note_path
 
 BOUND_S = 60.0  # only a failure waits this long
+RECLAIM_GRACE_S = 30.0  # producer/reclaim.go reclaimGrace
 
 
 def wait_for(condition, what: str, timeout: float = BOUND_S):
@@ -501,7 +502,7 @@ def test_a_stream_past_the_position_is_caught_up_from_it_whatever_the_jump():
     N1); now the trainer's batches from (1, 27) come from a producer of its
     own, and nothing is lost."""
     loader = object.__new__(_shared.SharedLoader)
-    loader.key, loader.epoch, loader.restarts, loader.lost_batches = "k", 0, 0, 0
+    loader.key, loader.epoch, loader.restarts, loader.lost_batches, loader.evictions = "k", 0, 0, 0, 0
     loader._position, loader._epoch_done, loader._resumed = ("f", 1, 27), False, False
     started = []
     loader._start_catchup = lambda: started.append(loader._position)
@@ -987,6 +988,14 @@ def test_a_new_run_whose_first_producer_dies_does_not_resume_a_dead_earlier_run(
         assert fresh.recoveries == 0 and fresh.repeated_batches == 0
 
 
+def read_past_the_dead_ring(loader, it, into: list) -> None:
+    """The rest of the epoch and one more (17 batches from (1, 3) in epochs
+    of 10: more than a dead ring of 16 slots held), into `into`: the
+    trainer recovers on the way."""
+    into.extend(y for _, ys in it for y in ys.tolist())
+    into.extend(y for _, ys in loader for y in ys.tolist())
+
+
 def test_a_successor_keeps_its_resume_note_in_the_runtime_directory(runtime):
     """It was /dev/shm/.tsock-resume.CHANNEL, where another uid, who reads
     the channel from `ls /dev/shm`, could plant a file the successor can
@@ -1005,7 +1014,7 @@ def test_a_successor_keeps_its_resume_note_in_the_runtime_directory(runtime):
     stalling = loader._paths.join_roster(loader._paths.trainer(os.getpid(), 10**6))
     os.kill(loader.producer_pid, signal.SIGKILL)
     rest = []
-    reader = threading.Thread(target=lambda: rest.extend(y for _, ys in it for y in ys.tolist()), daemon=True)
+    reader = threading.Thread(target=read_past_the_dead_ring, args=(loader, it, rest), daemon=True)
     reader.start()
     try:
         wait_for(lambda: os.path.exists(note_path(runtime, loader.channel)), "the successor's resume note")
@@ -1013,7 +1022,7 @@ def test_a_successor_keeps_its_resume_note_in_the_runtime_directory(runtime):
     finally:
         _shared.close_lock(stalling)  # the successor publishes now, and removes its note
     reader.join(BOUND_S)
-    assert len(rest) == 28 and loader.recoveries == 1
+    assert len(rest) == 28 + 40 and loader.position == (3, 0) and loader.recoveries == 1
     assert (loader.repeated_batches, loader.lost_batches) == (0, 0)
     wait_for(lambda: not os.path.exists(note_path(runtime, loader.channel)), "the note to go")
     loader.close()
@@ -1049,6 +1058,52 @@ def test_a_file_of_another_user_at_a_dead_runs_names_does_not_stop_a_new_run(mon
         assert os.path.exists(planted)  # not ours: left
     finally:
         real_unlink(planted)
+
+
+@pytest.mark.filterwarnings("ignore:.*has not published its first batch:RuntimeWarning")
+def test_a_slow_successor_resumes_though_another_producer_is_created_meanwhile(runtime, tmp_path):
+    """The successor reads where the dead producer stopped after its factory
+    ran. Every trainer had closed its consumer of the dead ring by then, so
+    any Create of this user 30 s after the dead producer's last publish
+    (another key's producer, any tsock.Producer) reclaimed the dead segment
+    and the successor restarted the run at epoch 0, silently (review 27,
+    N5). This test waits those 30 s."""
+    import threading
+
+    import numpy as np
+
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    (gate / "go").touch()
+    loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=30.0)
+    it = iter(loader)
+    for _ in range(13):  # epoch 1, batch 3
+        if next(it, None) is None:
+            it = iter(loader)
+            next(it)
+    (gate / "go").unlink()
+    first = loader.producer_pid
+    os.kill(first, signal.SIGKILL)
+    killed_at = time.monotonic()
+    rest = []
+    reader = threading.Thread(target=read_past_the_dead_ring, args=(loader, it, rest), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: [f for f in gate.glob("factory.*") if f.name != f"factory.{first}"], "the successor")
+        dead = _shared.segment_path(loader.channel)
+        # Past the library's grace for a dead channel (30 s after its last
+        # publish, producer/reclaim.go): a lower bound, whatever the load.
+        time.sleep(max(0.0, killed_at + RECLAIM_GRACE_S + 2 - time.monotonic()))
+        other = f"other{os.getpid()}x{time.monotonic_ns() % 10**9}"
+        with tsock.Producer(name=other) as producer:
+            producer.publish((np.zeros(4, np.float32),))  # its Create reclaims the dead channels nobody holds
+        assert os.path.exists(dead)  # held by the trainer's consumer of it
+    finally:
+        (gate / "go").touch()
+    reader.join(BOUND_S)
+    assert len(rest) == 28 + 40 and loader.position == (3, 0)
+    assert (loader.recoveries, loader.repeated_batches, loader.lost_batches) == (1, 0, 0)
+    loader.close()
 
 
 def plant(path: str, user: str = "") -> None:
@@ -1178,6 +1233,26 @@ def test_a_producer_whose_factory_hangs_exits_once_no_trainer_is_left(runtime, s
     assert not os.path.exists(_shared.segment_path(channel))
 
 
+def test_the_watchdog_exit_takes_the_pipelines_workers_along(runtime, spawn, tmp_path):
+    """The watchdog's os._exit left the pipeline's worker processes running:
+    a worker stuck in the I/O the watchdog exists for stayed for ever
+    (review 27, N12)."""
+    tok, gate = token(), tmp_path / "gate"
+    gate.mkdir()
+    code = """
+        import sys, shared_helpers as h, tsock
+        tsock.shared(h.stuck_pipeline, 40, 4, sys.argv[1], sys.argv[2], linger=0.3)
+    """
+    trainer = spawn(code, tok, gate)
+    try:
+        wait_for(lambda: len(list(gate.glob("worker.*"))) == 2, "both workers to be stuck")
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        wait_for(lambda: not producer_processes(runtime), "the producer and its workers to exit")
+    finally:
+        (gate / "go").touch()  # releases workers left behind (before the fix)
+
+
 def test_producers_killed_at_start_up_do_not_end_the_trainer(runtime, tmp_path, monkeypatch):
     """Six producers in a row killed before their first batch (an OOM killer
     at start-up), the factory itself fine: the trainer goes on. Before, the
@@ -1254,6 +1329,88 @@ def test_a_function_of_the_script_passed_to_a_module_factory_is_refused_naming_t
         err[-3000:],
     )
     assert not glob.glob(str(runtime / "*.alive"))  # refused in the trainer, before anything started
+
+
+NO_GUARD_SCRIPT = """
+import shared_helpers as h
+import tsock
+
+
+def make(n, batch_size, tok):
+    return tsock.Pipeline(h.Ids(n), batch_size=batch_size, seed=3)
+
+
+try:  # no `if __name__ == "__main__":` guard: the producer runs this too
+    tsock.shared(make, 40, 4, "{tok}", linger=0.3)
+except tsock.ProducerGone as e:
+    print("ProducerGone:", e)
+"""
+
+
+def test_a_script_without_the_main_guard_is_told_so(runtime, spawn, tmp_path):
+    """Its top-level shared() call ran in the producer while it loaded the
+    script: it started a producer of another key, which could not import
+    the script (a nested ProducerGone ... ModuleNotFoundError naming no fix),
+    and left that key's files (review 27, N11)."""
+    script = tmp_path / "train.py"
+    script.write_text(NO_GUARD_SCRIPT.replace("{tok}", token()))
+    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = spawn(code, script)
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert "RuntimeError: tsock.shared was called while the producer process loaded the training script" in out, (
+        out,
+        err[-3000:],
+    )
+    assert 'if __name__ == "__main__":' in out
+    assert len(glob.glob(str(runtime / "*.alive"))) == 1  # no producer of a second key
+
+
+PACKAGE_SCRIPT = """
+import sys
+
+import numpy as np
+import tsock
+
+from .data import Ids  # a relative import: the script is run as `python -m package.train`
+
+
+def make(n, batch_size, tok):
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=3)
+
+
+if __name__ == "__main__":
+    with tsock.shared(make, 40, 4, sys.argv[1], linger=0.3) as loader:
+        ids = sorted(int(y) for _, ys in loader for y in np.asarray(ys).tolist())
+        print("ok" if ids == list(range(40)) else ids, loader.key)
+"""
+
+
+def test_a_factory_of_a_script_run_as_a_module_with_relative_imports(runtime, spawn, tmp_path):
+    """`python -m package.train`: the producer loaded the script from its
+    file with no package, and its relative import failed ("attempted
+    relative import with no known parent package", review 27, N10)."""
+    package = tmp_path / "r27pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "data.py").write_text("from shared_helpers import Ids  # noqa: F401\n")
+    (package / "train.py").write_text(PACKAGE_SCRIPT)
+    code = """
+        import runpy, sys
+        sys.path.insert(0, sys.argv[1])
+        sys.argv = ["train", sys.argv[2]]
+        runpy.run_module("r27pkg.train", run_name="__main__", alter_sys=True)
+    """
+    proc = spawn(code, tmp_path, token())
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert proc.returncode == 0 and out.startswith("ok "), (out, err[-3000:])
 
 
 def test_functions_of_two_scripts_have_two_keys(runtime, monkeypatch, tmp_path):
