@@ -23,6 +23,17 @@ def _batches(pipe, epoch, batch_size=None):
     return [flat[i : i + batch_size] for i in range(0, len(flat), batch_size)]
 
 
+def _checkpoint(channel: str, k: int, epochs: int) -> tuple[list, dict]:
+    """A producer of h.make_pipeline() for `epochs`, and a consumer that takes
+    k batches then saves its state: (their ids, the state)."""
+    serving = Serving(h.make_pipeline(), channel, epochs=epochs)
+    with tsock.Consumer(channel, timeout=30) as c:
+        got = _first(c, k)
+        state = c.state_dict()
+    serving.join()
+    return got, state
+
+
 def _ids(batch) -> list:
     return batch[1].tolist()
 
@@ -83,11 +94,7 @@ def test_a_stream_behind_the_state_is_read_up_to_it(channel):
     """Attached before the producer gets to the state's position (it runs
     from the start of the epoch): the batches before it are let go."""
     ref = h.make_pipeline()
-    serving = Serving(h.make_pipeline(), channel, epochs=2)
-    with tsock.Consumer(channel, timeout=30) as c:
-        got = _first(c, 7)
-        state = c.state_dict()
-    serving.join()
+    got, state = _checkpoint(channel, 7, epochs=2)
     serving = Serving(h.make_pipeline(), channel, epochs=1)  # epoch 0 from its first batch
     with tsock.Consumer(channel, timeout=30) as c:
         c.load_state_dict(state)
@@ -261,11 +268,7 @@ def test_the_state_after_an_epoch_is_the_next_epoch_whatever_ended_it(channel):
 
 def test_load_state_dict_after_len(channel):
     ref = h.make_pipeline()
-    serving = Serving(h.make_pipeline(), channel, epochs=1)
-    with tsock.Consumer(channel, timeout=30) as c:
-        got = _first(c, 5)
-        state = c.state_dict()
-    serving.join()
+    got, state = _checkpoint(channel, 5, epochs=1)
     serving = Serving(h.make_pipeline(), channel, epochs=1, start=state)
     with tsock.Consumer(channel, timeout=30, start="now") as c:
         assert len(c) == 15  # peeks the first batch: sizes the schedule first

@@ -149,6 +149,29 @@ def producer_processes(runtime) -> list:
     return pids
 
 
+def shared_told_of_a_slow_start(tok: str, gate):
+    """tsock.shared() of h.gated_pipeline, whose gate opens once the trainer
+    was told (a RuntimeWarning) that its producer has not published yet:
+    the loader and the warnings seen."""
+    import warnings
+
+    def open_the_gate_once_told(seen):
+        try:
+            wait_for(lambda: any("has not published its first batch" in str(w.message) for w in seen), "a warning")
+        finally:
+            (gate / "go").touch()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        helper = threading.Thread(target=open_the_gate_once_told, args=(seen,))
+        helper.start()
+        try:
+            loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3)
+        finally:
+            helper.join(BOUND_S)
+    return loader, seen
+
+
 # ---- one producer per pipeline ----
 
 
@@ -1186,27 +1209,12 @@ def test_a_loader_of_one_epoch_or_of_empty_epochs_is_refused(runtime, spawn, fac
 
 
 def test_a_trainer_waiting_for_a_slow_factory_is_told_naming_the_log(runtime, tmp_path, monkeypatch):
-    import threading
-    import warnings
 
     monkeypatch.setattr(_shared, "SLOW_START_WARN_S", 0.5, raising=False)  # raising: to see it fail before
     tok, gate = token(), tmp_path / "gate"
     gate.mkdir()
 
-    def open_the_gate_once_told(seen):
-        try:
-            wait_for(lambda: any("has not published its first batch" in str(w.message) for w in seen), "a warning")
-        finally:
-            (gate / "go").touch()
-
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        helper = threading.Thread(target=open_the_gate_once_told, args=(seen,))
-        helper.start()
-        try:
-            loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3)
-        finally:
-            helper.join(BOUND_S)
+    loader, seen = shared_told_of_a_slow_start(tok, gate)
     (told,) = [str(w.message) for w in seen if "first batch" in str(w.message)]
     assert told.endswith(f"see {loader._paths.log}"), told
     with loader:
@@ -1435,8 +1443,6 @@ def test_functions_of_two_scripts_have_two_keys(runtime, monkeypatch, tmp_path):
 def test_a_trainer_queued_behind_one_waiting_for_a_slow_factory_is_told_too(runtime, spawn, tmp_path, monkeypatch):
     """The first trainer holds KEY.start while the factory runs; the others
     waited for it without a word (review 24, F7)."""
-    import threading
-    import warnings
 
     monkeypatch.setattr(_shared, "SLOW_START_WARN_S", 0.5)
     tok, gate = token(), tmp_path / "gate"
@@ -1449,20 +1455,7 @@ def test_a_trainer_queued_behind_one_waiting_for_a_slow_factory_is_told_too(runt
     first = spawn(code, tok, gate)
     wait_for(lambda: list(gate.glob("factory.*")), "the first trainer's producer to run its factory")
 
-    def open_the_gate_once_told(seen):
-        try:
-            wait_for(lambda: any("has not published its first batch" in str(w.message) for w in seen), "a warning")
-        finally:
-            (gate / "go").touch()
-
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        helper = threading.Thread(target=open_the_gate_once_told, args=(seen,))
-        helper.start()
-        try:
-            loader = tsock.shared(h.gated_pipeline, 40, 4, tok, str(gate), linger=0.3)
-        finally:
-            helper.join(BOUND_S)
+    loader, seen = shared_told_of_a_slow_start(tok, gate)
     assert [w for w in seen if str(w.message).endswith(f"see {loader._paths.log}")]
     with loader:
         assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
