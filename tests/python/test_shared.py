@@ -172,6 +172,17 @@ def shared_told_of_a_slow_start(tok: str, gate):
     return loader, seen
 
 
+def run_script(spawn, script) -> tuple[str, str]:
+    """Runs a training script as `python script` does; its stdout and stderr."""
+    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = spawn(code, script)
+    try:
+        proc.wait(BOUND_S)
+    finally:
+        proc.kill()
+    return proc.stdout.read(), proc.stderr.read()
+
+
 # ---- one producer per pipeline ----
 
 
@@ -1326,13 +1337,7 @@ def test_a_function_of_the_script_passed_to_a_module_factory_is_refused_naming_t
     ProducerGone (review 24, F3)."""
     script = tmp_path / "train.py"
     script.write_text(MAIN_ARGUMENT_SCRIPT)
-    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    proc = spawn(code, script)
-    try:
-        proc.wait(BOUND_S)
-    finally:
-        proc.kill()
-    out, err = proc.stdout.read(), proc.stderr.read()
+    out, err = run_script(spawn, script)
     assert "TypeError: tsock.shared: an argument refers to scale" in out and "top level of a .py module" in out, (
         out,
         err[-3000:],
@@ -1363,13 +1368,7 @@ def test_a_script_without_the_main_guard_is_told_so(runtime, spawn, tmp_path):
     and left that key's files (review 27, N11)."""
     script = tmp_path / "train.py"
     script.write_text(NO_GUARD_SCRIPT.replace("{tok}", token()))
-    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    proc = spawn(code, script)
-    try:
-        proc.wait(BOUND_S)
-    finally:
-        proc.kill()
-    out, err = proc.stdout.read(), proc.stderr.read()
+    out, err = run_script(spawn, script)
     assert "RuntimeError: tsock.shared was called while the producer process loaded the training script" in out, (
         out,
         err[-3000:],
