@@ -2,9 +2,10 @@
 trials' input pipeline shared through tsock, once with a DataLoader per
 trial; the same grid of trials both times.
 
-Optuna (its RDB storage on a SQLite file) hands the trials of one study to
-several worker processes, each running train.py, an ordinary training
-script whose only tsock line is `tsock.shared(...)`. With it, every trial
+Several Optuna worker processes share one study through its RDB storage
+(a SQLite file), each running train.py, an ordinary training script whose
+only tsock line is `tsock.shared(...)`, on the grid points this driver
+gives it. With it, every trial
 on the node reads the batches of one producer process that the first trial
 started; without it, each trial decodes and augments the images itself.
 
@@ -78,13 +79,13 @@ def grid(args) -> list[dict]:
     return [{"lr": lr, "width": w} for w in args.widths for lr in args.lrs]
 
 
-def worker_command(args, study: str, storage: str, loader: str, trials: int) -> list[str]:
+def worker_command(args, study: str, storage: str, loader: str, points: list[dict]) -> list[str]:
     return [
         sys.executable,
         str(HERE / "train.py"),
         *("--storage", storage, "--study", study, "--loader", loader),
         *("--data-dir", str(args.data_dir), "--train-size", str(args.train), "--val-size", str(args.val)),
-        *("--epochs", str(args.epochs), "--trials", str(trials)),
+        *("--epochs", str(args.epochs), "--grid", ",".join(f"{p['lr']}:{p['width']}" for p in points)),
     ]
 
 
@@ -153,14 +154,12 @@ def kill_producer_later(args, t0: float, log: list) -> None:
 def run_study(args, reaper: Reaper, loader: str) -> dict:
     storage = f"sqlite:///{args.out_dir / 'study.db'}"
     name = f"shapes-{loader}-{os.getpid()}-{int(time.time())}"
-    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    optuna.create_study(study_name=name, storage=storage, direction="maximize")
     points = grid(args)
-    for params in points:
-        study.enqueue_trial(params)  # each worker's ask() takes the next one
     print(f"{loader}: {len(points)} trials on {args.workers} Optuna workers, study {name!r}", flush=True)
     cpu0, t0 = children_cpu(), time.monotonic()
-    share = [len(points) // args.workers + (i < len(points) % args.workers) for i in range(args.workers)]
-    procs = [subprocess.Popen(worker_command(args, name, storage, loader, n)) for n in share if n]
+    shares = [points[i :: args.workers] for i in range(args.workers)]  # each worker's own grid points
+    procs = [subprocess.Popen(worker_command(args, name, storage, loader, share)) for share in shares if share]
     kills: list = []
     if loader == "tsock" and args.kill_producer is not None:
         threading.Thread(target=kill_producer_later, args=(args, t0, kills), daemon=True).start()

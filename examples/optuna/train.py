@@ -24,6 +24,7 @@ STARTED = time.time()  # the worker process's start, before its imports
 
 import argparse
 import os
+import warnings
 
 import data
 import optuna
@@ -31,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tsock
+from optuna.distributions import FloatDistribution, IntDistribution
 
 
 def make_model(width: int) -> nn.Module:
@@ -103,14 +105,28 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--pipeline-workers", type=int, default=2, help="worker processes of the input pipeline")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trials", type=int, default=1, help="trials this worker runs")
+    ap.add_argument("--grid", required=True, help="the trials this worker runs: LR:WIDTH,LR:WIDTH,...")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # several workers share the node's cores
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     val = data.validation(args.data_dir, args.val_size)
     study = optuna.load_study(study_name=args.study, storage=args.storage)
-    # The driver (study.py) enqueued the trials: each ask() takes the next.
-    study.optimize(lambda trial: objective(trial, args, val), n_trials=args.trials)
+    # The driver (study.py) gives each worker its own grid points: a trial
+    # asked with its point fixed. (Optuna's queue of enqueued trials is not
+    # safe for concurrent workers on SQLite, which has no row locks: two
+    # workers could take one trial, and the second failed with "Cannot tell
+    # a COMPLETE trial".) objective()'s suggest_*() then return the point;
+    # Optuna warns that their ranges differ from the fixed ones.
+    warnings.filterwarnings("ignore", message="Inconsistent parameter values")
+    for point in args.grid.split(","):
+        lr, width = float(point.split(":")[0]), int(point.split(":")[1])
+        fixed = {"lr": FloatDistribution(lr, lr, log=True), "width": IntDistribution(width, width)}
+        trial = study.ask(fixed)
+        try:
+            study.tell(trial, objective(trial, args, val))
+        except BaseException:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
 
 
 if __name__ == "__main__":
