@@ -34,6 +34,7 @@ from .pipeline import Position
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
 ATTACH_SLICE_S = 0.25
 REJOIN_PROBE_S = 1.0  # how long a catching-up trainer waits for a batch of the shared stream
+SKIP_MAX = 16  # batches of a stream behind its position a trainer reads and lets go, rather than catch up
 CATCHUP_LINGER_S = 0.5  # a catch-up producer's linger after its trainer rejoined or left
 READY_POLL_S = 0.01  # a trainer waiting for the producer's first batch
 START_LOCK_POLL_S = 0.02  # a trainer waiting for another to attach
@@ -151,8 +152,10 @@ class Paths:
 
     def trainer(self, pid: int, serial: int = 0) -> str:
         """A loader's roster file: one per loader, so that a process with two
-        loaders of the same key (a notebook cell run twice) counts twice."""
-        return os.path.join(self.dir, f"{self.trainer_prefix}{pid}.{serial}")
+        loaders of the same key (a notebook cell run twice) counts twice.
+        Random digits follow the serial: trainers in two pid namespaces may
+        have the same pid (review 29)."""
+        return os.path.join(self.dir, f"{self.trainer_prefix}{pid}.{serial}{secrets.randbelow(10**9):09d}")
 
     def join_roster(self, roster: str) -> int:
         """Enters a loader in the roster: its file is made and locked under a
@@ -652,8 +655,16 @@ class SharedLoader:
         """Writes in this loader's roster file the channel it is attached to
         (under KEY.start, where every producer start is decided): it holds a
         position in that run."""
+        if self._roster is None:
+            return  # out of the roster: catching up on a producer of its own
         os.ftruncate(self._roster, 0)
         os.pwrite(self._roster, channel.encode(), 0)
+
+    def _enter_roster(self) -> None:
+        """Back in the roster (after a catch-up): a new roster file, locked."""
+        roster = self._paths.trainer(self._pid, next(_serials))
+        self._roster = self._paths.join_roster(roster)
+        self._state[1], self._state[2] = self._roster, roster
 
     def _take_start_lock(self, start: int) -> None:
         """KEY.start, waited for in short tries: another trainer holds it
@@ -892,10 +903,14 @@ class SharedLoader:
         else:
             here, want = (tag.epoch, tag.index), (pos[1], pos[2])
             if here < want:
-                if self._behind_ok:
-                    self.skipped_batches += 1
-                else:
+                if not self._behind_ok:
                     self.repeated_batches += 1  # handed out before the crash
+                elif _behind(tag, pos, batches) > SKIP_MAX and self._catchup is None:
+                    # Reading it up to the position would take the others'
+                    # time for each batch (review 29): a producer of its own.
+                    self._start_catchup()
+                else:
+                    self.skipped_batches += 1
                 return False
             if here > want:
                 # The stream is past this trainer's next batch (it resumed
@@ -959,6 +974,9 @@ class SharedLoader:
         stream and the roster (the shared producer must not wait for it) and
         reads its own producer, the same pipeline from its position."""
         factory, args, kwargs, producer, consumer = self._call
+        # Its one reader is this trainer, whom nobody else waits for: an
+        # eviction would only nest another catch-up in it (review 29).
+        producer = {k: v for k, v in producer.items() if k != "evict_after"}
         key = f"{self.key[:20]}.c{self._pid}.{next(_serials)}"
         self._leave_shared()
         _sweep_dead_catchups(self._paths)
@@ -990,8 +1008,7 @@ class SharedLoader:
     def _join_shared(self) -> None:
         """Back in the roster and attached to the shared stream (its producer
         started again if it is gone)."""
-        roster = self._paths.trainer(self._pid, next(_serials))
-        self._state[1], self._state[2] = self._paths.join_roster(roster), roster
+        self._enter_roster()
         self._consumer = self._connect(recovering=False)
 
     def _leave_shared(self) -> None:
@@ -1001,7 +1018,7 @@ class SharedLoader:
         if consumer is not None:
             consumer.close()
         roster_fd, roster = self._state[1], self._state[2]
-        self._state[1] = None
+        self._state[1] = self._roster = None
         if roster_fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(roster)
@@ -1029,29 +1046,39 @@ class SharedLoader:
         position are let go unread until the stream reaches it. A stream
         that is ahead, gone or silent for REJOIN_PROBE_S leaves the trainer
         on its own producer until the next epoch start."""
-        if not lock_is_held(self._paths.alive):
-            return False
-        channel = self._ready_channel()
-        if channel is None:
-            return False
-        roster = self._paths.trainer(self._pid, next(_serials))
-        self._state[1], self._state[2] = self._paths.join_roster(roster), roster
+        start = open_lock(self._paths.start)
         try:
-            consumer = Consumer(channel, start="now", timeout=ATTACH_SLICE_S, **self._options)
-        except TsockError:
-            self._leave_shared()
-            return False
+            # Under KEY.start, as any attach: the roster file names the
+            # channel, which decides whether a successor resumes this run
+            # (review 29: a trainer that rejoined was invisible to it).
+            self._take_start_lock(start)
+            if not lock_is_held(self._paths.alive):
+                return False
+            channel = self._ready_channel()
+            if channel is None:
+                return False
+            pid = int(self._paths.read_alive().get("pid", 0))
+            self._enter_roster()
+            try:
+                consumer = Consumer(channel, start="now", timeout=ATTACH_SLICE_S, **self._options)
+            except TsockError:
+                self._leave_shared()
+                return False
+            self._record_channel(channel)
+        finally:
+            close_lock(start)
         self._state[0] = self._consumer = consumer
         consumer.track_tags = True
         try:
             tag = consumer._peek_tag(REJOIN_PROBE_S)
+            batches = len(consumer)
         except TsockError:
             tag = None  # the shared producer died or closed meanwhile
         want = self._position
-        if tag is None or tag.fingerprint != want[0] or (tag.epoch, tag.index) > (want[1], want[2]):
-            self._leave_shared()
+        if tag is None or tag.fingerprint != want[0] or not 0 <= _behind(tag, want, batches) <= SKIP_MAX:
+            self._leave_shared()  # past this trainer, or too far behind to wait for
             return False
-        self.channel = channel
+        self.channel, self.producer_pid = channel, pid
         catchup, self._catchup = self._catchup, None
         catchup.close()
         self._behind_ok = True
@@ -1144,6 +1171,10 @@ def _forget_private_key(paths: Paths) -> None:
                 remove_if_ours(path)
     for path in (paths.ready, paths.error, paths.log, paths.alive, paths.start):
         remove_if_ours(path)
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(paths.dir):
+            if entry.startswith((paths.trainer_prefix, f"{paths.key}.joining.")):
+                remove_if_ours(os.path.join(paths.dir, entry))  # its trainer's roster file: dead too
 
 
 def _sweep_dead_catchups(paths: Paths) -> None:
@@ -1166,6 +1197,12 @@ def _sweep_dead_catchups(paths: Paths) -> None:
         if lock_is_held(private.alive):
             continue  # its producer lingers still
         _forget_private_key(private)
+
+
+def _behind(tag, position: tuple, batches: int) -> int:
+    """Batches from the stream's batch `tag` to `position` (fingerprint,
+    epoch, index): > 0 when the stream is behind it, < 0 when past it."""
+    return (position[1] - tag.epoch) * batches + position[2] - tag.index
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1572,6 +1572,9 @@ def test_a_trainer_resumed_behind_the_stream_catches_up_exactly_then_rejoins(run
                 rejoined_at = len(epochs)
         assert (resumed.catchups, resumed.rejoins) == (1, 1)
         assert resumed._catchup is None
+        # Back in the roster, naming the channel (review 29: a successor
+        # decided on a new run without it).
+        assert resumed.channel in resumed._paths.live_trainer_channels()
         catchup_pids = [p for p in producer_processes(runtime) if p != resumed.producer_pid]
     finally:
         resumed.close()
@@ -1666,7 +1669,7 @@ def test_a_trainer_killed_at_random_points_resumes_from_its_checkpoint_exactly(r
     assert first % (n // bs) == 0 and got == want[first:], (first, len(got), len(want))
 
 
-def test_a_state_ahead_of_a_new_run_skips_to_its_position(runtime):
+def test_a_state_ahead_of_a_new_run_catches_up_from_its_position(runtime):
     n, bs, tok = 40, 4, token()
     first = tsock.shared(h.pipeline, n, bs, tok, linger=0.2)
     for _ in range(2):
@@ -1682,7 +1685,9 @@ def test_a_state_ahead_of_a_new_run_skips_to_its_position(runtime):
     try:
         rest = [np.asarray(y).tolist() for _, y in resumed]
         following = [np.asarray(y).tolist() for _, y in resumed]
-        assert resumed.catchups == 0 and resumed.skipped_batches == 23  # read and let go up to the position
+        # 23 batches behind: more than SKIP_MAX to read at the stream's pace,
+        # so a producer of its own from the position (review 29).
+        assert resumed.catchups == 1 and resumed.skipped_batches == 0
     finally:
         resumed.close()
     with h.pipeline(n, bs) as reference:
@@ -1785,3 +1790,15 @@ def test_a_dead_catch_up_s_leftovers_are_removed(runtime):
     loader.close()
     assert not glob.glob(str(runtime / f"{key}.c*"))
     assert not os.path.exists(_shared.segment_path(channel))
+
+
+def test_readers_of_another_pid_namespace_are_counted():
+    """The producer sees pid 0 for a reader in another pid namespace, whose
+    trainer's roster pid is its own namespace's: the gate then counts, as
+    before review 27's N1 (review 29: it never opened)."""
+    from tsock._shared_run import _every_trainer_attached
+
+    assert _every_trainer_attached([11, 12], [12, 11])
+    assert not _every_trainer_attached([11, 11], [11, 12])
+    assert _every_trainer_attached([0, 0], [1, 1])  # two containers, both pid 1
+    assert not _every_trainer_attached([0], [1, 1])
