@@ -114,7 +114,7 @@ def test_header_functions_are_parsed():
     assert found["tsock_batch_dlpack_export"] == (ctypes.c_int, 6, False)
     assert found["tsock_status_str"] == (ctypes.c_char_p, 1, False)
     assert found["tsock_producer_options_init"] == (None, 1, True)
-    assert sum(1 for _, _, p in found.values() if p) == 10
+    assert sum(1 for _, _, p in found.values() if p) == 11
 
 
 def test_capi_declares_every_header_function():
