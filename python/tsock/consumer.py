@@ -91,6 +91,15 @@ def _closed_message(name: str, epochs: int) -> str:
     )
 
 
+def _check_rank(state, rank, world_size) -> None:
+    """ValueError unless a loaded state is this consumer's rank's."""
+    if state.started and (state.rank, state.world_size) != (rank or 0, world_size or 0):
+        raise ValueError(
+            f"the state is rank {state.rank} of {state.world_size}'s, this consumer is rank {rank} of "
+            f"{world_size}'s (0 of 0: not partitioned)"
+        )
+
+
 class Consumer:
     """Reads the batches a Producer publishes on channel `name`, zero-copy.
 
@@ -227,11 +236,8 @@ class Consumer:
         if lifetime not in LIFETIMES:
             raise ValueError(f"lifetime must be one of {LIFETIMES}, got {lifetime!r}")
         rank, world_size = _partition.check(rank, world_size)
-        if resume is not None and resume.started and (resume.rank, resume.world_size) != (rank or 0, world_size or 0):
-            raise ValueError(
-                f"the state is rank {resume.rank} of {resume.world_size}'s, this consumer is rank {rank} of "
-                f"{world_size}'s (0 of 0: not partitioned)"
-            )
+        if resume is not None:
+            _check_rank(resume, rank, world_size)  # before attaching
         from ._output import OUTPUTS
 
         if output not in OUTPUTS:
@@ -387,8 +393,7 @@ class Consumer:
         state = _state.decode(state_dict)
         if self._handed[0] is not None or self._delivered or self.epoch or self._open:
             raise ValueError("load_state_dict() must come before the consumer's first batch")
-        if state.started and (state.rank, state.world_size) != (self.rank or 0, self.world_size or 0):
-            raise ValueError(f"the state is rank {state.rank} of {state.world_size}'s, not this consumer's")
+        _check_rank(state, self.rank, self.world_size)
         self._resume = state if state.started else None
 
     def _reached(self, raw: Raw) -> bool:
