@@ -266,7 +266,11 @@ typedef enum tsock_start {
                                  window, else the first batch of the next epoch
                                  (default); a reader attached before any batch
                                  gets epoch 0 */
-  TSOCK_START_NOW = 1         /* the next batch published after attaching */
+  TSOCK_START_NOW = 1,        /* the next batch published after attaching */
+  TSOCK_START_OLDEST = 2      /* the oldest batch still in the ring that an
+                                 attached reader has not released (the
+                                 slowest reader's next one); as
+                                 TSOCK_START_NOW when no reader holds one */
 } tsock_start;
 
 typedef struct tsock_reader_options {

@@ -132,3 +132,60 @@ func TestLateJoinWindow(t *testing.T) {
 	_, err := producer.Create(name+"x", producer.Options{Slots: 4, JoinWindow: 4})
 	require.ErrorIs(t, err, producer.ErrInvalid)
 }
+
+// A StartOldest reader begins at the oldest batch an attached reader has
+// not released (the slowest one's next), and reads on from there; with no
+// reader attached it starts as StartNow. Its start gates the producer at
+// once: the batches it starts with are never overwritten under it.
+func TestStartOldest(t *testing.T) {
+	name := testkit.Channel(t)
+	p := testkit.Create(t, name, producer.Options{Slots: 8, SlotBytes: 4096})
+	publish := func() {
+		_, err := p.Reserve(8, 0)
+		require.NoError(t, err)
+		require.NoError(t, p.Publish([]producer.Tensor{{Dtype: ring.DtypeUint64, Shape: []int64{1}}}, nil))
+	}
+	take := func(r *reader.Reader) uint64 {
+		b, err := r.Acquire(time.Second)
+		require.NoError(t, err)
+		require.NotNil(t, b)
+		require.NoError(t, r.Release(b))
+		return b.Index
+	}
+	publish() // 0, with nobody attached
+	alone := testkit.Attach(t, name, reader.Options{Start: reader.StartOldest})
+	for i := 0; i < 7; i++ {
+		publish() // 1..7
+	}
+	require.Equal(t, uint64(1), take(alone), "with no reader: the next batch published")
+	for want := uint64(2); want <= 3; want++ {
+		require.Equal(t, want, take(alone))
+	}
+	oldest := testkit.Attach(t, name, reader.Options{Start: reader.StartOldest})
+	now := testkit.Attach(t, name, reader.Options{Start: reader.StartNow})
+	for i := 0; i < 4; i++ {
+		publish() // 8..11: the ring (8 slots) is full behind batch 4
+	}
+	_, err := p.Reserve(8, 0)
+	require.ErrorIs(t, err, producer.ErrBackpressure)
+	require.Equal(t, uint64(4), take(oldest), "the slowest reader's next batch")
+	require.Equal(t, uint64(8), take(now))
+	_, err = p.Reserve(8, 0)
+	require.ErrorIs(t, err, producer.ErrBackpressure, "the first reader still holds batch 4")
+	for want := uint64(4); want <= 11; want++ {
+		require.Equal(t, want, take(alone))
+	}
+	publish() // 12
+	_, err = p.Reserve(8, 0)
+	require.ErrorIs(t, err, producer.ErrBackpressure, "the oldest reader, at 5, holds the producer back now")
+	for want := uint64(5); want <= 12; want++ {
+		require.Equal(t, want, take(oldest))
+	}
+	for want := uint64(9); want <= 12; want++ {
+		require.Equal(t, want, take(now))
+	}
+	require.Equal(t, uint64(12), take(alone))
+	for _, r := range []*reader.Reader{alone, oldest, now} {
+		require.NoError(t, r.Detach())
+	}
+}

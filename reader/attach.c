@@ -38,7 +38,8 @@ static int options_read(const tsock_reader_options_t *in, tsock_reader_options_t
                        "reader options: size is %u, expected %zu (call tsock_reader_options_init)",
                        in->size, sizeof *in);
   *o = *in;
-  if (o->start != TSOCK_START_NEXT_EPOCH && o->start != TSOCK_START_NOW)
+  if (o->start != TSOCK_START_NEXT_EPOCH && o->start != TSOCK_START_NOW &&
+      o->start != TSOCK_START_OLDEST)
     return tsock__fail(TSOCK_EINVAL, "reader options: unknown start mode %d", o->start);
   if (o->max_held < 1 || o->max_held > TSOCK_MAX_HELD)
     return tsock__fail(TSOCK_EINVAL, "reader options: max_held %u outside 1..%d", o->max_held,
@@ -198,6 +199,14 @@ static int join_channel(struct reader_impl *r, const struct stat *st, const char
       __atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED)
     return tsock__fail(TSOCK_ECLOSED, "channel '%s': closed by the producer", name);
   if (rc != TSOCK_OK) return rc;
+  /* The start is the producer's word: one past what is published would
+   * leave us waiting for a batch that never comes. One too old is caught
+   * by its slot's stamp at the first acquire. */
+  if (j.start > __atomic_load_n(&r->live->published, __ATOMIC_ACQUIRE)) {
+    tsock__join_leave(&j);
+    return tsock__fail(TSOCK_ECORRUPT, "channel '%s': invalid join reply (start %llu, past what is published)",
+                       name, (unsigned long long)j.start);
+  }
   r->sock = j.sock;
   r->rec = j.rec;
   r->index = j.index;

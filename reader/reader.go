@@ -92,6 +92,9 @@ const (
 	StartNextEpoch Start = C.TSOCK_START_NEXT_EPOCH
 	// StartNow begins at the next batch published after attaching.
 	StartNow Start = C.TSOCK_START_NOW
+	// StartOldest begins at the oldest batch another reader has not
+	// released yet (the slowest reader's next), or as StartNow with none.
+	StartOldest Start = C.TSOCK_START_OLDEST
 )
 
 // Options of Attach; the zero value means defaults.

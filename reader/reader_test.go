@@ -51,7 +51,7 @@ func TestAttachErrors(t *testing.T) {
 	assert.GreaterOrEqual(t, time.Since(start), 60*time.Millisecond)
 
 	testkit.Create(t, name, producer.Options{Slots: 2, SlotBytes: 4096})
-	for _, o := range []reader.Options{{MaxHeld: 65}, {Start: 2}, {Start: -1}} {
+	for _, o := range []reader.Options{{MaxHeld: 65}, {Start: 3}, {Start: -1}} {
 		_, err = reader.Attach(name, o)
 		assert.Equal(t, ring.StatusInval, ring.StatusOf(err), "%+v: %v", o, err)
 	}

@@ -485,7 +485,7 @@ func (t *Table) readRequest(conn *os.File) (ring.JoinRequestMsg, error) {
 		return req, &errRefused{ring.StatusInval, "malformed join request"}
 	case req.LayoutVersion != ring.LayoutVersion:
 		return req, &errRefused{ring.StatusVersion, "other layout version"}
-	case req.Reserved != 0 || (req.StartMode != startNextEpoch && req.StartMode != startNow):
+	case req.Reserved != 0 || req.StartMode > startOldest:
 		return req, &errRefused{ring.StatusInval, "bad join request fields"}
 	}
 	return req, nil
@@ -495,6 +495,7 @@ func (t *Table) readRequest(conn *os.File) (ring.JoinRequestMsg, error) {
 const (
 	startNextEpoch = 0
 	startNow       = 1
+	startOldest    = 2
 )
 
 // checkSegmentFd accepts a descriptor of this segment's inode that is open
@@ -565,6 +566,9 @@ func (t *Table) install(rec *ring.Record, id ring.Identity) (ring.JoinReplyMsg, 
 	}
 	published := t.seg.Published()
 	start, epochStart, window := published, t.seg.EpochStart(), t.seg.JoinWindow()
+	if id.StartMode == startOldest {
+		start = t.oldestHeld(published)
+	}
 	inWindow := id.StartMode == startNextEpoch && window > 0 && epochStart < published &&
 		published-epochStart <= window
 	if inWindow {
@@ -674,6 +678,28 @@ func clamp(cur, seq, slots uint64) uint64 {
 		cur = seq - slots
 	}
 	return cur
+}
+
+// oldestHeld is where a TSOCK_START_OLDEST reader starts, with published
+// batches out: the least cursor of the readers that gate (the oldest batch
+// one of them has not released), no lower than published - slots + 1 (the
+// slot of published - slots may be being rewritten now), and published
+// with no reader. Called under t.mu, as the gating scans are: a scan before
+// the install found a minimum no larger (honest cursors only grow), so the
+// producer was never let past this start; one after sees the new cursor
+// (docs/ARCHITECTURE.md, "Joining"). A reader that moves its cursor back
+// can only make this one's first acquire find its slot overwritten
+// (TSOCK_EEVICTED, by the slot's stamp), never hand it another batch.
+func (t *Table) oldestHeld(published uint64) uint64 {
+	slots := uint64(t.seg.SlotCount)
+	least := published
+	for _, i := range t.active {
+		least = min(least, clamp(t.entries[i].rec.Cursor(), published, slots))
+	}
+	if published >= slots && least <= published-slots {
+		least = published - slots + 1
+	}
+	return least
 }
 
 // Gating is the least of least and the (clamped) cursors of the readers

@@ -29,6 +29,7 @@ MAX_HELD = 64
 BATCH_EPOCH_END = 0x1
 START_NEXT_EPOCH = 0
 START_NOW = 1
+START_OLDEST = 2
 # The producer's option defaults (TSOCK_DEFAULT_*), written once in
 # producer/defaults.h; this mirror lets Producer check its arguments before
 # it starts a Pipeline's workers or loads libtsock.so, and

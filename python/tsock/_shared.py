@@ -33,7 +33,6 @@ from .pipeline import Position
 
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
 ATTACH_SLICE_S = 0.25
-REJOIN_PROBE_S = 1.0  # how long a catching-up trainer waits for a batch of the shared stream
 SKIP_MAX = 16  # batches of a stream behind its position a trainer reads and lets go, rather than catch up
 CATCHUP_LINGER_S = 0.5  # a catch-up producer's linger after its trainer rejoined or left
 READY_POLL_S = 0.01  # a trainer waiting for the producer's first batch
@@ -564,6 +563,9 @@ class SharedLoader:
         self._samples = self._resumed_samples  # samples of the position's epoch handed out (state_dict)
         self._catchup = None  # the private loader this trainer reads while behind the shared stream
         self._catchup_epoch_start = False  # it just ended an epoch: try to rejoin first
+        # (channel, producer pid, hold_max, (tag, batches) held or None)
+        # while it probes the stream
+        self._probe = None
         if not private:
             _sweep_dead_catchups(self._paths)
         #: times this trainer was behind the shared stream and caught up on a producer of its own
@@ -1014,6 +1016,7 @@ class SharedLoader:
     def _leave_shared(self) -> None:
         """Detaches from the shared stream and leaves its roster."""
         consumer, self._consumer = self._consumer, None
+        self._probe = None
         self._state[0] = None
         if consumer is not None:
             consumer.close()
@@ -1025,12 +1028,16 @@ class SharedLoader:
             close_lock(roster_fd)
 
     def _next_caught_up(self):
-        """The next batch from the catch-up producer (None at an epoch's end);
-        at an epoch's start, first tries to go back to the shared stream."""
+        """The next batch from the catch-up producer (None at an epoch's
+        end). At an epoch start the trainer attaches to the shared stream
+        again; once the stream's oldest batch is its next one, it goes back
+        to the stream (_rejoined)."""
         if self._catchup_epoch_start:
             self._catchup_epoch_start = False
-            if self._rejoin():
-                return self._next_batch()
+            if self._consumer is None:
+                self._probe_shared()
+        if self._consumer is not None and self._rejoined():
+            return self._next_batch()
         catchup = self._catchup
         batch = catchup._next_batch()
         self._position, self._samples = catchup._position, catchup._samples
@@ -1040,12 +1047,11 @@ class SharedLoader:
             self._open = True
         return batch
 
-    def _rejoin(self) -> bool:
-        """Back to the shared stream if its next batch is not past this
-        trainer's: attached with start="now", the batches before its
-        position are let go unread until the stream reaches it. A stream
-        that is ahead, gone or silent for REJOIN_PROBE_S leaves the trainer
-        on its own producer until the next epoch start."""
+    def _probe_shared(self) -> None:
+        """Attaches to the shared stream with start="oldest": its first batch
+        is the oldest one a trainer of the stream has not let go (the
+        slowest one's next), which the ring keeps for this trainer from the
+        attach on. Nothing happens if the stream is gone or not ready."""
         start = open_lock(self._paths.start)
         try:
             # Under KEY.start, as any attach: the roster file names the
@@ -1053,35 +1059,64 @@ class SharedLoader:
             # (review 29: a trainer that rejoined was invisible to it).
             self._take_start_lock(start)
             if not lock_is_held(self._paths.alive):
-                return False
+                return
             channel = self._ready_channel()
             if channel is None:
-                return False
+                return
             pid = int(self._paths.read_alive().get("pid", 0))
+            hold_max = _hold_max(self._paths.read_ready())
             self._enter_roster()
             try:
-                consumer = Consumer(channel, start="now", timeout=ATTACH_SLICE_S, **self._options)
+                consumer = Consumer(channel, start="oldest", timeout=ATTACH_SLICE_S, **self._options)
             except TsockError:
                 self._leave_shared()
-                return False
+                return
             self._record_channel(channel)
         finally:
             close_lock(start)
         self._state[0] = self._consumer = consumer
         consumer.track_tags = True
-        try:
-            tag = consumer._peek_tag(REJOIN_PROBE_S)
-            batches = len(consumer)
-        except TsockError:
-            tag = None  # the shared producer died or closed meanwhile
+        self._probe = (channel, pid, hold_max, None)
+
+    def _rejoined(self) -> bool:
+        """Whether the trainer is back on the shared stream, which it probed
+        at an epoch start. The stream's oldest batch, once there is one, is
+        held (the producer cannot overwrite it) while the catch-up producer
+        serves the batches before it, up to half the ring: the others
+        read on meanwhile, through the ring's other slots, and never wait
+        for this trainer unless it reads slower than they do (review 28,
+        F7: before, a trainer at the others' pace never rejoined, and one
+        whose stream took more than 1 s per batch was never seen to). A
+        stream further ahead, or gone, leaves the trainer on its own
+        producer until the next epoch start."""
+        channel, pid, hold_max, held = self._probe
         want = self._position
-        if tag is None or tag.fingerprint != want[0] or not 0 <= _behind(tag, want, batches) <= SKIP_MAX:
-            self._leave_shared()  # past this trainer, or too far behind to wait for
+        if held is None:
+            consumer = self._consumer
+            try:
+                tag = consumer._peek_tag(0)
+                batches = len(consumer)
+            except TsockError:
+                self._leave_shared()  # the shared producer died or closed meanwhile
+                return False
+            if tag is None:
+                if consumer._pending:  # a batch, but not a pipeline's
+                    self._leave_shared()
+                return False  # nothing in its ring yet: look again at the next batch
+            held = tag, batches
+            self._probe = (channel, pid, hold_max, held)
+        tag, batches = held
+        behind = _behind(tag, want, batches)
+        if tag.fingerprint != want[0] or behind > SKIP_MAX or -behind > hold_max:
+            self._leave_shared()  # past this trainer by more than it may hold, or too far behind
             return False
+        if behind < 0:
+            return False  # its own producer serves the batches before the held one
         self.channel, self.producer_pid = channel, pid
         catchup, self._catchup = self._catchup, None
         catchup.close()
         self._behind_ok = True
+        self._probe = None
         self.rejoins += 1
         return True
 
@@ -1197,6 +1232,18 @@ def _sweep_dead_catchups(paths: Paths) -> None:
         if lock_is_held(private.alive):
             continue  # its producer lingers still
         _forget_private_key(private)
+
+
+def _hold_max(ready: dict) -> int:
+    """The most batches a trainer rejoining the stream of the KEY.ready
+    note `ready` serves from its own producer while it holds the stream's
+    oldest batch: half the ring's slots, the other half left for what the
+    other trainers hold. An older producer's note without them: the
+    default ring's."""
+    slots = ready.get("slots")
+    if not isinstance(slots, int) or not 2 <= slots <= 65536:
+        slots = _capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
+    return slots // 2
 
 
 def _behind(tag, position: tuple, batches: int) -> int:

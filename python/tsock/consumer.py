@@ -14,7 +14,7 @@ from ._reader import Raw, Reader
 from ._rebatch import Rebatched, Whole
 from .errors import ChannelClosed, TsockError
 
-_START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW}
+_START = {"epoch": _capi.START_NEXT_EPOCH, "now": _capi.START_NOW, "oldest": _capi.START_OLDEST}
 LIFETIMES = ("referenced", "step")
 
 
@@ -158,7 +158,8 @@ class Consumer:
       start: "epoch" (default): start with the producer's current epoch if
         this consumer attaches within the producer's join_window, else with
         the next epoch; "now": with the next batch published (the default
-        with `state`).
+        with `state`); "oldest": with the oldest batch in the ring another
+        consumer has not let go yet (the slowest one's next), or as "now".
       state: a state_dict() of an earlier consumer of the same pipeline:
         resume after the last batch it handed out (see load_state_dict).
       timeout: seconds to wait for the channel to appear; None (default):
@@ -230,7 +231,7 @@ class Consumer:
         if start is None:
             start = "epoch" if resume is None else "now"  # a stream past it is refused, not skipped a whole epoch
         if start not in _START:
-            raise ValueError(f"start must be 'epoch' or 'now', got {start!r}")
+            raise ValueError(f"start must be 'epoch', 'now' or 'oldest', got {start!r}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"timeout must be None or seconds >= 0, got {timeout!r}")
         if lifetime not in LIFETIMES:

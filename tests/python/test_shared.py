@@ -456,6 +456,7 @@ class FakeProducer:
     """The Gate's view of a producer: the pids of its attached readers."""
 
     name = "shared.fake"
+    slots = 16
 
     def __init__(self):
         self.readers = []
@@ -478,7 +479,7 @@ def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime)
     for fd in rosters:
         assert _shared.try_lock(fd)
     producer = FakeProducer()
-    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel: None)
+    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel, slots: None)
     passed = []
     import threading
 
@@ -517,7 +518,7 @@ def test_a_killed_trainers_reader_does_not_stand_in_for_a_live_trainer_not_attac
         assert _shared.try_lock(fd)
     producer = FakeProducer()
     producer.readers = [11, 13]
-    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel: None)
+    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel, slots: None)
     passed = []
     t = threading.Thread(target=lambda: passed.append(gate(producer)), daemon=True)
     t.start()
@@ -1469,7 +1470,8 @@ PACED = """
     import json, os, sys, time
     import numpy as np, tsock, shared_helpers as h
     n, bs, tok, pause, stop = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5]
-    loader = tsock.shared(h.pipeline, n, bs, tok, linger=0.5)
+    slots = int(sys.argv[6]) if len(sys.argv) > 6 else 16
+    loader = tsock.shared(h.pipeline, n, bs, tok, linger=0.5, producer={"slots": slots})
 
     def done(e):  # the stop file holds the number of epochs to read
         try:
@@ -1591,6 +1593,56 @@ def test_a_trainer_resumed_behind_the_stream_catches_up_exactly_then_rejoins(run
     assert (resumed.repeated_batches, resumed.lost_batches, resumed.restarts) == (0, 0, 0)
     wait_for(lambda: not any(alive(p) for p in catchup_pids), "the catch-up producer to linger out")
     wait_for(lambda: not glob.glob(str(runtime / f"*.c{os.getpid()}.*")), "the catch-up key's files to go with it")
+
+
+def test_a_trainer_at_the_others_pace_rejoins_without_stalling_them(runtime, spawn, tmp_path):
+    """Review 28, F7: a resumed trainer that reads no faster than the others
+    never rejoined (it waited for the stream's next batch not to be past
+    it, which the producer keeps up to a ring ahead of its trainers). Now
+    it holds the stream's oldest batch while its own producer serves those
+    before it: same pace, it rejoins at the first epoch start that finds
+    it within half the ring (64 of 128 slots here), and the others' waits
+    for a batch stay short."""
+    n, bs, tok, pause, slots = 40, 4, token(), 0.1, 128
+    stop = tmp_path / "stop"
+    paced = spawn(PACED, n, bs, tok, pause, stop, slots)
+    early = tsock.shared(h.pipeline, n, bs, tok, linger=0.5, producer={"slots": slots})
+    it = iter(early)
+    got = [np.asarray(next(it)[1]).tolist() for _ in range(3)]
+    state = early.state_dict()
+    early.close()
+    start = _state.decode(state).epoch
+    while True:
+        line = paced.stdout.readline()
+        assert line, paced.stderr.read()
+        if json.loads(line)["epoch"] >= start:
+            break
+    resumed = tsock.shared(h.pipeline, n, bs, tok, linger=0.5, producer={"slots": slots}, state=state)
+    epochs, rejoined_at = [], None
+    try:
+        while len(epochs) < 8 and (rejoined_at is None or len(epochs) < rejoined_at + 2):
+            batches = []
+            for _x, y in resumed:
+                batches.append(np.asarray(y).tolist())
+                time.sleep(pause)  # the others' pace
+            epochs.append(batches)
+            if resumed.rejoins and rejoined_at is None:
+                rejoined_at = len(epochs)
+        assert (resumed.catchups, resumed.rejoins) == (1, 1), "a trainer at the others' pace never rejoined"
+        assert resumed._catchup is None and resumed.channel in resumed._paths.live_trainer_channels()
+    finally:
+        resumed.close()
+        stop.write_text("0")
+    paced.wait(BOUND_S)
+    out, err = paced.communicate()
+    assert paced.returncode == 0, err[-3000:]
+    waits = [json.loads(line)["longest_wait"] for line in out.splitlines()]
+    assert max(waits) < 2.0, waits  # a stall would be the rejoining trainer's steps: 0.1 s each
+    with h.pipeline(n, bs) as reference:
+        assert got + epochs[0] == [y.tolist() for _, y in reference.batches(start)]
+        for e in range(1, len(epochs)):
+            assert epochs[e] == [y.tolist() for _, y in reference.batches(start + e)], e
+    assert (resumed.repeated_batches, resumed.lost_batches, resumed.restarts) == (0, 0, 0)
 
 
 VICTIM = """
@@ -1773,6 +1825,37 @@ def test_a_catch_up_whose_producer_fails_raises_its_error_and_leaves_nothing(run
     assert not glob.glob(str(runtime / f"*.c{os.getpid()}.*"))
 
 
+def test_a_catch_up_producer_never_evicts_its_trainer(runtime, spawn, tmp_path):
+    """Review 29, item 4: the catch-up producer is the trainer's alone, so
+    it does not take the stream's evict_after: a step longer than that on
+    it evicted the trainer, which then nested a catch-up in its catch-up."""
+    n, bs, tok = 40, 4, token()
+    stop = tmp_path / "stop"
+    loader = tsock.shared(h.pipeline, n, bs, tok, linger=0.5)
+    next(iter(loader))
+    state = loader.state_dict()
+    loader.close()
+    paced = spawn(PACED, n, bs, tok, 0.02, stop)
+    while json.loads(paced.stdout.readline())["epoch"] < 1:  # the stream is past the state
+        pass
+    resumed = tsock.shared(h.pipeline, n, bs, tok, linger=0.5, producer={"evict_after": 0.2}, state=state)
+    try:
+        ids = []
+        for _x, y in resumed:  # the rest of the state's epoch, on its own producer
+            ids.append(np.asarray(y).tolist())
+            if len(ids) == 2:
+                time.sleep(1.0)  # five times evict_after, its ring full meanwhile
+        assert resumed.catchups == 1 and resumed._catchup is not None
+        own = resumed._catchup  # evicted, it would have caught up on a producer of its own in turn
+        assert (own.evictions, own.catchups, resumed.evictions) == (0, 0, 0)
+    finally:
+        resumed.close()
+        stop.write_text("0")
+    assert paced.wait(BOUND_S) == 0, paced.stderr.read()[-3000:]
+    with h.pipeline(n, bs) as reference:
+        assert ids == [y.tolist() for _, y in reference.batches(0)][1:]
+
+
 def test_a_dead_catch_up_s_leftovers_are_removed(runtime):
     """A trainer and its catch-up producer killed together leave a key and a
     segment nobody else uses: the next loader of the key removes them."""
@@ -1784,7 +1867,10 @@ def test_a_dead_catch_up_s_leftovers_are_removed(runtime):
     runtime.mkdir(mode=0o700, exist_ok=True)
     with open(private.alive, "w") as f:
         json.dump({"pid": gone.pid, "channel": channel}, f)
-    for path in (private.start, private.log, _shared.segment_path(channel)):
+    # Its trainer's roster file and one of an attach it was in (review 29,
+    # item 5: the roster files stayed).
+    roster, joining = private.trainer(gone.pid), f"{private.dir}/{private.key}.joining.{gone.pid}"
+    for path in (private.start, private.log, _shared.segment_path(channel), roster, joining):
         open(path, "w").close()
     loader = tsock.shared(h.pipeline, 40, 4, "x", name=key, linger=0.2)
     loader.close()
