@@ -478,7 +478,32 @@ def start_producer(paths: Paths, spec: dict) -> int:
     if answer[:1] == ["busy"]:
         return 0  # another producer holds KEY.alive: attach to it
     detail = err.decode(errors="replace").strip()[-2000:] or f"exit status {proc.returncode}, no output"
-    raise TsockError(f"tsock.shared: the producer process for '{paths.key}' did not start: {detail}", _capi.ESYS)
+    full = _full_file_systems(paths.dir)
+    raise TsockError(
+        f"tsock.shared: the producer process for '{paths.key}' did not start{f' ({full})' if full else ''}: {detail}",
+        _capi.ESYS,
+    )
+
+
+# Below this, a file system counts as full: a producer writes its log, its
+# notes and its segment's first slots there before it can say it started.
+FULL_BELOW_BYTES = 1 << 20
+
+
+def _full_file_systems(runtime: str) -> str:
+    """Which of the runtime directory's and /dev/shm's file systems is full
+    (bytes or inodes), said as the cause of a producer that died before its
+    channel; "" when neither is (review 27, N9: the trainer said "killed?")."""
+    said = []
+    for path in (runtime, "/dev/shm"):
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            continue
+        free = st.f_bavail * st.f_frsize
+        if free < FULL_BELOW_BYTES or (st.f_files and st.f_favail == 0):
+            said.append(f"{path} is full: {free} bytes and {st.f_favail} inodes free")
+    return "; ".join(said)
 
 
 # ---- the trainer's loader ----
@@ -633,7 +658,8 @@ class SharedLoader:
                 if deaths >= START_ATTEMPTS and time.monotonic() - since >= START_BUDGET_S:
                     raise ProducerGone(
                         f"tsock.shared: {deaths} producers of '{self.key}' in a row died before making their "
-                        f"channel, over {time.monotonic() - since:.0f} s (killed? crashed?); see {paths.log}",
+                        f"channel, over {time.monotonic() - since:.0f} s "
+                        f"({_full_file_systems(paths.dir) or 'killed? crashed?'}); see {paths.log}",
                         _capi.EPRODUCER_GONE,
                     )
         finally:

@@ -1313,6 +1313,23 @@ def test_a_factory_that_ends_its_process_ends_the_trainers_after_some_attempts(r
         tsock.shared(h.dying, 40, 4, token())
 
 
+def test_producers_dying_on_a_full_file_system_say_so(runtime, monkeypatch):
+    """Review 27, N9: producers that died because the runtime directory's
+    file system was full were reported as "killed? crashed?"."""
+    real = os.statvfs
+
+    def full(path):
+        st = real(path)
+        if os.path.realpath(path) != os.path.realpath(str(runtime)):
+            return st
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0, st.f_files, 0, 0, 0, st.f_namemax))
+
+    monkeypatch.setattr(_shared.os, "statvfs", full)
+    monkeypatch.setattr(_shared, "START_BUDGET_S", 0.0)
+    with pytest.raises(tsock.ProducerGone, match=f"died before making their channel.*{runtime} is full: 0 bytes"):
+        tsock.shared(h.dying, 40, 4, token())
+
+
 MAIN_ARGUMENT_SCRIPT = """
 import sys
 
