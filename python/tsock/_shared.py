@@ -5,36 +5,39 @@ one of them if it dies (docs/SHARED.md: the protocol and its failure cases)."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
-import hashlib
-import inspect
-import io
-import itertools
-import json
 import os
 import pickle
-import re
-import secrets
 import stat
 import subprocess
 import sys
 import threading
 import time
-import types
 import warnings
 import weakref
 from typing import NamedTuple
 
 from . import _capi, _state
+from ._catchup import SKIP_MAX, CatchUp, _behind, _sweep_dead_catchups
+from ._factory import _pickled, factory_ref, fingerprint
+from ._runtime import (
+    ATTACH_SLICE_S,
+    Paths,
+    check_name_of_run,
+    close_lock,
+    lock_is_held,
+    new_channel,
+    open_lock,
+    runtime_dir,
+    segment_path,
+    serials,
+    try_lock,
+)
 from .consumer import Consumer
 from .errors import ChannelClosed, ChannelNotFound, Evicted, ProducerGone, TsockError
 from .pipeline import Position
 
 KEY_MAX = 40  # shared.UID.KEY stays within a channel name's 64 characters
-ATTACH_SLICE_S = 0.25
-SKIP_MAX = 16  # batches of a stream behind its position a trainer reads and lets go, rather than catch up
-CATCHUP_LINGER_S = 0.5  # a catch-up producer's linger after its trainer rejoined or left
 READY_POLL_S = 0.01  # a trainer waiting for the producer's first batch
 START_LOCK_POLL_S = 0.02  # a trainer waiting for another to attach
 SLOW_START_WARN_S = 30.0  # then a trainer still waiting says so, naming the producer's log
@@ -46,405 +49,7 @@ START_ATTEMPTS = 5
 START_BUDGET_S = 30.0
 HANDSHAKE_TIMEOUT_S = 120.0  # the producer process's interpreter start, under load
 CONSUMER_OPTIONS = ("output", "copy", "lifetime")
-# The running script: __main__, or __mp_main__ in a child multiprocessing
-# started with spawn or forkserver (the same file, another module name).
-MAIN_MODULES = ("__main__", "__mp_main__")
-MOVE_IT = "define it at the top level of a .py module (say data.py beside the script) and import it from there"
 PRODUCER_OPTIONS = ("slots", "slot_bytes", "headroom", "join_window", "max_readers", "evict_after")
-
-
-# ---- the runtime directory and its lock files ----
-
-
-def runtime_dir() -> str:
-    """The user's directory for the lock files: $TSOCK_RUNTIME_DIR, else
-    $XDG_RUNTIME_DIR/tsock, else /tmp/tsock-UID; created 0700, refused unless
-    it is a real directory of ours that nobody else can write."""
-    path = os.environ.get("TSOCK_RUNTIME_DIR")
-    if not path:
-        xdg = os.environ.get("XDG_RUNTIME_DIR")
-        path = os.path.join(xdg, "tsock") if xdg and os.path.isdir(xdg) else f"/tmp/tsock-{os.geteuid()}"
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise TsockError(
-            f"tsock.shared: {path} must be a directory owned by uid {os.geteuid()} with mode 0700 (it holds the "
-            "lock files that elect the producer); remove it or set TSOCK_RUNTIME_DIR to another one",
-            _capi.EPERM,
-        )
-    return path
-
-
-# Lock descriptors a forked child must not inherit: a child of a dead
-# trainer (a DataLoader worker) would keep its locks, so the trainer "alive".
-_held_fds: set[int] = set()
-
-
-def _close_held_in_child() -> None:
-    for fd in list(_held_fds):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _held_fds.clear()
-
-
-os.register_at_fork(after_in_child=_close_held_in_child)
-
-
-def open_lock(path: str) -> int:
-    """A descriptor of lock file `path` (created 0600), refused unless it is
-    a regular file of ours."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        os.close(fd)
-        raise TsockError(f"tsock.shared: {path} is not a regular file of uid {os.geteuid()}", _capi.ESYS)
-    _held_fds.add(fd)
-    return fd
-
-
-def close_lock(fd: int) -> None:
-    _held_fds.discard(fd)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-def try_lock(fd: int) -> bool:
-    """flock(LOCK_EX | LOCK_NB): False when another holds it."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return False
-        raise
-
-
-def lock_is_held(path: str) -> bool:
-    """Whether a process holds the lock of `path` (a missing file: no)."""
-    try:
-        fd = open_lock(path)
-    except FileNotFoundError:
-        return False
-    try:
-        if try_lock(fd):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        return True
-    finally:
-        close_lock(fd)
-
-
-class Paths:
-    """The files of one key (docs/SHARED.md, "Files")."""
-
-    def __init__(self, directory: str, key: str):
-        self.dir = directory
-        self.key = key
-        base = os.path.join(directory, key)
-        self.start = base + ".start"
-        self.alive = base + ".alive"
-        self.error = base + ".error"
-        self.ready = base + ".ready"
-        self.log = base + ".log"
-        self.trainer_prefix = key + ".trainer."
-
-    def trainer(self, pid: int, serial: int = 0) -> str:
-        """A loader's roster file: one per loader, so that a process with two
-        loaders of the same key (a notebook cell run twice) counts twice.
-        Random digits follow the serial: trainers in two pid namespaces may
-        have the same pid (review 29)."""
-        return os.path.join(self.dir, f"{self.trainer_prefix}{pid}.{serial}{secrets.randbelow(10**9):09d}")
-
-    def join_roster(self, roster: str) -> int:
-        """Enters a loader in the roster: its file is made and locked under a
-        name the roster does not list, then renamed into it, so a roster
-        file is locked from the moment it appears (a producer counting
-        trainers removed one made but not yet locked: review 24). Returns
-        the locked descriptor, held for the loader's life."""
-        joining = os.path.join(self.dir, f"{self.key}.joining.{os.path.basename(roster)}")
-        fd = open_lock(joining)
-        try:
-            if not try_lock(fd):
-                raise TsockError(f"tsock.shared: {joining} is locked by another process", _capi.ESYS)
-            os.rename(joining, roster)
-        except BaseException:
-            close_lock(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(joining)
-            raise
-        return fd
-
-    def live_trainers(self) -> int:
-        """How many trainers are in the roster (see live_trainer_pids)."""
-        return len(self.live_trainer_pids())
-
-    def live_trainer_pids(self) -> list[int]:
-        """The pid of each trainer whose roster file is locked (a process with
-        two loaders twice)."""
-        return [pid for pid, _channel in self.live_roster()]
-
-    def live_trainer_channels(self) -> set[str]:
-        """The channels live trainers are (or were last) attached to: each
-        holds a position in that channel's run."""
-        return {channel for _pid, channel in self.live_roster() if channel}
-
-    def live_roster(self) -> list[tuple[int, str]]:
-        """(pid, channel it last attached to, "" before) of each trainer whose
-        roster file is locked; removes dead ones' files, each while holding
-        its lock (so never a live one's)."""
-        live = []
-        try:
-            entries = os.listdir(self.dir)
-        except OSError:
-            return []
-        for entry in entries:
-            pid = self._roster_pid(entry)
-            if pid is None:
-                continue
-            path = os.path.join(self.dir, entry)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue  # gone meanwhile
-            # Closed in a child forked meanwhile (the producer's watchdog
-            # counts while its main thread forks pipeline workers): a
-            # worker holding a dead trainer's lock would keep it counted.
-            _held_fds.add(fd)
-            try:
-                if not try_lock(fd):
-                    live.append((pid, os.pread(fd, 256, 0).decode(errors="replace")))
-                elif os.path.exists(path) and os.path.samestat(os.fstat(fd), os.stat(path)):
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-            finally:
-                close_lock(fd)
-        return live
-
-    def _roster_pid(self, entry: str) -> int | None:
-        """The pid of roster file name `entry` (KEY.trainer.PID.SERIAL), or None."""
-        if not entry.startswith(self.trainer_prefix):
-            return None
-        pid, _, serial = entry[len(self.trainer_prefix) :].partition(".")
-        return int(pid) if pid.isdigit() and serial.isdigit() else None
-
-    def read_error(self) -> str | None:
-        try:
-            fd = os.open(self.error, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            if os.fstat(fd).st_uid != os.geteuid():
-                return None
-            return os.read(fd, 1 << 16).decode(errors="replace")
-        finally:
-            os.close(fd)
-
-    def read_alive(self) -> dict:
-        """The running (or last) producer's pid, channel and arguments'
-        fingerprint ({} when unreadable)."""
-        return _read_json(self.alive)
-
-    def read_ready(self) -> dict:
-        """What the producer wrote once its channel existed: its pid, the
-        channel and the segment's identity ({} before that)."""
-        return _read_json(self.ready)
-
-
-def _read_json(path: str) -> dict:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return {}
-    try:
-        if os.fstat(fd).st_uid != os.geteuid():
-            return {}
-        value = json.loads(os.read(fd, 4096) or b"{}")
-        return value if isinstance(value, dict) else {}
-    except (OSError, ValueError):
-        return {}
-    finally:
-        os.close(fd)
-
-
-# ---- the key ----
-
-
-def factory_ref(factory) -> dict:
-    """How the producer process finds `factory`: its module and qualified
-    name, and for the running script its file. TypeError naming the fix for
-    what it cannot import."""
-    module = getattr(factory, "__module__", None)
-    qualname = getattr(factory, "__qualname__", None)
-    if not callable(factory) or module is None or qualname is None:
-        raise TypeError(f"tsock.shared needs a function or class as the factory, got {factory!r}")
-    fix = (
-        "the producer runs in its own process and imports the factory by name: define it at the top level "
-        "of a .py module (say data.py beside the script) and import it from there"
-    )
-    if "<lambda>" in qualname or "<locals>" in qualname:
-        raise TypeError(f"tsock.shared: factory {qualname} is a lambda or a nested function; {fix}")
-    if _bound_to_an_object(factory):
-        raise TypeError(f"tsock.shared: factory {qualname} is a method bound to an object; {fix}")
-    ref = {"module": module, "qualname": qualname, "file": None}
-    if module in MAIN_MODULES:
-        main = sys.modules.get(module)
-        name = getattr(getattr(main, "__spec__", None), "name", None)
-        if name and name not in MAIN_MODULES:
-            # Run as `python -m package.train`: imported by that name, as
-            # multiprocessing's spawn does, so that its relative imports
-            # work; loaded from its file, it had no package (review 27, N10).
-            if _lookup(main, qualname) is not factory:
-                raise TypeError(f"tsock.shared: {module}.{qualname} does not name the factory given; {fix}")
-            return {"module": name, "qualname": qualname, "file": None, "main": True}
-        path = getattr(main, "__file__", None)
-        if not path or not path.endswith(".py"):
-            raise TypeError(
-                f"tsock.shared: factory {qualname} is defined in __main__ of an interactive session or notebook; {fix}"
-            )
-        ref["file"] = os.path.abspath(path)
-    obj = _resolve(ref) if ref["file"] is None else _lookup(sys.modules[module], qualname)
-    if obj is not factory:
-        raise TypeError(f"tsock.shared: {module}.{qualname} does not name the factory given; {fix}")
-    return ref
-
-
-def _lookup(module, qualname: str):
-    obj = module
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _resolve(ref: dict):
-    import importlib
-
-    try:
-        return _lookup(importlib.import_module(ref["module"]), ref["qualname"])
-    except ImportError:
-        return None
-
-
-def _bound_to_an_object(value) -> bool:
-    """Whether value is a method bound to an instance (not to a class or a
-    module, which its qualified name does say)."""
-    owner = getattr(value, "__self__", None)
-    return owner is not None and not isinstance(owner, (type, types.ModuleType))
-
-
-def _canonical(value, where: str):
-    """A JSON form of an argument that is the same in every process, or
-    TypeError naming name= as the fix."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return {"int": str(value)}
-    if isinstance(value, float):
-        return {"float": value.hex()}
-    if isinstance(value, bytes):
-        return {"bytes": value.hex()}
-    if isinstance(value, (list, tuple)):
-        return {type(value).__name__: [_canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise TypeError(f"tsock.shared: {where} is a dict with non-str keys: cannot fingerprint it; pass name=")
-        return {"dict": {k: _canonical(v, f"{where}[{k!r}]") for k, v in sorted(value.items())}}
-    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
-    named = (callable(value) or isinstance(value, type)) and module and qualname and "<" not in qualname
-    if named and _bound_to_an_object(value):
-        # A bound method's name is its class's: Scale(1).apply and
-        # Scale(1000).apply would share one producer (review 24).
-        raise TypeError(
-            f"tsock.shared: argument {where} is a method bound to an object ({qualname}), whose state its name "
-            "does not say; pass name='...' to name the pipeline yourself, or pass a module-level function"
-        )
-    if named and module in MAIN_MODULES:
-        # The running script's: its module name is the same in every script
-        # (review 24, F3), its file is not.
-        path = getattr(sys.modules.get(module), "__file__", None)
-        if not path:
-            raise TypeError(f"tsock.shared: argument {where} ({qualname}) is defined in a notebook; {MOVE_IT}")
-        return {"ref": f"{os.path.abspath(path)}:{qualname}"}
-    if named:
-        return {"ref": f"{module}.{qualname}"}
-    raise TypeError(
-        f"tsock.shared: argument {where} is a {type(value).__name__}, which has no form that is the same in every "
-        "process; pass name='...' to name the pipeline yourself (trainers with the same name share it)"
-    )
-
-
-def fingerprint(ref: dict, args: tuple, kwargs: dict) -> str:
-    """The key of a factory call: 20 hex digits of blake2b of its canonical form."""
-    where = ref["file"] or ref["module"]
-    form = {
-        "factory": f"{where}:{ref['qualname']}",
-        "args": [_canonical(a, f"args[{i}]") for i, a in enumerate(args)],
-        "kwargs": {k: _canonical(v, k) for k, v in sorted(kwargs.items())},
-    }
-    text = json.dumps(form, sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
-
-
-class _NothingOfTheScript(pickle.Pickler):
-    """Refuses a function or class of the running script: the producer
-    loads the script only when the factory is in it, so it could not
-    unpickle them (review 24, F3)."""
-
-    def reducer_override(self, obj):
-        module = getattr(obj, "__module__", None)
-        if (inspect.isfunction(obj) or inspect.isclass(obj)) and module in MAIN_MODULES:
-            raise _ScriptReference(f"{obj.__qualname__} is defined in the running script ({module})")
-        return NotImplemented
-
-
-class _ScriptReference(Exception):
-    pass
-
-
-def _pickled(args: tuple, kwargs: dict, script_loaded: bool) -> bytes:
-    """The arguments as the producer gets them; with script_loaded False (the
-    factory is not in the running script), nothing of the script."""
-    buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer) if script_loaded else _NothingOfTheScript(buffer)
-    try:
-        pickler.dump((tuple(args), dict(kwargs)))
-        return buffer.getvalue()
-    except _ScriptReference as e:
-        raise TypeError(
-            f"tsock.shared: an argument refers to {e}, which the producer process does not load (the factory is "
-            f"not in the script); {MOVE_IT}"
-        ) from None
-    except Exception as e:
-        raise TypeError(
-            f"tsock.shared: the factory's arguments are sent to the producer process pickled, and pickle refused "
-            f"them: {type(e).__name__}: {e}"
-        ) from None
-
-
-def channel_prefix() -> str:
-    return f"shared.{os.geteuid()}."
-
-
-def new_channel(key: str) -> str:
-    """A run's channel: the uid and the key's beginning (for whoever lists
-    /dev/shm) and 64 random bits, so that nobody can plant a file where a
-    trainer will look (/dev/shm is world-writable; review 24, F8). The
-    trainers learn it from KEY.ready, in the user's 0700 directory."""
-    return f"{channel_prefix()}{key[:20]}.{secrets.token_hex(8)}"
-
-
-def segment_path(channel: str) -> str:
-    """Where the library keeps a channel's segment (docs/ARCHITECTURE.md)."""
-    return f"/dev/shm/tsock.{channel}"
-
-
-def check_name_of_run(channel: str) -> str:
-    """A channel read from the runtime directory: one new_channel could make."""
-    from .producer import check_name
-
-    if not channel.startswith(channel_prefix()):
-        raise TsockError(f"tsock.shared: channel {channel!r} is not one of uid {os.geteuid()}'s", _capi.ECORRUPT)
-    return check_name(channel)
 
 
 # ---- starting the producer ----
@@ -508,7 +113,6 @@ def _full_file_systems(runtime: str) -> str:
 
 # ---- the trainer's loader ----
 
-_serials = itertools.count()
 # True in a producer process while it loads the training script (the
 # factory is defined there): a shared() call at the script's top level runs
 # then, and would start a producer of another key that cannot import it.
@@ -517,7 +121,7 @@ _loading_script = False
 _open_loaders: weakref.WeakSet = weakref.WeakSet()
 
 
-class SharedLoader:
+class SharedLoader(CatchUp):
     """What tsock.shared returns: a loader over the shared producer's batches
     (see tsock.shared)."""
 
@@ -606,7 +210,7 @@ class SharedLoader:
         self._closed = False
         self._announced = False  # the producer being attached to made its channel
         self._ahead_pid = 0  # the producer of the consumer attached ahead (_attach_siblings)
-        roster = self._paths.trainer(self._pid, next(_serials))
+        roster = self._paths.trainer(self._pid, next(serials))
         self._roster = self._paths.join_roster(roster)
         # What the finalizer undoes: the consumer (replaced at each
         # recovery), the roster lock and its file.
@@ -690,7 +294,7 @@ class SharedLoader:
 
     def _enter_roster(self) -> None:
         """Back in the roster (after a catch-up): a new roster file, locked."""
-        roster = self._paths.trainer(self._pid, next(_serials))
+        roster = self._paths.trainer(self._pid, next(serials))
         self._roster = self._paths.join_roster(roster)
         self._state[1], self._state[2] = self._roster, roster
 
@@ -996,156 +600,6 @@ class SharedLoader:
         self._samples = self._resumed_samples = state.samples
         self._behind_ok = self._resumed = True
 
-    def _start_catchup(self) -> None:
-        """This trainer is behind the shared stream (resumed from an older
-        state, or a successor did not publish its next batch): it leaves the
-        stream and the roster (the shared producer must not wait for it) and
-        reads its own producer, the same pipeline from its position."""
-        factory, args, kwargs, producer, consumer = self._call
-        # Its one reader is this trainer, whom nobody else waits for: an
-        # eviction would only nest another catch-up in it (review 29).
-        producer = {k: v for k, v in producer.items() if k != "evict_after"}
-        key = f"{self.key[:20]}.c{self._pid}.{next(_serials)}"
-        self._leave_shared()
-        _sweep_dead_catchups(self._paths)
-        try:
-            catchup = SharedLoader(
-                factory,
-                args,
-                kwargs,
-                name=key,
-                linger=CATCHUP_LINGER_S,
-                producer=producer,
-                consumer=consumer,
-                start_at=self._position,
-            )
-        except BaseException:
-            # Its producer failed (the factory's error is raised): nothing of
-            # the key is left, and the trainer is back on the stream, where
-            # its next batch tries again.
-            _forget_private_key(Paths(self._paths.dir, key))
-            self._join_shared()
-            raise
-        catchup._samples = self._samples
-        # The loaded state's checks go with the position, to the catch-up's first batch.
-        catchup._resumed, catchup._resumed_samples = self._resumed, self._resumed_samples
-        self._resumed = False
-        self._catchup = catchup
-        self.catchups += 1
-
-    def _join_shared(self) -> None:
-        """Back in the roster and attached to the shared stream (its producer
-        started again if it is gone)."""
-        self._enter_roster()
-        self._consumer = self._connect(recovering=False)
-
-    def _leave_shared(self) -> None:
-        """Detaches from the shared stream and leaves its roster."""
-        consumer, self._consumer = self._consumer, None
-        self._probe = None
-        self._state[0] = None
-        if consumer is not None:
-            consumer.close()
-        roster_fd, roster = self._state[1], self._state[2]
-        self._state[1] = self._roster = None
-        if roster_fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(roster)
-            close_lock(roster_fd)
-
-    def _next_caught_up(self):
-        """The next batch from the catch-up producer (None at an epoch's
-        end). At an epoch start the trainer attaches to the shared stream
-        again; once the stream's oldest batch is its next one, it goes back
-        to the stream (_rejoined)."""
-        if self._catchup_epoch_start:
-            self._catchup_epoch_start = False
-            if self._consumer is None:
-                self._probe_shared()
-        if self._consumer is not None and self._rejoined():
-            return self._next_batch()
-        catchup = self._catchup
-        batch = catchup._next_batch()
-        self._position, self._samples = catchup._position, catchup._samples
-        if batch is None:
-            self._catchup_epoch_start = True
-        else:
-            self._open = True
-        return batch
-
-    def _probe_shared(self) -> None:
-        """Attaches to the shared stream with start="oldest": its first batch
-        is the oldest one a trainer of the stream has not let go (the
-        slowest one's next), which the ring keeps for this trainer from the
-        attach on. Nothing happens if the stream is gone or not ready."""
-        start = open_lock(self._paths.start)
-        try:
-            # Under KEY.start, as any attach: the roster file names the
-            # channel, which decides whether a successor resumes this run
-            # (review 29: a trainer that rejoined was invisible to it).
-            self._take_start_lock(start)
-            if not lock_is_held(self._paths.alive):
-                return
-            channel = self._ready_channel()
-            if channel is None:
-                return
-            pid = int(self._paths.read_alive().get("pid", 0))
-            hold_max = _hold_max(self._paths.read_ready())
-            self._enter_roster()
-            try:
-                consumer = Consumer(channel, start="oldest", timeout=ATTACH_SLICE_S, **self._options)
-            except TsockError:
-                self._leave_shared()
-                return
-            self._record_channel(channel)
-        finally:
-            close_lock(start)
-        self._state[0] = self._consumer = consumer
-        consumer.track_tags = True
-        self._probe = (channel, pid, hold_max, None)
-
-    def _rejoined(self) -> bool:
-        """Whether the trainer is back on the shared stream, which it probed
-        at an epoch start. The stream's oldest batch, once there is one, is
-        held (the producer cannot overwrite it) while the catch-up producer
-        serves the batches before it, up to half the ring: the others
-        read on meanwhile, through the ring's other slots, and never wait
-        for this trainer unless it reads slower than they do (review 28,
-        F7: before, a trainer at the others' pace never rejoined, and one
-        whose stream took more than 1 s per batch was never seen to). A
-        stream further ahead, or gone, leaves the trainer on its own
-        producer until the next epoch start."""
-        channel, pid, hold_max, held = self._probe
-        want = self._position
-        if held is None:
-            consumer = self._consumer
-            try:
-                tag = consumer._peek_tag(0)
-                batches = len(consumer)
-            except TsockError:
-                self._leave_shared()  # the shared producer died or closed meanwhile
-                return False
-            if tag is None:
-                if consumer._pending:  # a batch, but not a pipeline's
-                    self._leave_shared()
-                return False  # nothing in its ring yet: look again at the next batch
-            held = tag, batches
-            self._probe = (channel, pid, hold_max, held)
-        tag, batches = held
-        behind = _behind(tag, want, batches)
-        if tag.fingerprint != want[0] or behind > SKIP_MAX or -behind > hold_max:
-            self._leave_shared()  # past this trainer by more than it may hold, or too far behind
-            return False
-        if behind < 0:
-            return False  # its own producer serves the batches before the held one
-        self.channel, self.producer_pid = channel, pid
-        catchup, self._catchup = self._catchup, None
-        catchup.close()
-        self._behind_ok = True
-        self._probe = None
-        self.rejoins += 1
-        return True
-
     @property
     def position(self):
         """(epoch, batch): the pipeline position of the next batch this
@@ -1202,90 +656,6 @@ class SharedLoader:
 
     def __repr__(self):
         return f"<tsock.SharedLoader key={self.key!r} channel={self.channel!r} producer_pid={self.producer_pid}>"
-
-
-_PRIVATE_KEY = re.compile(r".*\.c(\d+)\.\d+")
-
-
-def remove_if_ours(path: str) -> None:
-    """Unlinks `path` if it is a file of this uid. /dev/shm is world-writable
-    and sticky: a file another uid put at a name this run used (its channel
-    is listed there) can be neither removed nor replaced by us, and the
-    PermissionError ended every later producer of the key before it said
-    ok (review 27, N2). Such a file is left: no later run uses that name."""
-    with contextlib.suppress(OSError):
-        if os.lstat(path).st_uid == os.geteuid():
-            os.unlink(path)
-
-
-def _forget_private_key(paths: Paths) -> None:
-    """Removes a catch-up key's files, its channel's segment and its resume
-    note (kept in the runtime directory: review 27, N2); its producer and
-    its trainer are gone."""
-    from .producer import resume_note_path
-
-    channel = paths.read_alive().get("channel")
-    if isinstance(channel, str):
-        with contextlib.suppress(TsockError):
-            check_name_of_run(channel)
-            for path in (segment_path(channel), resume_note_path(channel, paths.dir)):
-                remove_if_ours(path)
-    for path in (paths.ready, paths.error, paths.log, paths.alive, paths.start):
-        remove_if_ours(path)
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(paths.dir):
-            if entry.startswith((paths.trainer_prefix, f"{paths.key}.joining.")):
-                remove_if_ours(os.path.join(paths.dir, entry))  # its trainer's roster file: dead too
-
-
-def _sweep_dead_catchups(paths: Paths) -> None:
-    """Catch-up keys whose trainer and producer were killed together (an
-    OOM kill, a job killed whole) left a segment and files that nobody
-    would remove: a trainer of the same key removes them (review 28)."""
-    try:
-        entries = os.listdir(paths.dir)
-    except OSError:
-        return
-    prefix = paths.key[:20] + ".c"
-    for entry in entries:
-        key, _, suffix = entry.rpartition(".")
-        if suffix != "alive" or not key.startswith(prefix):
-            continue
-        found = _PRIVATE_KEY.fullmatch(key)
-        if found is None or _pid_alive(int(found.group(1))):
-            continue
-        private = Paths(paths.dir, key)
-        if lock_is_held(private.alive):
-            continue  # its producer lingers still
-        _forget_private_key(private)
-
-
-def _hold_max(ready: dict) -> int:
-    """The most batches a trainer rejoining the stream of the KEY.ready
-    note `ready` serves from its own producer while it holds the stream's
-    oldest batch: half the ring's slots, the other half left for what the
-    other trainers hold. An older producer's note without them: the
-    default ring's."""
-    slots = ready.get("slots")
-    if not isinstance(slots, int) or not 2 <= slots <= 65536:
-        slots = _capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
-    return slots // 2
-
-
-def _behind(tag, position: tuple, batches: int) -> int:
-    """Batches from the stream's batch `tag` to `position` (fingerprint,
-    epoch, index): > 0 when the stream is behind it, < 0 when past it."""
-    return (position[1] - tag.epoch) * batches + position[2] - tag.index
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _detach(state: list) -> None:

@@ -15,7 +15,11 @@ import threading
 import time
 import traceback
 
+from . import _capi
+from . import _factory as factory
+from . import _runtime as runtime
 from . import _shared as shared
+from .errors import TsockError
 from .pipeline import Pipeline
 
 POLL_S = 0.01
@@ -57,7 +61,7 @@ def _load_factory(ref: dict):
             module = importlib.import_module(ref["module"])
         finally:
             shared._loading_script = False
-        for name in shared.MAIN_MODULES:
+        for name in factory.MAIN_MODULES:
             sys.modules[name] = module
     elif ref["file"] is None:
         import importlib
@@ -71,21 +75,21 @@ def _load_factory(ref: dict):
 
         spec = importlib.util.spec_from_file_location("__tsock_main__", ref["file"])
         module = importlib.util.module_from_spec(spec)
-        for name in (*shared.MAIN_MODULES, "__tsock_main__"):  # where pickled arguments look for its classes
+        for name in (*factory.MAIN_MODULES, "__tsock_main__"):  # where pickled arguments look for its classes
             sys.modules[name] = module
         shared._loading_script = True  # a tsock.shared() call at its top level is refused (review 27, N11)
         try:
             spec.loader.exec_module(module)
         finally:
             shared._loading_script = False
-    return shared._lookup(module, ref["qualname"])
+    return factory._lookup(module, ref["qualname"])
 
 
 class Gate:
     """Producer.before_publish: before the first batch, waits for every live
     trainer of the roster; later, lingers while no trainer is attached."""
 
-    def __init__(self, paths: shared.Paths, linger: float, alive: int, announce=None, private: bool = False):
+    def __init__(self, paths: runtime.Paths, linger: float, alive: int, announce=None, private: bool = False):
         self.paths = paths
         self.private = private  # a catch-up producer's key: its files go with it
         self.announce = announce or _announce_ready  # a test's fake producer has no segment
@@ -119,19 +123,19 @@ class Gate:
     def _may_stop(self, producer) -> bool:
         """Decided under KEY.start: a trainer attaching holds it until it is
         attached, so none can come between this check and the exit."""
-        start = shared.open_lock(self.paths.start)
-        if not shared.try_lock(start):
-            shared.close_lock(start)
+        start = runtime.open_lock(self.paths.start)
+        if not runtime.try_lock(start):
+            runtime.close_lock(start)
             return False
         if producer.stats()["readers"] or self.paths.live_trainers():
-            shared.close_lock(start)
+            runtime.close_lock(start)
             return False
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.paths.ready)
         if self.private:
             _forget_key(self.paths)
         producer.close()  # the segment is unlinked now
-        shared.close_lock(self.alive)  # then KEY.start, at the exit: a trainer taking it finds no producer
+        runtime.close_lock(self.alive)  # then KEY.start, at the exit: a trainer taking it finds no producer
         self.start_lock = start
         return True
 
@@ -151,12 +155,12 @@ def _every_trainer_attached(readers: list, trainers: list) -> bool:
     return bool(readers) and not collections.Counter(trainers) - collections.Counter(readers)
 
 
-def _announce_ready(paths: shared.Paths, channel: str, slots: int) -> None:
+def _announce_ready(paths: runtime.Paths, channel: str, slots: int) -> None:
     """Tells the trainers the channel exists, and which segment it is:
     until then they open nothing (review 24, F8); and its ring's slots (a
     trainer catching up holds up to half of them to rejoin). Written
     whole, then renamed: a trainer reads all of it or nothing."""
-    st = os.stat(shared.segment_path(channel), follow_symlinks=False)
+    st = os.stat(runtime.segment_path(channel), follow_symlinks=False)
     note = {"pid": os.getpid(), "channel": channel, "segment": [st.st_dev, st.st_ino], "slots": slots}
     tmp = f"{paths.ready}.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -172,7 +176,7 @@ def _start_position(producer, pipe: Pipeline):
     it published another pipeline (then trainers see the new fingerprint)."""
     try:
         position = producer.recorded_position(producer.name, pipe)
-    except (ValueError, shared.TsockError) as e:
+    except (ValueError, TsockError) as e:
         print(f"tsock.shared: not resuming ({e}); starting at epoch 0", flush=True)
         return (0, 0)
     if position is None:
@@ -187,7 +191,7 @@ def _start_position(producer, pipe: Pipeline):
     return position
 
 
-def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
+def _run(spec: dict, paths: runtime.Paths, alive: int) -> None:
     from .producer import Producer
 
     sys.path[:] = spec["sys_path"]
@@ -202,7 +206,7 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
             "re-iterable loader (a DataLoader, a list) or a tsock.Pipeline"
         )
     options = dict(spec["producer"])
-    slots = options.get("slots") or shared._capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
+    slots = options.get("slots") or _capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
     options.setdefault("join_window", slots // 2)
     producer = Producer(loader, spec["channel"], **options)
     loader = producer.loader  # a seeded map-style DataLoader is a Pipeline now
@@ -230,7 +234,7 @@ def _run(spec: dict, paths: shared.Paths, alive: int) -> None:
             loader.close()
 
 
-def _forget_key(paths: shared.Paths) -> None:
+def _forget_key(paths: runtime.Paths) -> None:
     """A catch-up producer's key is its trainer's alone, used once: its
     files are removed at its exit (under KEY.start and KEY.alive, so no
     trainer is between them), not left to pile up in the runtime directory."""
@@ -248,11 +252,11 @@ def _forget_earlier_run(channel: str) -> None:
     from .producer import resume_note_path
 
     try:
-        shared.check_name_of_run(channel)
-    except shared.TsockError:
+        runtime.check_name_of_run(channel)
+    except TsockError:
         return  # not a name this user's producers use: not ours to remove
-    for path in (shared.segment_path(channel), resume_note_path(channel)):
-        shared.remove_if_ours(path)
+    for path in (runtime.segment_path(channel), resume_note_path(channel)):
+        runtime.remove_if_ours(path)
 
 
 def _publish_epochs(producer, loader) -> None:
@@ -279,7 +283,7 @@ class Watchdog(threading.Thread):
 
     GRACE_S = 2.0
 
-    def __init__(self, paths: shared.Paths, linger: float, alive: int, channel: str, private: bool = False):
+    def __init__(self, paths: runtime.Paths, linger: float, alive: int, channel: str, private: bool = False):
         super().__init__(name="tsock-shared-watchdog", daemon=True)
         self.paths, self.linger, self.alive, self.channel = paths, linger, alive, channel
         self.private = private
@@ -296,21 +300,21 @@ class Watchdog(threading.Thread):
                 self._exit_if_still_alone()
 
     def _exit_if_still_alone(self) -> None:
-        start = shared.open_lock(self.paths.start)
-        if not shared.try_lock(start):  # a trainer is attaching, or the Gate is exiting
-            shared.close_lock(start)
+        start = runtime.open_lock(self.paths.start)
+        if not runtime.try_lock(start):  # a trainer is attaching, or the Gate is exiting
+            runtime.close_lock(start)
             return
         if self.paths.live_trainers():
-            shared.close_lock(start)
+            runtime.close_lock(start)
             return
         print(f"tsock.shared: producer {os.getpid()} had no trainer for {self.linger:g} s (watchdog)", flush=True)
         from .producer import resume_note_path
 
-        for path in (self.paths.ready, shared.segment_path(self.channel), resume_note_path(self.channel)):
-            shared.remove_if_ours(path)  # never raise here: this thread holds KEY.start and KEY.alive
+        for path in (self.paths.ready, runtime.segment_path(self.channel), resume_note_path(self.channel)):
+            runtime.remove_if_ours(path)  # never raise here: this thread holds KEY.start and KEY.alive
         if self.private:
             _forget_key(self.paths)
-        shared.close_lock(self.alive)  # then KEY.start, at the exit, as the Gate's exit does
+        runtime.close_lock(self.alive)  # then KEY.start, at the exit, as the Gate's exit does
         _exit_with_workers()
 
 
@@ -326,7 +330,7 @@ def _exit_with_workers() -> None:
     os._exit(0)
 
 
-def _record_error(paths: shared.Paths, text: str) -> None:
+def _record_error(paths: runtime.Paths, text: str) -> None:
     tmp = f"{paths.error}.{os.getpid()}"
     with contextlib.suppress(OSError):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -340,10 +344,10 @@ def _record_error(paths: shared.Paths, text: str) -> None:
 def main() -> int:
     spec = pickle.loads(sys.stdin.buffer.read())
     _detach()
-    paths = shared.Paths(shared.runtime_dir(), spec["key"])
+    paths = runtime.Paths(runtime.runtime_dir(), spec["key"])
     _keep_resume_notes_in(paths.dir)
-    alive = shared.open_lock(paths.alive)
-    if not shared.try_lock(alive):
+    alive = runtime.open_lock(paths.alive)
+    if not runtime.try_lock(alive):
         print("busy", flush=True)
         return 0
     earlier = paths.read_alive().get("channel")  # the last producer's, dead or gone
