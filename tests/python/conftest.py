@@ -81,6 +81,9 @@ def child_env() -> dict:
     paths = [str(ROOT / "python"), str(Path(__file__).parent), env.get("PYTHONPATH")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
+    # A child that hangs is ended with SIGABRT by the tests that wait for
+    # it (test_shared's finish): it then prints every thread's stack.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     return env
 
 
