@@ -353,6 +353,13 @@ int tsock_reader_release(tsock_reader_t *r, const tsock_batch_t *batch);
  * pointer lies inside it). One thread at a time per reader. */
 int tsock_reader_payload_range(tsock_reader_t *r, const void **base, uint64_t *len);
 
+/* TSOCK_OK while the batches r holds are intact: r still holds its roster
+ * entry. TSOCK_EEVICTED once the producer's eviction policy (evict_after)
+ * took it: from then on the producer may rewrite what r holds. Reads one
+ * word of shared memory: cheap enough to call before handing out a batch
+ * held a long time (acquired ahead). Thread-safe. */
+int tsock_reader_check(tsock_reader_t *r);
+
 /* Keeps the reader's read-only payload mapping in place until
  * tsock_mapping_unpin(token), even after tsock_reader_detach(), so memory a
  * caller still points into never becomes unmapped (its contents may change

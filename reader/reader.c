@@ -61,6 +61,11 @@ int tsock__reader_held(tsock_reader_t *h, const tsock_batch_t *b, const char *fn
   return TSOCK_OK;
 }
 
+int tsock_reader_check(tsock_reader_t *h) {
+  tsock__clear_error();
+  return tsock__reader_claimed(h);
+}
+
 int tsock__reader_claimed(tsock_reader_t *h) {
   int rc;
   struct reader_impl *r = tsock__handle_get(h, &rc);

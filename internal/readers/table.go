@@ -82,6 +82,10 @@ type Table struct {
 	serving     bool
 	joinsClosed bool
 	closed      bool
+	// gated is the highest minimum Gating has returned: the producer's
+	// cached minimum is one of those, so no batch at or above it is safe
+	// from being rewritten without another scan (oldestHeld).
+	gated uint64
 }
 
 // Listen makes the join socket of seg, a segment being built, and records
@@ -682,20 +686,23 @@ func clamp(cur, seq, slots uint64) uint64 {
 
 // oldestHeld is where a TSOCK_START_OLDEST reader starts, with published
 // batches out: the least cursor of the readers that gate (the oldest batch
-// one of them has not released), no lower than published - slots + 1 (the
-// slot of published - slots may be being rewritten now), and published
-// with no reader. Called under t.mu, as the gating scans are: a scan before
-// the install found a minimum no larger (honest cursors only grow), so the
-// producer was never let past this start; one after sees the new cursor
-// (docs/ARCHITECTURE.md, "Joining"). A reader that moves its cursor back
-// can only make this one's first acquire find its slot overwritten
-// (TSOCK_EEVICTED, by the slot's stamp), never hand it another batch.
+// one of them has not released), and published with no reader; never
+// below the highest minimum a gating scan has returned, which the
+// producer may hold as its cached minimum and write past without another
+// scan (review 30, F1: a reader that raised its cursor for a scan, then
+// lowered it, had the new reader's first batch rewritten under it); and
+// no lower than published - slots + 1 (the slot of published - slots may
+// be being rewritten now). Called under t.mu, as the gating scans are: a
+// scan after the install sees the new cursor (docs/ARCHITECTURE.md,
+// "Joining"). With honest readers the highest minimum is the least
+// cursor's (cursors only grow), and the start is that reader's next batch.
 func (t *Table) oldestHeld(published uint64) uint64 {
 	slots := uint64(t.seg.SlotCount)
 	least := published
 	for _, i := range t.active {
 		least = min(least, clamp(t.entries[i].rec.Cursor(), published, slots))
 	}
+	least = max(least, min(t.gated, published))
 	if published >= slots && least <= published-slots {
 		least = published - slots + 1
 	}
@@ -716,6 +723,7 @@ func (t *Table) Gating(least, seq, slots uint64) (min uint64, word *uint32, val 
 			least, word, val = cur, rec.CursorWord(), uint32(raw)
 		}
 	}
+	t.gated = max(t.gated, least)
 	return least, word, val
 }
 

@@ -187,6 +187,7 @@ _COMMON = {
     "tsock_reader_acquire": (_I, [_P, ctypes.POINTER(ctypes.POINTER(Batch)), ctypes.c_int64]),
     "tsock_reader_release": (_I, [_P, ctypes.POINTER(Batch)]),
     "tsock_reader_payload_range": (_I, [_P, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint64)]),
+    "tsock_reader_check": (_I, [_P]),
     "tsock_reader_detach": (_I, [_P]),
     "tsock_batch_dlpack": (_I, [ctypes.POINTER(Batch), ctypes.c_uint32, _I, ctypes.POINTER(_P)]),
     "tsock_batch_dlpack_export": (

@@ -9,7 +9,6 @@ import contextlib
 import os
 import re
 
-from . import _capi
 from ._runtime import (
     ATTACH_SLICE_S,
     Paths,
@@ -79,10 +78,15 @@ class CatchUp:
     def _leave_shared(self) -> None:
         """Detaches from the shared stream and leaves its roster."""
         consumer, self._consumer = self._consumer, None
+        ahead, self._state[4] = self._state[4], None
         self._probe = None
         self._state[0] = None
         if consumer is not None:
             consumer.close()
+        if ahead is not None:
+            # Attached ahead to a successor by a sibling loader's recovery:
+            # left open, it was a reader that never reads (review 30, F5).
+            ahead.close()
         roster_fd, roster = self._state[1], self._state[2]
         self._state[1] = self._roster = None
         if roster_fd is not None:
@@ -127,7 +131,6 @@ class CatchUp:
             if channel is None:
                 return
             pid = int(self._paths.read_alive().get("pid", 0))
-            hold_max = _hold_max(self._paths.read_ready())
             self._enter_roster()
             try:
                 consumer = Consumer(channel, start="oldest", timeout=ATTACH_SLICE_S, **self._options)
@@ -139,44 +142,51 @@ class CatchUp:
             close_lock(start)
         self._state[0] = self._consumer = consumer
         consumer.track_tags = True
-        self._probe = (channel, pid, hold_max, None)
+        self._probe = (channel, pid, None)
 
     def _rejoined(self) -> bool:
         """Whether the trainer is back on the shared stream, which it probed
         at an epoch start. The stream's oldest batch, once there is one, is
         held (the producer cannot overwrite it) while the catch-up producer
-        serves the batches before it, up to half the ring: the others
-        read on meanwhile, through the ring's other slots, and never wait
-        for this trainer unless it reads slower than they do (review 28,
-        F7: before, a trainer at the others' pace never rejoined, and one
-        whose stream took more than 1 s per batch was never seen to). A
-        stream further ahead, or gone, leaves the trainer on its own
-        producer until the next epoch start."""
-        channel, pid, hold_max, held = self._probe
+        serves the batches before it, up to half the ring (review 28, F7:
+        before, a trainer at the others' pace never rejoined, and one whose
+        stream took more than 1 s per batch was never seen to). A stream
+        further ahead, or gone, or a hold the producer's eviction policy
+        ended, leaves the trainer on its own producer until the next epoch
+        start."""
+        channel, pid, held = self._probe
         want = self._position
-        if held is None:
-            consumer = self._consumer
-            try:
+        consumer = self._consumer
+        try:
+            if held is None:
                 tag = consumer._peek_tag(0)
-                batches = len(consumer)
-            except TsockError:
-                self._leave_shared()  # the shared producer died or closed meanwhile
+                if tag is None:
+                    if consumer._pending:  # a batch, but not a pipeline's
+                        self._leave_shared()
+                    return False  # nothing in its ring yet: look again at the next batch
+                # The same pipeline as the catch-up's: its epochs are as
+                # long. The stream's len() would wait for a batch (review
+                # 30, F3).
+                slots = consumer._reader.slot_count()
+                held = tag, len(self._catchup), max(1, slots // 2)
+                self._probe = (channel, pid, held)
+            tag, batches, hold_max = held
+            behind = _behind(tag, want, batches)
+            if tag.fingerprint != want[0] or behind > SKIP_MAX or -behind > hold_max:
+                self._leave_shared()  # past this trainer by more than it may hold, or too far behind
                 return False
-            if tag is None:
-                if consumer._pending:  # a batch, but not a pipeline's
-                    self._leave_shared()
-                return False  # nothing in its ring yet: look again at the next batch
-            held = tag, batches
-            self._probe = (channel, pid, hold_max, held)
-        tag, batches = held
-        behind = _behind(tag, want, batches)
-        if tag.fingerprint != want[0] or behind > SKIP_MAX or -behind > hold_max:
-            self._leave_shared()  # past this trainer by more than it may hold, or too far behind
+            if behind < 0:
+                return False  # its own producer serves the batches before the held one
+            consumer._reader.check_claim()  # evicted while it held the batch: it may be another by now
+        except TsockError:
+            self._leave_shared()  # the shared producer died, closed, or evicted it meanwhile
             return False
-        if behind < 0:
-            return False  # its own producer serves the batches before the held one
         self.channel, self.producer_pid = channel, pid
         catchup, self._catchup = self._catchup, None
+        # The catch-up handed out its epoch's last batch, and the held one
+        # starts the next: this loop ends first (review 30, F4: the two
+        # epochs ran as one).
+        self._epoch_done = catchup._epoch_done
         catchup.close()
         self._behind_ok = True
         self._probe = None
@@ -227,18 +237,6 @@ def _sweep_dead_catchups(paths: Paths) -> None:
         if lock_is_held(private.alive):
             continue  # its producer lingers still
         _forget_private_key(private)
-
-
-def _hold_max(ready: dict) -> int:
-    """The most batches a trainer rejoining the stream of the KEY.ready
-    note `ready` serves from its own producer while it holds the stream's
-    oldest batch: half the ring's slots, the other half left for what the
-    other trainers hold. An older producer's note without them: the
-    default ring's."""
-    slots = ready.get("slots")
-    if not isinstance(slots, int) or not 2 <= slots <= 65536:
-        slots = _capi.PRODUCER_DEFAULTS["SLOT_COUNT"]
-    return slots // 2
 
 
 def _behind(tag, position: tuple, batches: int) -> int:

@@ -193,6 +193,7 @@ class Reader:
         check(lib, lib.tsock_reader_payload_range(handle, ctypes.byref(base), ctypes.byref(length)), "payload range")
         self.base = base.value
         self.length = length.value
+        self.slot_bytes = 0  # a slot's payload bytes, as each acquired batch says
         # A read-only view of the payload mapping, for numpy arrays built
         # straight from descriptors (no DLPack round trip for numpy). numpy
         # keeps the memoryview (not the ctypes array) as the arrays' base, so
@@ -239,6 +240,7 @@ class Reader:
             views = self._views[addr] = self._map_held(addr)
         bview, tview, mview = views
         seq, epoch, index, flags, n, _, _, mlen, _, _, payload, capacity, live = _BATCH.unpack_from(bview)
+        self.slot_bytes = capacity
         lease = Lease(addr, seq)
         if self.keeping:
             mem = self._slots.get(payload)
@@ -339,6 +341,16 @@ class Reader:
             "device range",
         )
         return base.value, length.value
+
+    def check_claim(self) -> None:
+        """Evicted once the producer's eviction policy took this reader: what
+        it holds may be rewritten from then on (a batch acquired ahead)."""
+        check(self.lib, self.lib.tsock_reader_check(self.handle), "check")
+
+    def slot_count(self) -> int:
+        """The ring's slots, from the payload mapping's length and the slot
+        size its batches gave (0 before the first)."""
+        return self.length // self.slot_bytes if self.slot_bytes else 0
 
     def release(self, raw: Raw) -> None:
         """Releases `raw` and every batch acquired before it. Their leases

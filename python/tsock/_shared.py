@@ -192,7 +192,7 @@ class SharedLoader(CatchUp):
         self._samples = self._resumed_samples  # samples of the position's epoch handed out (state_dict)
         self._catchup = None  # the private loader this trainer reads while behind the shared stream
         self._catchup_epoch_start = False  # it just ended an epoch: try to rejoin first
-        # (channel, producer pid, hold_max, (tag, batches) held or None)
+        # (channel, producer pid, (tag, batches, hold_max) held or None)
         # while it probes the stream
         self._probe = None
         if not private:

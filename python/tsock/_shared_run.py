@@ -100,7 +100,7 @@ class Gate:
     def __call__(self, producer) -> None:
         if self.first:
             self.first = False
-            self.announce(self.paths, producer.name, producer.slots)
+            self.announce(self.paths, producer.name)
             self._wait(producer, _every_trainer_attached)
         elif producer.stats()["readers"] == 0:
             self._wait(producer, lambda readers, trainers: len(readers) >= 1)
@@ -155,13 +155,12 @@ def _every_trainer_attached(readers: list, trainers: list) -> bool:
     return bool(readers) and not collections.Counter(trainers) - collections.Counter(readers)
 
 
-def _announce_ready(paths: runtime.Paths, channel: str, slots: int) -> None:
+def _announce_ready(paths: runtime.Paths, channel: str) -> None:
     """Tells the trainers the channel exists, and which segment it is:
-    until then they open nothing (review 24, F8); and its ring's slots (a
-    trainer catching up holds up to half of them to rejoin). Written
-    whole, then renamed: a trainer reads all of it or nothing."""
+    until then they open nothing (review 24, F8). Written whole, then
+    renamed: a trainer reads all of it or nothing."""
     st = os.stat(runtime.segment_path(channel), follow_symlinks=False)
-    note = {"pid": os.getpid(), "channel": channel, "segment": [st.st_dev, st.st_ino], "slots": slots}
+    note = {"pid": os.getpid(), "channel": channel, "segment": [st.st_dev, st.st_ino]}
     tmp = f"{paths.ready}.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:

@@ -609,6 +609,10 @@ class Consumer:
         while True:
             if self._pending:
                 raw = self._pending.pop(0)
+                if not raw.end:
+                    # Acquired ahead (a peek), perhaps long ago: evicted
+                    # since, its slot may hold another batch (review 30, F2).
+                    self._reader.check_claim()
             else:
                 if self._keeping:
                     self._life.settle()

@@ -43,6 +43,17 @@ def slow_pipeline(n: int, batch_size: int, token: str = ""):
     return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7, augment=slow, workers=2)
 
 
+def _paced(sample, rng):
+    time.sleep(0.03)
+    return sample
+
+
+def producer_bound(n: int, batch_size: int, token: str = ""):
+    """About 0.12 s a batch of 4: the trainers wait at the head of the ring
+    (the stream moves at its producer's pace)."""
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7, augment=_paced)
+
+
 def unseeded(n: int, batch_size: int, token: str = ""):
     """A Pipeline whose seed is drawn anew by each producer: not reproducible
     (its fingerprint changes), so a successor cannot resume it."""

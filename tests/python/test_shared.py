@@ -5,7 +5,9 @@ which lingers after the last and is replaced, exactly, when it dies
 from __future__ import annotations
 
 import fractions
+import gc
 import glob
+import itertools
 import json
 import os
 import random
@@ -464,7 +466,6 @@ class FakeProducer:
     """The Gate's view of a producer: the pids of its attached readers."""
 
     name = "shared.fake"
-    slots = 16
 
     def __init__(self):
         self.readers = []
@@ -487,7 +488,7 @@ def test_a_producer_waits_for_every_live_trainer_before_its_first_batch(runtime)
     for fd in rosters:
         assert _shared.try_lock(fd)
     producer = FakeProducer()
-    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel, slots: None)
+    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel: None)
     passed = []
     import threading
 
@@ -526,7 +527,7 @@ def test_a_killed_trainers_reader_does_not_stand_in_for_a_live_trainer_not_attac
         assert _shared.try_lock(fd)
     producer = FakeProducer()
     producer.readers = [11, 13]
-    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel, slots: None)
+    gate = _shared_run.Gate(paths, linger=60.0, alive=-1, announce=lambda paths, channel: None)
     passed = []
     t = threading.Thread(target=lambda: passed.append(gate(producer)), daemon=True)
     t.start()
@@ -1676,6 +1677,143 @@ def test_a_trainer_at_the_others_pace_rejoins_without_stalling_them(runtime, spa
         for e in range(1, len(epochs)):
             assert epochs[e] == [y.tolist() for _, y in reference.batches(start + e)], e
     assert (resumed.repeated_batches, resumed.lost_batches, resumed.restarts) == (0, 0, 0)
+
+
+def _pipeline_epochs(factory, n: int, bs: int, epochs: int) -> list:
+    with factory(n, bs) as reference:
+        return [[y.tolist() for _, y in reference.batches(e)] for e in range(epochs)]
+
+
+def test_a_rejoin_at_an_epoch_start_keeps_the_epochs_apart(runtime):
+    """Review 30, F4: the stream's oldest batch, held to rejoin, was the
+    first of an epoch: the rejoin came before the catch-up's epoch end, and
+    the loop ran through two epochs (8 batches instead of 4), every later
+    epoch shifted."""
+    n, bs, tok = 16, 4, token()
+    a = tsock.shared(h.pipeline, n, bs, tok, linger=0.5)
+    it = iter(a)
+    next(it)
+    state = a.state_dict()  # (0, 1)
+    for _ in it:
+        pass
+    for _ in a:  # a's next batch is (2, 0)
+        pass
+    b = tsock.shared(h.pipeline, n, bs, tok, linger=0.5, state=state)
+    try:
+        held = next(iter(a))  # a holds (2, 0): the stream's oldest
+        loops = [[np.asarray(y).tolist() for _, y in b] for _ in range(3)]
+        assert b.rejoins == 1
+    finally:
+        del held
+        b.close()
+        a.close()
+    want = _pipeline_epochs(h.pipeline, n, bs, 3)
+    assert loops == [want[0][1:], want[1], want[2]]
+
+
+def test_a_trainer_rejoins_a_stream_its_producer_paces(runtime):
+    """Review 30, F3: with the trainers waiting at the head of the ring,
+    start="oldest" finds no batch; the probe then waited in len() for the
+    next one and took it for another loader's: it left the stream at every
+    epoch start and never rejoined."""
+    n, bs, tok = 16, 4, token()
+    kw = {"linger": 0.5, "lifetime": "step", "producer": {"slots": 64}}
+    a = tsock.shared(h.producer_bound, n, bs, tok, **kw)
+    it = iter(a)
+    next(it)
+    state = a.state_dict()
+    stop = threading.Event()
+
+    def read_on():
+        for _ in it:
+            pass
+        while not stop.is_set():
+            for _ in a:
+                pass
+
+    reader = threading.Thread(target=read_on)
+    reader.start()
+    b = None
+    try:
+        wait_for(lambda: a.position.epoch >= 1, "the stream to go past the state")
+        b = tsock.shared(h.producer_bound, n, bs, tok, state=state, **kw)
+        loops = []
+        # It holds the stream's batch from its first epoch start on, and
+        # rejoins when its own producer reaches it: within 32 batches.
+        while len(loops) < 12 and not (b.rejoins and len(loops) > 2):
+            loops.append([np.asarray(y).tolist() for _, y in b])
+        assert (b.catchups, b.rejoins) == (1, 1), "never rejoined a producer-paced stream"
+        loops.append([np.asarray(y).tolist() for _, y in b])  # an epoch on the stream
+    finally:
+        stop.set()
+        if b is not None:
+            b.close()
+        reader.join(BOUND_S)
+        a.close()
+    want = _pipeline_epochs(h.producer_bound, n, bs, len(loops))
+    assert loops == [want[0][1:], *want[1:]]
+
+
+def test_a_probe_of_an_empty_ring_waits_for_nothing():
+    """Review 30, F3: with no batch in the ring yet (the trainers wait at
+    its head), the probe asked the stream's len(), which waits for a batch
+    and keeps it: the trainer then took it for another loader's and left
+    the stream, at every epoch start. It now looks again at its next batch."""
+
+    class EmptyRing:
+        _pending: list = []
+
+        def _peek_tag(self, timeout):
+            assert timeout == 0, "the probe waits"
+            return None
+
+        def __len__(self):
+            raise AssertionError("len() of the stream waits for a batch")
+
+    loader = object.__new__(_shared.SharedLoader)
+    ring = EmptyRing()
+    loader._probe, loader._position, loader._consumer = ("ch", 1, None), (b"f" * 16, 1, 0), ring
+    assert loader._rejoined() is False
+    assert (loader._probe, loader._consumer) == (("ch", 1, None), ring)  # still attached, probing
+
+
+def test_a_trainer_evicted_while_it_holds_the_streams_batch_is_not_handed_it(runtime):
+    """Review 30, F2: the hold makes the rejoining trainer the slowest
+    reader; evicted (producer={"evict_after": s}), it was later handed the
+    held batches out of its consumer's queue, rewritten since: another
+    epoch's batches under this one's position, nothing said."""
+    n, bs, tok = 40, 4, token()
+    kw = {"linger": 0.5, "producer": {"evict_after": 4.0}}
+    a = tsock.shared(h.pipeline, n, bs, tok, **kw)
+    it = iter(a)
+    next(it)
+    state = a.state_dict()  # (0, 1)
+    for _ in it:
+        pass
+    del _
+    it = iter(a)
+    held = [next(it) for _ in range(3)]  # (1, 0..2)
+    del held
+    gc.collect()
+
+    def read_on():
+        yield from it
+        while True:
+            yield from a
+
+    b = tsock.shared(h.pipeline, n, bs, tok, state=state, **kw)
+    try:
+        got = [[np.asarray(y).tolist() for _, y in b]]  # epoch 0's rest, on its own producer
+        itb = iter(b)
+        got.append([np.asarray(next(itb)[1]).tolist()])  # the probe holds the stream's oldest now
+        for _ in itertools.islice(read_on(), 25):
+            pass  # a reads on: the ring fills behind the hold, and b is evicted
+        got[1] += [np.asarray(y).tolist() for _, y in itb]
+    finally:
+        b.close()
+        a.close()
+    want = _pipeline_epochs(h.pipeline, n, bs, 2)
+    assert got == [want[0][1:], want[1]]
 
 
 VICTIM = """
