@@ -247,6 +247,11 @@ class CacheStore:
                 self._seg = _Segment.create(self.path, self.key, self.n_samples, block_size_for(create_for), budget)
         return self._seg
 
+    @property
+    def opened(self) -> bool:
+        """Whether this process has the segment open."""
+        return self._seg is not None and self._pid == os.getpid()
+
     # ---- lookups and inserts ----
 
     def get(self, index: int):
@@ -264,6 +269,14 @@ class CacheStore:
                 got = None
             self.counts["hits" if got is not None else "misses"] += 1
             return got
+
+    def forget(self, index: int) -> None:
+        """The bytes get() returned for `index` were bad: counted as a miss,
+        and the entry is dropped at the next change."""
+        self._bad.add(index)
+        self.counts["hits"] -= 1
+        self.counts["misses"] += 1
+        self.counts["corrupt"] += 1
 
     def put(self, index: int, data) -> bool:
         """Caches `data` (bytes-like) for `index`; False if the policy
@@ -316,12 +329,16 @@ class CacheStore:
     def register(self, params: dict) -> int | None:
         """Adds this process's order to the consumer table (params: the
         Pipeline's order parameters, see _sampler.sample_sequence); the
-        slot, or None if the table is full or the JSON too long."""
+        slot, or None if the table is full, the JSON too long, or there is
+        no segment yet (the first insert makes it: its block size comes
+        from that sample)."""
         blob = json.dumps(params, sort_keys=True, separators=(",", ":")).encode()
         if len(blob) > PARAMS_MAX:
             return None
         with self._thread_lock:
-            seg = self._segment(create_for=PAGE)
+            seg = self._segment()
+            if seg is None:
+                return None
             with seg.locked(exclusive=True):
                 return seg.register(blob)
 

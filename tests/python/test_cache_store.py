@@ -13,7 +13,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import tempfile
 import time
 
 import numpy as np
@@ -25,13 +24,6 @@ from tsock.errors import CacheError
 
 FORK = mp.get_context("fork")
 N = 64
-
-
-@pytest.fixture
-def shm():
-    d = tempfile.mkdtemp(prefix="tsock-cache-test-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def payload(index: int, size: int = 5000) -> bytes:
@@ -85,8 +77,9 @@ def test_two_keys_are_two_segments(shm):
 def test_every_policy_keeps_the_segment_within_its_budget(shm, policy):
     budget = 200_000
     s = store(shm, budget=budget, policy=policy)
+    s.put(0, payload(0, 100))  # makes the segment, which the consumer table is part of
     if policy == "belady":
-        s.register(order_params(seed=1))
+        assert s.register(order_params(seed=1)) == 0
     rng = np.random.default_rng(0)
     for _ in range(300):
         i = int(rng.integers(N))
@@ -112,8 +105,10 @@ def test_the_stores_belady_makes_the_simulators_choices(shm):
     table, positions and eviction) hits exactly where the simulator's
     online Belady does, which is the offline optimum for one consumer."""
     s = store(shm, budget=_cache_store.geometry(N, 4096, 20)["file_bytes"])
+    assert s.register(order_params(seed=3)) is None  # no segment yet
+    s.put(N - 1, payload(N - 1, 4000))
     slot = s.register(order_params(seed=3))
-    trace, who = [], []
+    trace, who = [N - 1], [(0, 0)]
     for e in range(3):
         for p, i in enumerate(_sampler.epoch_order(N, 3, e, True)):
             trace.append(int(i))
