@@ -368,13 +368,33 @@ def choose_victims(future: KnownFuture, cached, cached_sizes, last_use, key: int
     if free >= size:
         return np.zeros(0, dtype=np.int64)
     cached = np.asarray(cached, dtype=np.int64)
+    sizes, last = np.asarray(cached_sizes, dtype=np.int64), np.asarray(last_use)
     dist = future.distance(cached)
-    order = np.lexsort((np.asarray(last_use), -dist))  # the last key is the primary one
-    room = free + np.cumsum(np.asarray(cached_sizes, dtype=np.int64)[order])
-    m = int(np.searchsorted(room, size)) + 1  # victims needed: the first prefix with room >= size
-    if m > len(order):
+    order = _farthest(dist, last, sizes, size - free)
+    if order is None:
         return None
     d_new = float(future.distance([key])[0])
-    if dist[order[m - 1]] <= d_new:
+    if dist[order[-1]] <= d_new:
         return None
-    return cached[order[:m]]
+    return cached[order]
+
+
+def _farthest(dist, last, sizes, room: int):
+    """Positions of the fewest entries, farthest first (then least recent),
+    whose sizes add up to `room`; None if all of them do not. Only the
+    entries at or beyond the k-th farthest distance are sorted (k doubling
+    until they make room): the full order of a large cache is not needed."""
+    n, k = len(dist), 64
+    while True:
+        if k >= n:
+            cand = np.arange(n)
+        else:
+            threshold = dist[np.argpartition(-dist, k - 1)[:k]].min()
+            cand = np.flatnonzero(dist >= threshold)  # every tie of the k-th too
+        cand = cand[np.lexsort((last[cand], -dist[cand]))]  # the last key is the primary one
+        m = int(np.searchsorted(np.cumsum(sizes[cand]), room)) + 1  # the first prefix with room
+        if m <= len(cand):
+            return cand[:m]
+        if k >= n:
+            return None
+        k *= 4

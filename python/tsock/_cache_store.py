@@ -42,14 +42,15 @@ CONSUMER_BYTES = 256
 PARAMS_MAX = 216
 MIN_BLOCK, MAX_BLOCK = 4096, 1 << 20
 POLICIES = ("belady", "lru", "fill-once")
+RANKED = 4096  # cached samples ranked per eviction, at most
 
 # Header: fixed at creation (offset 0) ...
-_FIXED = struct.Struct("<8sII16sQQQIIQQQQQQQQII")
+_FIXED = struct.Struct("<8sII16sQQQIIQQQQQQQQQII")
 # ... and the mutable words (u64 each) from offset 192.
 MUTABLE_OFFSET = 192
-(DIRTY, FREE_COUNT, CLOCK, HITS, MISSES, INSERTS, EVICTIONS, BYPASSES, CORRUPT, REBUILDS) = range(10)
-N_MUTABLE = 10
-_ENTRY = struct.Struct("<IIQQQ")  # state, pad, length, first block, last use
+(DIRTY, FREE_COUNT, CLOCK, HITS, MISSES, INSERTS, EVICTIONS, BYPASSES, CORRUPT, REBUILDS, MEMBERS) = range(11)
+N_MUTABLE = 11
+_ENTRY = struct.Struct("<IIQQQ")  # state, member (place in the members list), length, first block, last use
 _CONSUMER = struct.Struct("<IIQQQQ")  # pid, params length, start time, epoch, position, updated_ns
 
 _FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64 and aarch64
@@ -66,7 +67,7 @@ def geometry(n_samples: int, block_bytes: int, n_blocks: int) -> dict:
     """Every offset of a segment, and its size, from its three parameters."""
     g = {"entries_offset": HEADER_BYTES}
     off = _page_up(HEADER_BYTES + _ENTRY.size * n_samples)
-    for name in ("next_offset", "owner_offset", "free_offset"):
+    for name in ("next_offset", "owner_offset", "free_offset", "members_offset"):
         g[name] = off
         off = _page_up(off + 4 * n_blocks)
     g["consumers_offset"] = off
@@ -78,7 +79,10 @@ def geometry(n_samples: int, block_bytes: int, n_blocks: int) -> dict:
 def blocks_for_budget(n_samples: int, block_bytes: int, budget: int) -> int:
     """The most blocks a segment of at most `budget` bytes holds."""
     fixed = geometry(n_samples, block_bytes, 0)["file_bytes"]
-    n = max(0, (budget - fixed - 3 * PAGE) // (block_bytes + 12))  # at most 3 pages short of the best
+    # 16 bytes a block in the four u32 arrays, each rounded up to a page.
+    n = max(0, (budget - fixed - 4 * PAGE) // (block_bytes + 16))
+    while n > 0 and geometry(n_samples, block_bytes, n)["file_bytes"] > budget:
+        n -= 1
     while geometry(n_samples, block_bytes, n + 1)["file_bytes"] <= budget:
         n += 1
     return n
@@ -102,6 +106,16 @@ def default_budget(directory: str = "/dev/shm") -> int:
     avail = _mem_available()
     free = _free_bytes(directory)
     return int(min(avail // 4 if avail else free // 2, free // 2))
+
+
+def auto_budget(n_samples: int, sample_bytes: int, block_bytes: int, directory: str = "/dev/shm") -> int:
+    """default_budget(), but no more than the whole dataset needs if its
+    samples are about the size of the first one (with a quarter more room):
+    the file is allocated in full when created, so a small dataset must
+    not take a quarter of the memory."""
+    blocks = -(-sample_bytes // block_bytes)
+    need = geometry(n_samples, block_bytes, -(-5 * n_samples * blocks // 4))["file_bytes"]
+    return min(default_budget(directory), need)
 
 
 def _mem_available() -> int:
@@ -153,7 +167,7 @@ class Header:
         (magic, version, header_bytes, key, n_samples, block_bytes, n_blocks, slots, cbytes, *rest) = (
             _FIXED.unpack_from(raw, 0)
         )
-        offsets, (self.file_bytes, self.created_ns, self.creator_pid, _) = rest[:6], rest[6:]
+        offsets, (self.file_bytes, self.created_ns, self.creator_pid, _) = rest[:7], rest[7:]
         if magic != MAGIC:
             raise CacheError(f"magic {magic!r}, not {MAGIC!r}: not a tsock cache")
         if version != VERSION:
@@ -166,7 +180,15 @@ class Header:
             raise CacheError(f"{n_blocks} blocks, {n_samples} samples")
         self.key, self.n_samples, self.block_bytes, self.n_blocks = key, n_samples, block_bytes, n_blocks
         want = geometry(n_samples, block_bytes, n_blocks)
-        names = ("entries_offset", "next_offset", "owner_offset", "free_offset", "consumers_offset", "arena_offset")
+        names = (
+            "entries_offset",
+            "next_offset",
+            "owner_offset",
+            "free_offset",
+            "members_offset",
+            "consumers_offset",
+            "arena_offset",
+        )
         got = dict(zip(names, offsets), file_bytes=self.file_bytes)
         for name, value in want.items():
             if got[name] != value:
@@ -190,6 +212,7 @@ class Header:
             g["next_offset"],
             g["owner_offset"],
             g["free_offset"],
+            g["members_offset"],
             g["consumers_offset"],
             g["arena_offset"],
             g["file_bytes"],
@@ -222,6 +245,7 @@ class CacheStore:
         self._future = KnownFuture(n_samples)
         self._future_ids: dict = {}
         self._bad: set = set()  # indices whose entry failed a check: dropped at the next change
+        self._rng = np.random.default_rng()  # which cached samples are ranked, beyond RANKED: no effect on batches
         self._seg = None
         self._pid = None
 
@@ -243,8 +267,11 @@ class CacheStore:
         if self._seg is None:
             self._seg = _Segment.open(self.path, self.key, self.n_samples)
             if self._seg is None and create_for is not None:
-                budget = self.budget if self.budget is not None else default_budget(self.directory)
-                self._seg = _Segment.create(self.path, self.key, self.n_samples, block_size_for(create_for), budget)
+                block = block_size_for(create_for)
+                budget = self.budget
+                if budget is None:
+                    budget = auto_budget(self.n_samples, create_for, block, self.directory)
+                self._seg = _Segment.create(self.path, self.key, self.n_samples, block, budget)
         return self._seg
 
     @property
@@ -315,7 +342,10 @@ class CacheStore:
     def _victims(self, seg, index: int, need: int, free: int):
         if self.policy == "fill-once":
             return None
-        cached, blocks, last = seg.cached()
+        # Ranking every cached sample costs O(cached) per eviction: beyond
+        # RANKED, a random sample of them (the victim is then among the
+        # farthest 1/RANKED of the cache, on average).
+        cached, blocks, last = seg.cached(RANKED, self._rng)
         if self.policy == "lru":
             order = np.argsort(last, kind="stable")
             room = free + np.cumsum(blocks[order])
@@ -419,14 +449,17 @@ class _Segment:
         import mmap
 
         self.fd, self.h, self.path = fd, header, path
+        self.suspect = False  # a change met damage: rebuild at its end
         g = header.geometry
         self.mm = mmap.mmap(fd, g["file_bytes"])
         nb = header.n_blocks
         self.mut = np.ndarray(N_MUTABLE, np.uint64, self.mm, MUTABLE_OFFSET)
-        self.state = np.ndarray(header.n_samples, np.dtype((np.uint32, (8,))), self.mm, g["entries_offset"])[:, 0]
+        words = np.ndarray(header.n_samples, np.dtype((np.uint32, (8,))), self.mm, g["entries_offset"])
+        self.state, self.member = words[:, 0], words[:, 1]
         self.next = np.ndarray(nb, np.uint32, self.mm, g["next_offset"])
         self.owner = np.ndarray(nb, np.uint32, self.mm, g["owner_offset"])
         self.free = np.ndarray(nb, np.uint32, self.mm, g["free_offset"])
+        self.members = np.ndarray(nb, np.uint32, self.mm, g["members_offset"])  # the FULL entries, unordered
         self.arena = np.ndarray((nb, header.block_bytes), np.uint8, self.mm, g["arena_offset"])
         _lock(fd, fcntl.F_RDLCK, USERS_BYTE, wait=True)
 
@@ -437,6 +470,15 @@ class _Segment:
         """The segment at `path` checked against (key, n_samples); None if
         there is none. A bad one that nobody uses is removed (None); one in
         use raises CacheError."""
+        for _ in range(3):
+            seg = cls._open_once(path, key, n_samples)
+            if seg is None or _same_file(seg.fd, path):
+                return seg
+            seg.close()  # removed as unused between the check and our users lock: open the new one
+        raise CacheError(f"{path} keeps being replaced while this process opens it")
+
+    @classmethod
+    def _open_once(cls, path: str, key: bytes, n_samples: int):
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -551,11 +593,28 @@ class _Segment:
             n = int(self.mut[FREE_COUNT])
         return n
 
-    def cached(self):
-        """(indices, blocks each, last use each) of the FULL entries."""
+    def cached(self, sample: int | None = None, rng=None):
+        """(indices, blocks each, last use each) of the FULL entries, from
+        the members list (no scan of the entry table); at most `sample` of
+        them, drawn at random, when there are more."""
         raw = np.ndarray((self.h.n_samples, 4), np.uint64, self.mm, self.h.geometry["entries_offset"])
-        idx = np.flatnonzero(self.state == FULL)
-        rows = raw[idx]  # a private copy
+        for attempt in (0, 1):
+            count = int(self.mut[MEMBERS])
+            live = min(count, self.h.n_blocks)
+            if sample is not None and live > sample:
+                idx = np.sort(self.members[rng.integers(0, live, sample)].astype(np.int64))  # a private copy
+                idx = idx[np.concatenate(([True], idx[1:] != idx[:-1]))]  # drawn twice: once
+            else:
+                idx = self.members[:live].astype(np.int64)  # a private copy
+            ok = count <= self.h.n_blocks and bool(np.all(idx < self.h.n_samples))
+            if ok:
+                rows = raw[idx]  # a private copy
+                ok = bool(np.all(rows[:, 0] & np.uint64(0xFFFFFFFF) == FULL))
+            if ok or attempt:
+                break
+            self.rebuild()
+        if not ok:
+            raise CacheError(f"{self.path}: the members list is still wrong after a rebuild")
         blocks = (rows[:, 1] + (self.h.block_bytes - 1)) // self.h.block_bytes
         blocks = np.minimum(blocks, self.h.n_blocks).astype(np.int64)  # a bad length counts as the arena
         return idx, blocks, rows[:, 3].astype(np.float64)
@@ -565,13 +624,27 @@ class _Segment:
         for v in victims:
             v = int(v)
             self.state[v] = EMPTY
+            self._leave(v)
             mine = self._chain(v)
             self.owner[mine] = 0
             n = int(self.mut[FREE_COUNT])
             self.free[n : n + len(mine)] = mine
             self.mut[FREE_COUNT] = n + len(mine)
             self.mut[EVICTIONS] += 1
-        self.mut[DIRTY] = 0
+        self._done()
+
+    def _leave(self, index: int) -> None:
+        """Takes `index` out of the members list: the last member moves into
+        its place (a wrong place marks the segment for a rebuild)."""
+        k, count = int(self.member[index]), int(self.mut[MEMBERS])
+        if not (k < count <= self.h.n_blocks and int(self.members[k]) == index):
+            self.suspect = True
+            return
+        last = int(self.members[count - 1])
+        self.members[k] = last
+        if last < self.h.n_samples:
+            self.member[last] = k
+        self.mut[MEMBERS] = count - 1
 
     def _chain(self, index: int) -> np.ndarray:
         """The blocks of an entry, walked and checked (a bad chain: rebuild)."""
@@ -584,10 +657,12 @@ class _Segment:
             out.append(b)
             b = int(self.next[b])
         if len(out) != k or b != END:
-            self.mut[DIRTY] = 1  # the rebuild at the next change frees whatever it owned
+            self.suspect = True  # the rebuild at the end of this change frees whatever it owned
         return np.asarray(out, dtype=np.int64)
 
     def insert(self, index: int, data: np.ndarray, need: int) -> None:
+        if int(self.mut[MEMBERS]) >= self.h.n_blocks:  # every member holds a block: a count this high is wrong
+            self.rebuild()
         self.mut[DIRTY] = 1
         n = int(self.mut[FREE_COUNT])
         blocks = self.free[n - need : n].astype(np.int64)
@@ -609,8 +684,19 @@ class _Segment:
         clock = int(self.mut[CLOCK]) + 1
         self.mut[CLOCK] = clock
         struct.pack_into("<QQQ", self.mm, off + 8, len(data), int(blocks[0]), clock)
+        count = int(self.mut[MEMBERS])  # checked below n_blocks before the blocks were taken
+        self.members[count] = index
+        self.member[index] = count
+        self.mut[MEMBERS] = count + 1
         self.state[index] = FULL  # last: the entry is whole
         self.mut[INSERTS] += 1
+        self.mut[DIRTY] = 0
+
+    def _done(self) -> None:
+        """The end of a change: rebuilt if it met a damaged chain or list."""
+        if self.suspect:
+            self.suspect = False
+            self.rebuild()
         self.mut[DIRTY] = 0
 
     def bump(self, which: int) -> None:
@@ -652,6 +738,10 @@ class _Segment:
         free = np.flatnonzero(owner == 0).astype(np.uint32)
         self.free[: len(free)] = free
         self.mut[FREE_COUNT] = len(free)
+        members = np.flatnonzero(state == FULL)
+        self.members[: len(members)] = members.astype(np.uint32)
+        self.member[members] = np.arange(len(members), dtype=np.uint32)
+        self.mut[MEMBERS] = len(members)
         self.mut[REBUILDS] += 1
         self.mut[DIRTY] = 0
 
@@ -692,7 +782,7 @@ class _Segment:
 
     def totals(self) -> dict:
         names = ("dirty", "free_blocks", "clock", "hits", "misses", "inserts", "evictions", "bypasses", "corrupt",
-                 "rebuilds")  # fmt: skip
+                 "rebuilds", "cached")  # fmt: skip
         return dict(zip(names, (int(v) for v in self.mut)), blocks=self.h.n_blocks, block_bytes=self.h.block_bytes)
 
 
@@ -734,14 +824,23 @@ def _check(fd: int, path: str, key: bytes, n_samples: int) -> Header:
     return h
 
 
+def _same_file(fd: int, path: str) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
 def _remove_if_unused(fd: int, path: str) -> bool:
     """Unlinks `path` if it is still this file and nobody holds its users
     lock; True if it did."""
     if not _lock(fd, fcntl.F_WRLCK, USERS_BYTE, wait=False):
         return False
     try:
-        st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
-        if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+        if _same_file(fd, path):
             os.unlink(path)
         return True
     except FileNotFoundError:

@@ -373,6 +373,18 @@ class Pipeline:
         cache = self._stages.cache
         return None if cache is None else cache.stats()
 
+    def remove_cache(self) -> bool:
+        """Removes this pipeline's cache segment from /dev/shm if no process
+        uses it (this one lets go of it first); True if it did. The segment
+        otherwise stays after its last user, for the next run."""
+        cache = self._stages.cache
+        if cache is None:
+            return False
+        from ._cache_store import remove
+
+        cache.close()
+        return remove(self.cache_key(), cache.directory)
+
     def _fingerprint(self) -> bytes:
         text = json.dumps(self.description(), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_BYTES).digest()

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from cache_helpers import collect
 from tsock import _cache_store, _sampler
 from tsock._cache_policy import KnownFuture, OnlineBelady, simulate
 from tsock._cache_store import CacheStore, segment_path
@@ -44,9 +45,15 @@ def consistent(s: CacheStore) -> dict:
         free = set(seg.free[: int(seg.mut[_cache_store.FREE_COUNT])].tolist())
         owned = set(np.flatnonzero(seg.owner != 0).tolist())
         assert not free & owned
+        owners = seg.owner[sorted(owned)].astype(np.int64) - 1
+        assert np.all(seg.state[owners] == _cache_store.FULL), "a block owned by an entry not cached"
         assert len(free) + len(owned) == seg.h.n_blocks
-        for i in np.flatnonzero(seg.state == _cache_store.FULL):
+        full = np.flatnonzero(seg.state == _cache_store.FULL)
+        for i in full:
             assert seg.read(int(i)) is not _cache_store._CORRUPT
+        count = int(seg.mut[_cache_store.MEMBERS])
+        assert sorted(seg.members[:count].tolist()) == full.tolist()
+        assert all(int(seg.member[i]) == k for k, i in enumerate(seg.members[:count].tolist()))
         return seg.totals()
 
 
@@ -73,8 +80,10 @@ def test_two_keys_are_two_segments(shm):
     assert len(os.listdir(shm)) == 2
 
 
+@pytest.mark.parametrize("ranked", [_cache_store.RANKED, 3], ids=["all ranked", "3 ranked"])
 @pytest.mark.parametrize("policy", _cache_store.POLICIES)
-def test_every_policy_keeps_the_segment_within_its_budget(shm, policy):
+def test_every_policy_keeps_the_segment_within_its_budget(shm, policy, ranked, monkeypatch):
+    monkeypatch.setattr(_cache_store, "RANKED", ranked)  # 3: victims chosen among 3 drawn at random
     budget = 200_000
     s = store(shm, budget=budget, policy=policy)
     s.put(0, payload(0, 100))  # makes the segment, which the consumer table is part of
@@ -158,20 +167,6 @@ def _hammer(shm: str, worker: int, rounds: int, q) -> None:
         else:
             hits += 1
     q.put((hits, wrong, s.counts["corrupt"]))
-
-
-def collect(q, procs, timeout: float = 120) -> list:
-    """One result from each process, failing at once if one dies first."""
-    import queue
-
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < len(procs):
-        try:
-            out.append(q.get(timeout=0.5))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not dead and time.monotonic() < deadline, f"a process failed: exit codes {dead}"
-    return out
 
 
 def test_two_processes_insert_and_read_concurrently(shm):
@@ -344,17 +339,20 @@ def test_a_truncated_segment_in_use_is_a_clear_error(shm):
 
 
 @pytest.mark.parametrize(
-    "damage",
+    "damage,chain",
     [
-        lambda seg, b: seg.next.__setitem__(b, 7_000_000),  # a chain leaving the arena
-        lambda seg, b: seg.next.__setitem__(b, b),  # a loop
-        lambda seg, b: seg.owner.__setitem__(b, 9),  # a block of another sample
-        lambda seg, b: seg.mut.__setitem__(_cache_store.FREE_COUNT, 1 << 40),  # a free count past the blocks
+        (lambda seg, b: seg.next.__setitem__(b, 7_000_000), True),  # a chain leaving the arena
+        (lambda seg, b: seg.next.__setitem__(b, b), True),  # a loop
+        (lambda seg, b: seg.owner.__setitem__(b, 9), True),  # a block of another sample
+        (lambda seg, b: seg.mut.__setitem__(_cache_store.FREE_COUNT, 1 << 40), False),  # past the blocks
+        (lambda seg, b: seg.mut.__setitem__(_cache_store.MEMBERS, 1 << 40), False),  # past the blocks
+        (lambda seg, b: seg.members.__setitem__(0, 7_000_000), False),  # not a sample
+        (lambda seg, b: seg.members.__setitem__(0, 30), False),  # a sample not cached
     ],
-    ids=["out of range", "loop", "owner", "free count"],
+    ids=["out of range", "loop", "owner", "free count", "member count", "member range", "member not cached"],
 )
-def test_a_damaged_index_is_a_miss_then_repaired(shm, damage):
-    s = store(shm)
+def test_a_damaged_index_is_a_miss_then_repaired(shm, damage, chain):
+    s = store(shm, budget=_cache_store.geometry(N, 4096, 12)["file_bytes"], policy="lru")
     for i in (1, 2, 3):
         s.put(i, payload(i, 9000))  # 3 blocks each
     seg = s._segment()
@@ -362,12 +360,24 @@ def test_a_damaged_index_is_a_miss_then_repaired(shm, damage):
     damage(seg, first)
     got = [s.get(i) for i in (1, 2, 3)]
     assert bytes(got[0]) == payload(1, 9000) and bytes(got[2]) == payload(3, 9000)
-    chain = "FREE_COUNT" not in str(damage.__code__.co_names)
     assert (got[1] is None and s.counts["corrupt"] == 1) if chain else bytes(got[1]) == payload(2, 9000)
     assert s.put(4, payload(4, 9000))  # the change that repairs
+    assert s.put(5, payload(5, 9000))  # evicts (LRU: always): the members list is read
     totals = consistent(s)
     assert s.get(2) is None or bytes(s.get(2)) == payload(2, 9000)
-    assert totals["free_blocks"] + 3 * sum(s.get(i) is not None for i in (1, 2, 3, 4)) == totals["blocks"]
+    assert totals["free_blocks"] + 3 * sum(s.get(i) is not None for i in range(1, 6)) == totals["blocks"]
+
+
+def test_evicting_a_damaged_chain_frees_its_blocks(shm):
+    s = store(shm, budget=_cache_store.geometry(N, 4096, 9)["file_bytes"], policy="lru")
+    for i in (1, 2, 3):
+        s.put(i, payload(i, 9000))  # 3 blocks each: full
+    seg = s._segment()
+    _, _, first, _ = seg.entry(1)
+    seg.next[first] = 7_000_000  # sample 1, the least recent, is evicted next without being read
+    assert s.put(4, payload(4, 9000))
+    totals = consistent(s)
+    assert totals["free_blocks"] == 0 and totals["rebuilds"] == 1
 
 
 def test_a_segment_truncated_while_open_is_an_error_not_a_sigbus(shm):
@@ -465,7 +475,7 @@ def test_a_full_shm_at_allocation_is_an_error_and_leaves_nothing(shm, monkeypatc
 
 
 def test_a_budget_too_small_for_the_index_says_so(shm):
-    with pytest.raises(CacheError, match="cache_bytes=10000 is less than the 40960 bytes 64 samples need"):
+    with pytest.raises(CacheError, match="cache_bytes=10000 is less than the 45056 bytes 64 samples need"):
         store(shm, budget=10_000).put(1, payload(1))
 
 
@@ -504,3 +514,12 @@ def test_sample_sequence_is_the_pipelines_order(kw):
     for e in (0, 1):
         want = np.concatenate([pipe.info(e, k).indices for k in range(len(pipe))])
         assert _sampler.sample_sequence(p, e).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("n_samples", [1, 64, 5000])
+def test_blocks_for_budget_is_the_most_that_fits(n_samples):
+    for budget in range(40_000, 2_000_000, 37_717):
+        n = _cache_store.blocks_for_budget(n_samples, 4096, budget)
+        if n:
+            assert _cache_store.geometry(n_samples, 4096, n)["file_bytes"] <= budget
+        assert _cache_store.geometry(n_samples, 4096, n + 1)["file_bytes"] > budget
