@@ -14,6 +14,7 @@ every sample itself: the cache can make a pipeline faster, never fail it.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 from ._cache_codec import CorruptSample, Uncacheable, decode, encode
@@ -34,7 +35,8 @@ class SampleCache:
         self.counts = {"uncacheable": 0}
         self._me = KnownFuture(params["n"])
         self._me.set_consumer(0, lambda e: sample_sequence(params, e))
-        self._slot = None
+        self._slot = None  # this process's consumer entry (-1: the table was full)
+        self._slot_pid = None  # the process it belongs to: a forked worker registers its own
         self._off = False
 
     def __getstate__(self):
@@ -78,6 +80,8 @@ class SampleCache:
     def _at(self, epoch: int | None, index: int) -> None:
         """Records where this process is in its order (advisory), once the
         segment exists; epoch None: where the last lookup was."""
+        if self._slot_pid != os.getpid():
+            self._slot, self._slot_pid = None, os.getpid()
         if self._slot is None:
             if not self.store.opened:
                 return
@@ -96,12 +100,14 @@ class SampleCache:
         return MISS
 
     def stats(self) -> dict:
-        """This process's counts (hits, misses, inserts, ...) and the
-        segment's advisory totals over every process."""
-        out = self.store.stats()
+        """This process's counts (hits, misses, inserts, ...) and, under
+        "segment", the segment's advisory totals over every process (the
+        segment is opened here for them if it exists)."""
+        out = self.store.stats(open_segment=True)
         out.update(self.counts)
         return out
 
     def close(self) -> None:
         """Lets go of the segment in this process (it stays for others)."""
         self.store.close()
+        self._slot = None

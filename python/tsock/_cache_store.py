@@ -248,6 +248,7 @@ class CacheStore:
         self._rng = np.random.default_rng()  # which cached samples are ranked, beyond RANKED: no effect on batches
         self._seg = None
         self._pid = None
+        self._slots: list = []  # consumer entries this process registered
 
     # ---- pickling (spawned workers), fork ----
 
@@ -263,7 +264,9 @@ class CacheStore:
         """The open segment (opened again in a forked child), None if there
         is none yet and create_for (a sample's size) is None."""
         if self._pid != os.getpid():
-            self._seg, self._pid = None, os.getpid()  # the parent's descriptor shares the parent's locks
+            # The parent's descriptor shares the parent's locks; its consumer
+            # entries are the parent's.
+            self._seg, self._pid, self._slots = None, os.getpid(), []
         if self._seg is None:
             self._seg = _Segment.open(self.path, self.key, self.n_samples)
             if self._seg is None and create_for is not None:
@@ -370,7 +373,10 @@ class CacheStore:
             if seg is None:
                 return None
             with seg.locked(exclusive=True):
-                return seg.register(blob)
+                slot = seg.register(blob)
+            if slot is not None:
+                self._slots.append(slot)
+            return slot
 
     def set_position(self, slot: int, epoch: int, position: int) -> None:
         """Advisory: consumer `slot` is at `position` of epoch `epoch`."""
@@ -401,20 +407,29 @@ class CacheStore:
 
     # ---- housekeeping ----
 
-    def stats(self) -> dict:
-        """This process's counts, and the segment's advisory totals."""
+    def stats(self, open_segment: bool = False) -> dict:
+        """This process's counts, and under "segment" the segment's advisory
+        totals when it is open (or opened here, with open_segment)."""
         out = dict(self.counts)
-        seg = self._seg if self._pid == os.getpid() else None
-        if seg is not None:
-            out["segment"] = seg.totals()
+        with self._thread_lock:
+            seg = self._segment() if open_segment else (self._seg if self.opened else None)
+            if seg is not None:
+                out["segment"] = seg.totals()
         return out
 
     def close(self) -> None:
-        """Lets go of the segment (it stays for the next user)."""
+        """Lets go of the segment (it stays for the next user), and of this
+        process's consumer entries."""
         with self._thread_lock:
-            if self._seg is not None and self._pid == os.getpid():
+            if self.opened:
+                try:
+                    with self._seg.locked(exclusive=True):
+                        for slot in self._slots:
+                            self._seg.unregister(slot)
+                except CacheError:
+                    pass  # a truncated segment: nothing to give back in it
                 self._seg.close()
-            self._seg = None
+            self._seg, self._slots = None, []
 
 
 _CORRUPT = object()
@@ -761,6 +776,12 @@ class _Segment:
                 _CONSUMER.pack_into(self.mm, off, me, len(blob), start or 0, 0, 0, time.time_ns())
                 return slot
         return None
+
+    def unregister(self, slot: int) -> None:
+        """Frees consumer entry `slot` if this process holds it."""
+        off = self._consumer_offset(slot)
+        if _CONSUMER.unpack_from(self.mm, off)[0] == os.getpid():
+            struct.pack_into("<I", self.mm, off, 0)
 
     def set_position(self, slot: int, epoch: int, position: int) -> None:
         off = self._consumer_offset(slot)

@@ -67,27 +67,27 @@ def test_a_cache_smaller_than_the_dataset_changes_no_byte(shm, policy):
 
 
 def test_with_workers_the_batches_are_the_same_bytes(shm):
+    first = cached(shm)
+    next(first.batches(0))  # this process uses the cache, and has a consumer entry, before it forks
+    assert first._stages.cache._slot == 0
+    first.close()
     pipe = cached(shm, workers=2)
     assert hashes(pipe) == reference()
-    pipe.close()
-    seg = _reader(shm, pipe)
+    seg = pipe._stages.cache.store._segment()
+    pids = [_cache_store._CONSUMER.unpack_from(seg.mm, seg._consumer_offset(slot))[0] for slot, *_ in seg.consumers()]
+    assert sorted(pids) == sorted(p.pid for p in pipe._pool_box[0].procs)  # one entry a worker; the parent's went
+    stats = pipe.cache_stats()  # the workers' counts are theirs: the segment's totals tell
+    assert stats["hits"] == stats["inserts"] == 0
+    seg = stats["segment"]
     assert seg["hits"] >= 2 * N - 8 and seg["inserts"] == N  # two workers may both miss a sample at once
+    pipe.close()
 
 
 def test_with_spawned_workers_the_cache_travels_with_the_stages(shm):
     pipe = cached(shm, workers=2, start_method="spawn")
     assert hashes(pipe, 2) == reference(2)
+    assert pipe.cache_stats()["segment"]["hits"] > 0
     pipe.close()
-    assert _reader(shm, pipe)["hits"] > 0
-
-
-def _reader(shm, pipe) -> dict:
-    """The segment's totals, read by a store of this process."""
-    s = _cache_store.CacheStore(pipe.cache_key(), N, directory=shm)
-    s.get(0)
-    totals = s.stats()["segment"]
-    s.close()
-    return totals
 
 
 # ---- sharing ----
