@@ -10,6 +10,8 @@ process ends) and keeps its position there up to date. Any CacheError
 (a foreign or truncated segment, a budget /dev/shm cannot hold) is
 reported once as a warning in the process that met it, which then computes
 every sample itself: the cache can make a pipeline faster, never fail it.
+Any other exception inside the cache is a bug of tsock's, reported the same
+way (CacheWarning, naming it) rather than ending the pipeline.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from ._sampler import sample_sequence
 from .errors import CacheError
 
 MISS = object()
+
+
+class CacheWarning(UserWarning):
+    """The sample cache was turned off in this process (why is in the message)."""
 
 
 class SampleCache:
@@ -52,7 +58,7 @@ class SampleCache:
         try:
             raw = self.store.get(index)
             self._at(epoch, index)
-        except CacheError as e:
+        except Exception as e:  # noqa: BLE001 - the cache must never fail the pipeline
             return self._disable(e)
         if raw is None:
             return MISS
@@ -74,7 +80,7 @@ class SampleCache:
         try:
             self.store.put(index, data)
             self._at(None, index)
-        except CacheError as e:
+        except Exception as e:  # noqa: BLE001 - the cache must never fail the pipeline
             self._disable(e)
 
     def _at(self, epoch: int | None, index: int) -> None:
@@ -94,9 +100,14 @@ class SampleCache:
         _, epoch, position, _ = self._me.consumers[0]
         self.store.set_position(self._slot, epoch, position)
 
-    def _disable(self, e: CacheError):
+    def _disable(self, e: Exception):
         self._off = True
-        warnings.warn(f"tsock: the sample cache is off in this process, every sample is computed: {e}", stacklevel=3)
+        what = str(e) if isinstance(e, CacheError) else f"internal error, please report: {type(e).__name__}: {e}"
+        warnings.warn(
+            f"tsock: the sample cache is off in this process, every sample is computed: {what}",
+            CacheWarning,
+            stacklevel=3,
+        )
         return MISS
 
     def stats(self) -> dict:

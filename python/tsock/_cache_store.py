@@ -444,7 +444,7 @@ def _params(blob: bytes, n: int):
     ints = ("n", "seed", "batch_size", "world_size")
     if not isinstance(p, dict) or any(type(p.get(k)) is not int or p[k] < 0 for k in ints):
         return None
-    if p["n"] != n or p["batch_size"] < 1 or p["world_size"] > 65535:
+    if p["n"] != n or p["batch_size"] < 1 or p["world_size"] > 65535 or p["seed"] >= 1 << 63:
         return None
     if any(type(p.get(k)) is not bool for k in ("shuffle", "drop_last", "sampler_drop_last")):
         return None
@@ -793,7 +793,7 @@ class _Segment:
         for slot in range(CONSUMER_SLOTS):
             off = self._consumer_offset(slot)
             pid, length, started, epoch, position, _ = _CONSUMER.unpack_from(self.mm, off)
-            if pid == 0 or length > PARAMS_MAX or epoch >= 1 << 62 or position > self.h.n_samples * 4:
+            if pid == 0 or length > PARAMS_MAX or epoch >= 1 << 32 or position > self.h.n_samples * 4:
                 continue
             if _start_time(pid) != started:
                 continue

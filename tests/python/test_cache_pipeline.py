@@ -17,10 +17,12 @@ import pytest
 import tsock
 from cache_helpers import collect
 from pipeline_helpers import Counting, Numbers, batch_hash, noisy
-from tsock import _cache_store
+from tsock import _cache, _cache_store
 
 FORK = mp.get_context("fork")
 N = 40
+# The cache turning itself off is a failure here, except where a test expects it.
+pytestmark = pytest.mark.filterwarnings("error::tsock._cache.CacheWarning")
 
 
 def hashes(pipe, epochs=3) -> list:
@@ -128,7 +130,7 @@ def test_trainers_running_their_own_pipelines_share_the_cache_by_index(shm):
     for seed in (1, 2):  # one after the other: the second finds every sample
         p = FORK.Process(target=_own_pipeline, args=(shm, seed, q))
         p.start()
-        got.append(q.get(timeout=120))
+        got += collect(q, [p])
         p.join(30)
         assert p.exitcode == 0
     (h1, loaded1, hits1), (h2, loaded2, hits2) = got
@@ -159,7 +161,7 @@ def test_a_foreign_segment_in_use_is_a_warning_and_the_batches_are_computed(shm)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert hashes(pipe, 2) == reference(2)
-        messages = [str(w.message) for w in caught]
+        messages = [str(w.message) for w in caught if w.category is _cache.CacheWarning]
         assert (
             len(messages) == 1 and "cache is off in this process" in messages[0] and "not a tsock cache" in messages[0]
         )
@@ -201,6 +203,17 @@ def test_uncacheable_samples_are_computed_every_time(shm):
     assert hashes(pipe, 2) == hashes(plain, 2)
     assert pipe.cache_stats()["uncacheable"] == 2 * N
     assert os.listdir(shm) == []  # nothing was ever stored: no segment
+
+
+def _broken_put(self, index, data):
+    raise ZeroDivisionError("a bug")
+
+
+def test_a_bug_inside_the_cache_turns_it_off_instead_of_failing_the_pipeline(shm, monkeypatch):
+    monkeypatch.setattr(_cache_store.CacheStore, "put", _broken_put)
+    pipe = cached(shm)
+    with pytest.warns(_cache.CacheWarning, match="internal error, please report: ZeroDivisionError: a bug"):
+        assert hashes(pipe, 2) == reference(2)
 
 
 def test_cache_arguments_are_checked(shm):
