@@ -303,3 +303,16 @@ def test_four_trainers_get_near_the_optimal_hit_rate_with_belady(shm):
     assert rate >= best - 0.05, (rate, best)
     lru, _ = run_trainers(shm, "lru", budget)
     assert rate > lru + 0.15, (rate, lru)
+
+
+def test_a_producer_publishes_the_same_batches_from_a_cached_pipeline(shm, channel, run_producer):
+    pipe = cached(shm, workers=2)
+    t = run_producer(tsock.Producer(pipe, channel, wait_readers=1, slots=64), epochs=3)
+    try:
+        with tsock.Consumer(channel, output="numpy", timeout=30) as c:
+            got = [batch_hash(b) for _ in range(3) for b in c]
+        t.join()
+    finally:
+        pipe.close()
+    assert got == reference()
+    assert pipe.cache_stats()["segment"]["hits"] >= 2 * N - 8
