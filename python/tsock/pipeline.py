@@ -380,7 +380,7 @@ class Pipeline:
         cache = self._stages.cache
         if cache is None:
             return False
-        from ._cache_store import remove
+        from ._cache_segment import remove
 
         cache.close()
         return remove(self.cache_key(), cache.directory)

@@ -17,7 +17,7 @@ import pytest
 import tsock
 from cache_helpers import collect
 from pipeline_helpers import Counting, Numbers, batch_hash, noisy
-from tsock import _cache, _cache_store
+from tsock import _cache, _cache_segment, _cache_store
 
 FORK = mp.get_context("fork")
 N = 40
@@ -59,7 +59,7 @@ def test_with_the_cache_the_batches_are_the_same_bytes_and_loaded_once(shm):
 def test_a_cache_smaller_than_the_dataset_changes_no_byte(shm, policy):
     src = Counting(N)
     # Room for about a quarter of the samples (one 4 KiB block each).
-    budget = _cache_store.geometry(N, 4096, N // 4)["file_bytes"]
+    budget = _cache_segment.geometry(N, 4096, N // 4)["file_bytes"]
     pipe = cached(shm, src, cache_bytes=budget, cache_policy=policy)
     assert hashes(pipe, 4) == reference(4)
     stats = pipe.cache_stats()
@@ -76,7 +76,7 @@ def test_with_workers_the_batches_are_the_same_bytes(shm):
     pipe = cached(shm, workers=2)
     assert hashes(pipe) == reference()
     seg = pipe._stages.cache.store._segment()
-    pids = [_cache_store._CONSUMER.unpack_from(seg.mm, seg._consumer_offset(slot))[0] for slot, *_ in seg.consumers()]
+    pids = [_cache_segment._CONSUMER.unpack_from(seg.mm, seg._consumer_offset(slot))[0] for slot, *_ in seg.consumers()]
     assert sorted(pids) == sorted(p.pid for p in pipe._pool_box[0].procs)  # one entry a worker; the parent's went
     stats = pipe.cache_stats()  # the workers' counts are theirs: the segment's totals tell
     assert stats["hits"] == stats["inserts"] == 0
@@ -143,14 +143,14 @@ def test_trainers_running_their_own_pipelines_share_the_cache_by_index(shm):
 
 def _hold(path: str, ready, stop) -> None:
     fd = os.open(path, os.O_RDWR)
-    _cache_store._lock(fd, _cache_store.fcntl.F_RDLCK, _cache_store.USERS_BYTE, wait=True)
+    _cache_segment._lock(fd, _cache_segment.fcntl.F_RDLCK, _cache_segment.USERS_BYTE, wait=True)
     ready.set()
     stop.wait(120)
 
 
 def test_a_foreign_segment_in_use_is_a_warning_and_the_batches_are_computed(shm):
     pipe = cached(shm)
-    path = _cache_store.segment_path(pipe.cache_key(), shm)
+    path = _cache_segment.segment_path(pipe.cache_key(), shm)
     with open(path, "wb") as f:
         f.write(b"not a cache" * 1000)
     ready, stop = FORK.Event(), FORK.Event()
@@ -231,7 +231,7 @@ def test_auto_takes_what_the_dataset_needs_not_a_quarter_of_the_memory(shm):
     hashes(pipe, 1)
     size = os.path.getsize(pipe._stages.cache.store.path)
     # 40 samples of one 4 KiB block each, a quarter more, and the metadata.
-    assert size == _cache_store.geometry(N, 4096, 50)["file_bytes"]
+    assert size == _cache_segment.geometry(N, 4096, 50)["file_bytes"]
     assert pipe.cache_stats()["inserts"] == N
 
 
@@ -297,7 +297,7 @@ def test_four_trainers_get_near_the_optimal_hit_rate_with_belady(shm):
     machine, where trainers drift apart), and far above LRU."""
     from tsock._cache_policy import Belady, simulate
 
-    budget = _cache_store.geometry(120, 4096, 60)["file_bytes"]  # 30 samples of 120
+    budget = _cache_segment.geometry(120, 4096, 60)["file_bytes"]  # 30 samples of 120
     rate, trace = run_trainers(shm, "belady", budget)
     best = simulate(trace, dict.fromkeys(range(120), 2), 60, Belady()).hit_rate
     assert rate >= best - 0.05, (rate, best)

@@ -18,9 +18,10 @@ import time
 import numpy as np
 import pytest
 from cache_helpers import collect
-from tsock import _cache_store, _sampler
+from tsock import _cache_segment, _cache_store, _sampler
 from tsock._cache_policy import KnownFuture, OnlineBelady, simulate
-from tsock._cache_store import CacheStore, segment_path
+from tsock._cache_segment import segment_path
+from tsock._cache_store import CacheStore
 from tsock.errors import CacheError
 
 FORK = mp.get_context("fork")
@@ -42,16 +43,16 @@ def consistent(s: CacheStore) -> dict:
     seg = s._segment()
     with seg.locked(exclusive=True):
         seg.repair(set())
-        free = set(seg.free[: int(seg.mut[_cache_store.FREE_COUNT])].tolist())
+        free = set(seg.free[: int(seg.mut[_cache_segment.FREE_COUNT])].tolist())
         owned = set(np.flatnonzero(seg.owner != 0).tolist())
         assert not free & owned
         owners = seg.owner[sorted(owned)].astype(np.int64) - 1
-        assert np.all(seg.state[owners] == _cache_store.FULL), "a block owned by an entry not cached"
+        assert np.all(seg.state[owners] == _cache_segment.FULL), "a block owned by an entry not cached"
         assert len(free) + len(owned) == seg.h.n_blocks
-        full = np.flatnonzero(seg.state == _cache_store.FULL)
+        full = np.flatnonzero(seg.state == _cache_segment.FULL)
         for i in full:
-            assert seg.read(int(i)) is not _cache_store._CORRUPT
-        count = int(seg.mut[_cache_store.MEMBERS])
+            assert seg.read(int(i)) is not _cache_segment._CORRUPT
+        count = int(seg.mut[_cache_segment.MEMBERS])
         assert sorted(seg.members[:count].tolist()) == full.tolist()
         assert all(int(seg.member[i]) == k for k, i in enumerate(seg.members[:count].tolist()))
         return seg.totals()
@@ -113,7 +114,7 @@ def test_the_stores_belady_makes_the_simulators_choices(shm):
     """One consumer, 3 shuffled epochs, equal sizes: the store (its consumer
     table, positions and eviction) hits exactly where the simulator's
     online Belady does, which is the offline optimum for one consumer."""
-    s = store(shm, budget=_cache_store.geometry(N, 4096, 20)["file_bytes"])
+    s = store(shm, budget=_cache_segment.geometry(N, 4096, 20)["file_bytes"])
     assert s.register(order_params(seed=3)) is None  # no segment yet
     s.put(N - 1, payload(N - 1, 4000))
     slot = s.register(order_params(seed=3))
@@ -134,7 +135,7 @@ def test_the_stores_belady_makes_the_simulators_choices(shm):
 def test_lru_and_fill_once_in_the_store(shm):
     """Cyclic access to 30 samples with room for 20: LRU never hits,
     fill-once hits the 20 it kept each round."""
-    budget = _cache_store.geometry(N, 4096, 20)["file_bytes"]
+    budget = _cache_segment.geometry(N, 4096, 20)["file_bytes"]
     for policy, hits in (("lru", 0), ("fill-once", 40)):
         s = store(shm, key=policy.encode().ljust(16, b"."), budget=budget, policy=policy)
         for _ in range(3):
@@ -145,7 +146,7 @@ def test_lru_and_fill_once_in_the_store(shm):
 
 
 def test_a_sample_larger_than_the_cache_is_refused(shm):
-    s = store(shm, budget=_cache_store.geometry(N, 4096, 4)["file_bytes"])
+    s = store(shm, budget=_cache_segment.geometry(N, 4096, 4)["file_bytes"])
     assert s.put(0, payload(0, 100)) and not s.put(1, payload(1, 5 * 4096))
     assert s.counts["refused"] == 1
 
@@ -188,13 +189,13 @@ def _die_inside_insert(shm: str) -> None:
     written, before its entry is FULL."""
     s = store(shm)
     s.put(1, payload(1))
-    real = _cache_store._Segment.insert
+    real = _cache_segment._Segment.insert
 
     def insert(self, index, data, need):
         self.state = _KillOnWrite(self.state)
         real(self, index, data, need)
 
-    _cache_store._Segment.insert = insert
+    _cache_segment._Segment.insert = insert
     s.put(5, payload(5, 20_000))
 
 
@@ -218,7 +219,7 @@ def test_a_process_killed_inside_an_insert_leaves_nothing_that_blocks(shm):
     assert p.exitcode == -signal.SIGKILL
     s = store(shm)
     seg = s._segment()
-    assert int(seg.mut[_cache_store.DIRTY]) == 1  # cut short, as intended
+    assert int(seg.mut[_cache_segment.DIRTY]) == 1  # cut short, as intended
     assert s.get(5) is None and bytes(s.get(1)) == payload(1)
     assert s.put(6, payload(6))  # the next change rebuilds first
     totals = consistent(s)
@@ -303,7 +304,7 @@ def _make(shm, budget=1 << 20) -> str:
 
 def _hold_users_lock(path: str, ready, stop) -> None:
     fd = os.open(path, os.O_RDWR)
-    _cache_store._lock(fd, _cache_store.fcntl.F_RDLCK, _cache_store.USERS_BYTE, wait=True)
+    _cache_segment._lock(fd, _cache_segment.fcntl.F_RDLCK, _cache_segment.USERS_BYTE, wait=True)
     ready.set()
     stop.wait(120)
 
@@ -344,15 +345,15 @@ def test_a_truncated_segment_in_use_is_a_clear_error(shm):
         (lambda seg, b: seg.next.__setitem__(b, 7_000_000), True),  # a chain leaving the arena
         (lambda seg, b: seg.next.__setitem__(b, b), True),  # a loop
         (lambda seg, b: seg.owner.__setitem__(b, 9), True),  # a block of another sample
-        (lambda seg, b: seg.mut.__setitem__(_cache_store.FREE_COUNT, 1 << 40), False),  # past the blocks
-        (lambda seg, b: seg.mut.__setitem__(_cache_store.MEMBERS, 1 << 40), False),  # past the blocks
+        (lambda seg, b: seg.mut.__setitem__(_cache_segment.FREE_COUNT, 1 << 40), False),  # past the blocks
+        (lambda seg, b: seg.mut.__setitem__(_cache_segment.MEMBERS, 1 << 40), False),  # past the blocks
         (lambda seg, b: seg.members.__setitem__(0, 7_000_000), False),  # not a sample
         (lambda seg, b: seg.members.__setitem__(0, 30), False),  # a sample not cached
     ],
     ids=["out of range", "loop", "owner", "free count", "member count", "member range", "member not cached"],
 )
 def test_a_damaged_index_is_a_miss_then_repaired(shm, damage, chain):
-    s = store(shm, budget=_cache_store.geometry(N, 4096, 12)["file_bytes"], policy="lru")
+    s = store(shm, budget=_cache_segment.geometry(N, 4096, 12)["file_bytes"], policy="lru")
     for i in (1, 2, 3):
         s.put(i, payload(i, 9000))  # 3 blocks each
     seg = s._segment()
@@ -369,7 +370,7 @@ def test_a_damaged_index_is_a_miss_then_repaired(shm, damage, chain):
 
 
 def test_evicting_a_damaged_chain_frees_its_blocks(shm):
-    s = store(shm, budget=_cache_store.geometry(N, 4096, 9)["file_bytes"], policy="lru")
+    s = store(shm, budget=_cache_segment.geometry(N, 4096, 9)["file_bytes"], policy="lru")
     for i in (1, 2, 3):
         s.put(i, payload(i, 9000))  # 3 blocks each: full
     seg = s._segment()
@@ -456,19 +457,19 @@ def test_a_budget_larger_than_the_free_space_fails_before_any_write(shm, monkeyp
         def __init__(self, st):
             self.f_frsize, self.f_bavail = st.f_frsize, (1 << 20) // st.f_frsize
 
-    monkeypatch.setattr(_cache_store.os, "statvfs", lambda d: Small(real(d)))
+    monkeypatch.setattr(_cache_segment.os, "statvfs", lambda d: Small(real(d)))
     s = store(shm, budget=8 << 20)
     with pytest.raises(CacheError, match=r"needs \d+ bytes and .* has 1048576 free: lower cache_bytes"):
         s.put(1, payload(1))
     assert os.listdir(shm) == []
-    assert _cache_store.default_budget(shm) == 1 << 19  # half the free space, below a quarter of the memory
+    assert _cache_segment.default_budget(shm) == 1 << 19  # half the free space, below a quarter of the memory
 
 
 def test_a_full_shm_at_allocation_is_an_error_and_leaves_nothing(shm, monkeypatch):
     def enospc(fd, off, size):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_cache_store.os, "posix_fallocate", enospc)
+    monkeypatch.setattr(_cache_segment.os, "posix_fallocate", enospc)
     with pytest.raises(CacheError, match="cannot allocate .* No space left on device: lower cache_bytes"):
         store(shm).put(1, payload(1))
     assert os.listdir(shm) == []
@@ -482,9 +483,9 @@ def test_a_budget_too_small_for_the_index_says_so(shm):
 def test_remove_takes_only_an_unused_segment(shm):
     s = store(shm)
     s.put(1, payload(1))
-    assert not _cache_store.remove(b"k" * 16, shm)  # s uses it
+    assert not _cache_segment.remove(b"k" * 16, shm)  # s uses it
     s.close()
-    assert _cache_store.remove(b"k" * 16, shm)
+    assert _cache_segment.remove(b"k" * 16, shm)
     assert os.listdir(shm) == []
 
 
@@ -519,7 +520,7 @@ def test_sample_sequence_is_the_pipelines_order(kw):
 @pytest.mark.parametrize("n_samples", [1, 64, 5000])
 def test_blocks_for_budget_is_the_most_that_fits(n_samples):
     for budget in range(40_000, 2_000_000, 37_717):
-        n = _cache_store.blocks_for_budget(n_samples, 4096, budget)
+        n = _cache_segment.blocks_for_budget(n_samples, 4096, budget)
         if n:
-            assert _cache_store.geometry(n_samples, 4096, n)["file_bytes"] <= budget
-        assert _cache_store.geometry(n_samples, 4096, n + 1)["file_bytes"] > budget
+            assert _cache_segment.geometry(n_samples, 4096, n)["file_bytes"] <= budget
+        assert _cache_segment.geometry(n_samples, 4096, n + 1)["file_bytes"] > budget
