@@ -260,34 +260,43 @@ class KnownFuture:
     index j for one consumer is how many samples of its sequence come
     before its next use of j, within the rest of this epoch and the next
     (INF if neither has j); over several consumers, the smallest.
+    Consumers given the same `order` key (the workers of one pipeline, say)
+    share their inverse orders.
     """
 
-    KEPT = 3  # inverse orders kept per consumer
+    KEPT = 3  # inverse orders kept per order key
 
     def __init__(self, n: int):
         self.n = n
-        self.consumers: dict = {}  # cid -> [sequence_fn, epoch, position, {epoch: (inv, length)}]
+        self.consumers: dict = {}  # cid -> [sequence_fn, epoch, position, order key]
+        self._memo: OrderedDict = OrderedDict()  # (order key, epoch) -> (inverse, length)
+        # int32 where it fits: 4 bytes a sample and epoch instead of 8
+        self._dtype = np.int32 if n < 1 << 31 else np.int64
 
-    def set_consumer(self, cid, sequence_fn) -> None:
-        """Adds (or replaces) a consumer, at epoch 0 position 0."""
-        self.consumers[cid] = [sequence_fn, 0, 0, OrderedDict()]
+    def set_consumer(self, cid, sequence_fn, order=None) -> None:
+        """Adds (or replaces) a consumer, at epoch 0 position 0; `order`
+        names its sequence (None: its own)."""
+        self.consumers[cid] = [sequence_fn, 0, 0, ("cid", cid) if order is None else ("order", order)]
 
     def remove_consumer(self, cid) -> None:
         """Forgets a consumer."""
         self.consumers.pop(cid, None)
 
     def _inverse(self, cid, epoch: int):
-        c = self.consumers[cid]
-        memo = c[3]
-        got = memo.get(epoch)
+        fn, _, _, order = self.consumers[cid]
+        key = (order, epoch)
+        got = self._memo.get(key)
         if got is None:
-            seq = np.asarray(c[0](epoch), dtype=np.int64)
-            inv = np.full(self.n, -1, dtype=np.int64)
+            seq = np.asarray(fn(epoch), dtype=np.int64)
+            inv = np.full(self.n, -1, dtype=self._dtype)
             uniq, first = np.unique(seq, return_index=True)
             inv[uniq] = first  # the first occurrence (partition mode pads with repeats)
-            got = memo[epoch] = (inv, len(seq))
-            while len(memo) > self.KEPT:
-                memo.popitem(last=False)
+            got = self._memo[key] = (inv, len(seq))
+            orders = {c[3] for c in self.consumers.values()}
+            while len(self._memo) > self.KEPT * len(orders):
+                self._memo.popitem(last=False)
+        else:
+            self._memo.move_to_end(key)
         return got
 
     def set_position(self, cid, epoch: int, position: int) -> None:
@@ -311,7 +320,7 @@ class KnownFuture:
     def _one(self, cid, epoch: int, pos: int, indices: np.ndarray) -> np.ndarray:
         inv, length = self._inverse(cid, epoch)
         nxt, _ = self._inverse(cid, epoch + 1)
-        here, there = inv[indices], nxt[indices]
+        here, there = inv[indices].astype(np.int64), nxt[indices].astype(np.int64)
         d = np.full(len(indices), INF)
         later = here > pos
         d[later] = here[later] - pos

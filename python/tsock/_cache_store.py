@@ -206,7 +206,7 @@ class CacheStore:
                 params = _params(blob, self.n_samples)
                 if params is None:
                     continue
-                self._future.set_consumer(ident, lambda e, p=params: sample_sequence(p, e))
+                self._future.set_consumer(ident, lambda e, p=params: sample_sequence(p, e), order=blob)
                 self._future_ids[ident] = True
         for ident in list(self._future_ids):
             if ident not in live:

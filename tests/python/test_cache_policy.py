@@ -199,3 +199,19 @@ def test_choose_victims_takes_the_farthest_then_bypasses():
     assert choose_victims(future, cached, sizes, last, 2, 3, 0) is None  # would evict 1, used before 2
     assert choose_victims(future, [1, 4], sizes[:2], last[:2], 5, 1, 0) is None  # 5 is the farthest
     assert choose_victims(future, cached, sizes, last, 2, 1, 1).tolist() == []
+
+
+def test_consumers_of_one_order_share_its_inverse():
+    calls = []
+
+    def seq(e):
+        calls.append(e)
+        return _sampler.epoch_order(50, 1, e, True)
+
+    future = KnownFuture(50)
+    for worker in range(4):  # the workers of one pipeline
+        future.set_consumer(worker, seq, order="pipeline")
+        future.set_position(worker, 0, 10 * worker)
+    d = future.distance(np.arange(50))
+    assert sorted(calls) == [0, 1]  # each epoch's order once, not once a worker
+    assert d.max() < 50 and future._memo[("order", "pipeline"), 0][0].dtype == np.int32
