@@ -214,4 +214,10 @@ def test_consumers_of_one_order_share_its_inverse():
         future.set_position(worker, 0, 10 * worker)
     d = future.distance(np.arange(50))
     assert sorted(calls) == [0, 1]  # each epoch's order once, not once a worker
-    assert d.max() < 50 and future._memo[("order", "pipeline"), 0][0].dtype == np.int32
+    assert future._memo[("order", "pipeline"), 0][0].dtype == np.int32
+    alone = []
+    for worker in range(4):
+        f = future_of(50, (1,))
+        f.set_position(0, 0, 10 * worker)
+        alone.append(f.distance(np.arange(50)))
+    assert d.tolist() == np.min(alone, axis=0).tolist()
