@@ -82,6 +82,15 @@ def blocks_for_budget(n_samples: int, block_bytes: int, budget: int) -> int:
     return n
 
 
+def budget_for(n_samples: int, sample_bytes: int, cached: int) -> int:
+    """The cache_bytes whose segment holds exactly `cached` samples of
+    `sample_bytes` encoded bytes each (len(_cache_codec.encode(sample))),
+    for a dataset of `n_samples`: what a benchmark sets to cache a given
+    fraction of the decoded dataset."""
+    block = block_size_for(sample_bytes)
+    return geometry(n_samples, block, cached * -(-sample_bytes // block))["file_bytes"]
+
+
 def block_size_for(sample_bytes: int) -> int:
     """The power of two near sample_bytes / 16, within 4 KiB .. 1 MiB."""
     b = MIN_BLOCK

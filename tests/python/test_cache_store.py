@@ -524,3 +524,9 @@ def test_blocks_for_budget_is_the_most_that_fits(n_samples):
         if n:
             assert _cache_segment.geometry(n_samples, 4096, n)["file_bytes"] <= budget
         assert _cache_segment.geometry(n_samples, 4096, n + 1)["file_bytes"] > budget
+
+
+@pytest.mark.parametrize("size", [100, 5000, 70_000])
+def test_budget_for_holds_exactly_that_many_samples(shm, size):
+    s = store(shm, budget=_cache_segment.budget_for(N, size, 10), policy="fill-once")
+    assert [s.put(i, payload(i, size)) for i in range(11)] == [True] * 10 + [False]
