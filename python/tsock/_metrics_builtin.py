@@ -1,0 +1,138 @@
+"""The consumers' and producers' metric families, read from the live objects
+when the metrics are collected; what a consumer or producer counted before
+it went away is kept, so the counters of a process never go back.
+
+Labels, all bounded: channel (a name the program chose), rank (the
+consumer's rank, "" when not partitioned), process (TSOCK_METRICS_PROCESS,
+else the pid: it tells apart the trainers of one channel on a node, whose
+textfiles one node_exporter reads together).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+
+from . import _metrics_export
+from ._metrics_registry import counter, gauge
+
+_lock = threading.Lock()
+_serials = itertools.count()
+_consumers: dict[int, tuple[tuple, object]] = {}  # serial -> (labels, _accounting.Account)
+_producers: dict[int, list] = {}  # serial -> [labels, weakref to the Producer, last stats() seen]
+_retired: dict[tuple, dict[str, float]] = {}  # (kind, labels) -> counters of objects gone
+
+# Consumer counter -> (name, documentation, kind); Ray Data's names, tsock_ for ray_data_.
+CONSUMER = {
+    "blocked_s": ("tsock_iter_total_blocked_seconds", "Seconds the consumer's caller was blocked in next().", "gauge"),
+    "user_s": ("tsock_iter_user_seconds", "Seconds the caller spent between batches (its steps).", "gauge"),
+    "batches": ("tsock_iter_batches", "Batches the consumer handed out.", "counter"),
+    "time_to_first_batch_s": (
+        "tsock_iter_time_to_first_batch_seconds",
+        "Seconds from the consumer's creation to its first batch.",
+        "gauge",
+    ),
+}
+PRODUCER = {
+    "published": ("tsock_producer_batches_published", "Batches published (epoch markers included).", "counter"),
+    "backpressure_s": (
+        "tsock_producer_backpressure_seconds",
+        "Seconds the producer waited for its slowest consumer.",
+        "counter",
+    ),
+    "readers": ("tsock_producer_readers", "Consumers attached now.", "gauge"),
+}
+SUMMED = {"blocked_s", "user_s", "batches", "published", "backpressure_s"}  # kept when the object goes
+
+
+def process_label() -> str:
+    """The process label: TSOCK_METRICS_PROCESS, else the pid."""
+    return os.environ.get("TSOCK_METRICS_PROCESS") or str(os.getpid())
+
+
+def _retire(kind: str, labels: tuple, stats: dict) -> None:
+    kept = _retired.setdefault((kind, labels), {})
+    for k in SUMMED & stats.keys():
+        kept[k] = kept.get(k, 0) + stats[k]
+    if stats.get("time_to_first_batch_s") is not None:
+        kept["time_to_first_batch_s"] = stats["time_to_first_batch_s"]  # the last one's
+
+
+def _consumer_gone(serial: int) -> None:
+    with _lock:
+        labels, acct = _consumers.pop(serial)
+        _retire("consumer", labels, acct.stats())
+
+
+def track_consumer(consumer) -> None:
+    """Puts a new Consumer in the metrics (its stats() are read at each
+    collection), and starts the exporter the environment asks for."""
+    rank = "" if consumer.rank is None else str(consumer.rank)
+    serial = next(_serials)
+    with _lock:
+        _consumers[serial] = ((consumer.name, rank, process_label()), consumer._acct)
+    weakref.finalize(consumer, _consumer_gone, serial)
+    _metrics_export.from_env()
+
+
+def track_producer(producer) -> None:
+    """Puts a new Producer in the metrics, and starts the exporter the
+    environment asks for."""
+    serial = next(_serials)
+    with _lock:
+        _producers[serial] = [(producer.name, process_label()), weakref.ref(producer), {}]
+    _metrics_export.from_env()
+
+
+def _live_consumers() -> list[tuple[tuple, dict]]:
+    with _lock:
+        live = [(labels, acct.stats()) for labels, acct in _consumers.values()]
+        gone = [(labels, dict(v)) for (kind, labels), v in _retired.items() if kind == "consumer"]
+    return gone + live
+
+
+def _live_producers() -> list[tuple[tuple, dict]]:
+    with _lock:
+        entries = list(_producers.items())
+    out = []
+    for serial, (labels, ref, last) in entries:
+        p = ref()
+        if p is not None and not p._closed:
+            last.update(p.stats())  # thread-safe against close (tsock_producer_stats)
+        if p is None or p._closed:
+            with _lock:
+                if _producers.pop(serial, None) is not None:
+                    _retire("producer", labels, last)
+            continue
+        out.append((labels, last))
+    with _lock:
+        out += [(labels, dict(v)) for (kind, labels), v in _retired.items() if kind == "producer"]
+    return out
+
+
+def _source(rows, key: str):
+    """A family's source: the sum per label set of `key` in rows()."""
+
+    def collect() -> dict:
+        out: dict[tuple, float] = {}
+        for labels, stats in rows():
+            v = stats.get(key)
+            if v is None:
+                continue
+            out[labels] = out.get(labels, 0) + v if key in SUMMED else v
+        return out
+
+    return collect
+
+
+def _register() -> None:
+    make = {"counter": counter, "gauge": gauge}
+    for key, (name, doc, kind) in CONSUMER.items():
+        make[kind](name, doc, ("channel", "rank", "process"), _source(_live_consumers, key))
+    for key, (name, doc, kind) in PRODUCER.items():
+        make[kind](name, doc, ("channel", "process"), _source(_live_producers, key))
+
+
+_register()
