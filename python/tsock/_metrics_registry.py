@@ -43,7 +43,9 @@ class Family:
             return True
         if not self._warned:
             self._warned = True
-            warnings.warn(f"tsock metric {self.name}: more than {MAX_SERIES} label sets, the rest dropped", stacklevel=3)
+            warnings.warn(
+                f"tsock metric {self.name}: more than {MAX_SERIES} label sets, the rest dropped", stacklevel=3
+            )
         return False
 
     def inc(self, amount: float = 1, **labels) -> None:
