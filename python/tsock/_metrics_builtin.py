@@ -69,21 +69,38 @@ def _consumer_gone(serial: int) -> None:
 def track_consumer(consumer) -> None:
     """Puts a new Consumer in the metrics (its stats() are read at each
     collection), and starts the exporter the environment asks for."""
+    _metrics_export.from_env()
     rank = "" if consumer.rank is None else str(consumer.rank)
     serial = next(_serials)
     with _lock:
         _consumers[serial] = ((consumer.name, rank, process_label()), consumer._acct)
     weakref.finalize(consumer, _consumer_gone, serial)
-    _metrics_export.from_env()
 
 
 def track_producer(producer) -> None:
     """Puts a new Producer in the metrics, and starts the exporter the
     environment asks for."""
+    _metrics_export.from_env()
     serial = next(_serials)
     with _lock:
         _producers[serial] = [(producer.name, process_label()), weakref.ref(producer), {}]
-    _metrics_export.from_env()
+
+
+def retire_producer(producer) -> None:
+    """Keeps what a Producer being closed counted (its counters, read now)."""
+    with _lock:
+        serials = [k for k, (_, ref, _) in _producers.items() if ref() is producer]
+    if not serials:
+        return
+    try:
+        stats = producer.stats()
+    except Exception:  # noqa: BLE001 - closing must not fail over metrics; the last collection's values stay
+        stats = {}
+    with _lock:
+        entry = _producers.pop(serials[0], None)
+        if entry is not None:
+            entry[2].update(stats)
+            _retire("producer", entry[0], entry[2])
 
 
 def _live_consumers() -> list[tuple[tuple, dict]]:

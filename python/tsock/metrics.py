@@ -16,7 +16,7 @@ Consumer or Producer is made. Names and labels: docs/METRICS.md.
 
 from __future__ import annotations
 
-from ._metrics_builtin import track_consumer, track_producer
+from ._metrics_builtin import retire_producer, track_consumer, track_producer
 from ._metrics_export import INSTALL, collector, serve, text, write_textfile
 from ._metrics_registry import MAX_SERIES, REGISTRY, Family, Registry, counter, gauge
 
@@ -34,4 +34,5 @@ __all__ = [
     "write_textfile",
     "track_consumer",
     "track_producer",
+    "retire_producer",
 ]

@@ -847,6 +847,8 @@ class Producer:
     def close(self) -> None:
         """Closes the channel: consumers read what was published, then get
         ChannelClosed. Idempotent."""
+        if not self._closed:
+            _metrics.retire_producer(self)  # its counters, read once more before the handle goes
         self._closed = True
         self._finalizer()
         self._slot_views.clear()  # they point into the unmapped segment now
