@@ -17,6 +17,7 @@ import weakref
 
 from . import _metrics_export
 from ._metrics_registry import counter, gauge
+from .pipeline import Pipeline
 
 _lock = threading.Lock()
 _serials = itertools.count()
@@ -43,7 +44,9 @@ PRODUCER = {
         "counter",
     ),
     "readers": ("tsock_producer_readers", "Consumers attached now.", "gauge"),
+    "workers": ("tsock_pipeline_workers", "Worker processes of the producer's tsock.Pipeline.", "gauge"),
 }
+STAGE = "stage_s:"  # a producer's stats key STAGE + stage name: Pipeline.stage_seconds()
 SUMMED = {"blocked_s", "user_s", "batches", "published", "backpressure_s"}  # kept when the object goes
 
 
@@ -54,8 +57,9 @@ def process_label() -> str:
 
 def _retire(kind: str, labels: tuple, stats: dict) -> None:
     kept = _retired.setdefault((kind, labels), {})
-    for k in SUMMED & stats.keys():
-        kept[k] = kept.get(k, 0) + stats[k]
+    for k in stats:
+        if k in SUMMED or k.startswith(STAGE):
+            kept[k] = kept.get(k, 0) + stats[k]
     if stats.get("time_to_first_batch_s") is not None:
         kept["time_to_first_batch_s"] = stats["time_to_first_batch_s"]  # the last one's
 
@@ -86,6 +90,17 @@ def track_producer(producer) -> None:
         _producers[serial] = [(producer.name, process_label()), weakref.ref(producer), {}]
 
 
+def _producer_stats(producer) -> dict:
+    """Producer.stats() (thread-safe against close: tsock_producer_stats),
+    and its Pipeline's workers and stage seconds."""
+    stats = producer.stats()
+    pipe = producer.loader
+    if isinstance(pipe, Pipeline):
+        stats["workers"] = pipe.workers
+        stats.update((STAGE + name, v) for name, v in pipe.stage_seconds().items())
+    return stats
+
+
 def retire_producer(producer) -> None:
     """Keeps what a Producer being closed counted (its counters, read now)."""
     with _lock:
@@ -93,7 +108,7 @@ def retire_producer(producer) -> None:
     if not serials:
         return
     try:
-        stats = producer.stats()
+        stats = _producer_stats(producer)
     except Exception:  # noqa: BLE001 - closing must not fail over metrics; the last collection's values stay
         stats = {}
     with _lock:
@@ -117,7 +132,7 @@ def _live_producers() -> list[tuple[tuple, dict]]:
     for serial, (labels, ref, last) in entries:
         p = ref()
         if p is not None and not p._closed:
-            last.update(p.stats())  # thread-safe against close (tsock_producer_stats)
+            last.update(_producer_stats(p))
         if p is None or p._closed:
             with _lock:
                 if _producers.pop(serial, None) is not None:
@@ -144,12 +159,28 @@ def _source(rows, key: str):
     return collect
 
 
+def _stage_source() -> dict:
+    out: dict[tuple, float] = {}
+    for (channel, process), stats in _live_producers():
+        for k, v in stats.items():
+            if k.startswith(STAGE):
+                key = (channel, k[len(STAGE) :], process)
+                out[key] = out.get(key, 0) + v
+    return out
+
+
 def _register() -> None:
     make = {"counter": counter, "gauge": gauge}
     for key, (name, doc, kind) in CONSUMER.items():
         make[kind](name, doc, ("channel", "rank", "process"), _source(_live_consumers, key))
     for key, (name, doc, kind) in PRODUCER.items():
         make[kind](name, doc, ("channel", "process"), _source(_live_producers, key))
+    counter(
+        "tsock_pipeline_stage_seconds",
+        "Seconds the producer's tsock.Pipeline spent in each stage, its workers' summed.",
+        ("channel", "stage", "process"),
+        _stage_source,
+    )
 
 
 _register()

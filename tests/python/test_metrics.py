@@ -15,6 +15,7 @@ import time
 import urllib.request
 
 import numpy as np
+import pipeline_helpers as h
 import pytest
 import tsock
 import tsock.metrics as metrics
@@ -109,9 +110,7 @@ def test_textfile_has_the_values_after_n_batches(channel, tmp_path):
     assert series(text, "tsock_iter_batches_total", **mine) == [N]
     assert series(text, "tsock_iter_total_blocked_seconds", **mine) == [pytest.approx(s["blocked_s"])]
     assert series(text, "tsock_iter_user_seconds", **mine) == [pytest.approx(s["user_s"])]
-    assert series(text, "tsock_iter_time_to_first_batch_seconds", **mine) == [
-        pytest.approx(s["time_to_first_batch_s"])
-    ]
+    assert series(text, "tsock_iter_time_to_first_batch_seconds", **mine) == [pytest.approx(s["time_to_first_batch_s"])]
     assert series(text, "tsock_producer_batches_published_total", channel=channel, process=pid) == [N + 1]
     assert series(text, "tsock_producer_readers", channel=channel, process=pid) == [1]
     assert len(series(text, "tsock_producer_backpressure_seconds_total", channel=channel)) == 1
@@ -243,3 +242,34 @@ def test_the_environment_turns_the_textfile_on(channel, tmp_path):
     text = (tmp_path / f"tsock-{pid}.prom").read_text()  # written at exit
     assert series(text, "tsock_iter_batches_total", channel=channel, process=pid) == [N]
     assert series(text, "tsock_producer_batches_published_total", channel=channel, process=pid) == [N + 1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pipeline_stage_seconds(workers):
+    with h.make_pipeline(workers, n=16, decode=h.sleepy) as pipe:
+        assert len(list(pipe.batches(0))) == 4
+        took = pipe.stage_seconds()
+    assert set(took) == {"source", "read", "decode", "augment", "collate"}
+    assert took["decode"] >= 16 * 0.002, "every sample's decode slept 2 ms"
+    assert took["read"] == 0, "no read stage"
+    assert took["source"] > 0 and took["augment"] > 0 and took["collate"] > 0
+
+
+def test_the_producer_exports_its_pipeline(channel, tmp_path):
+    pytest.importorskip("prometheus_client")
+    pipe = h.make_pipeline(2, n=16, decode=h.sleepy)
+    with tsock.Producer(pipe, channel, slots=8, wait_readers=1) as p:
+        runner = threading.Thread(target=p.run, kwargs={"epochs": 1})
+        runner.start()
+        with tsock.Consumer(channel, timeout=60) as c:
+            assert len(list(c)) == 4
+            runner.join(60)
+            text = metrics.text()
+    pipe.close()
+    pid = os.getpid()
+    assert series(text, "tsock_pipeline_workers", channel=channel, process=pid) == [2]
+    (decode,) = series(text, "tsock_pipeline_stage_seconds_total", channel=channel, stage="decode", process=pid)
+    assert decode >= 16 * 0.002
+    assert len(series(text, "tsock_pipeline_stage_seconds_total", channel=channel)) == 5, "one series per stage"
+    # Closed, the producer's counters stay.
+    assert series(metrics.text(), "tsock_pipeline_stage_seconds_total", channel=channel, stage="decode") == [decode]
