@@ -17,6 +17,7 @@ import weakref
 
 from . import _metrics_export
 from ._metrics_registry import counter, gauge
+from .errors import TsockError
 from .pipeline import Pipeline
 
 _lock = threading.Lock()
@@ -24,6 +25,7 @@ _serials = itertools.count()
 _consumers: dict[int, tuple[tuple, object]] = {}  # serial -> (labels, _accounting.Account)
 _producers: dict[int, list] = {}  # serial -> [labels, weakref to the Producer, last stats() seen]
 _retired: dict[tuple, dict[str, float]] = {}  # (kind, labels) -> counters of objects gone
+_gone: list[int] = []  # serials of consumers collected, not retired yet
 
 # Consumer counter -> (name, documentation, kind); Ray Data's names, tsock_ for ray_data_.
 CONSUMER = {
@@ -65,8 +67,15 @@ def _retire(kind: str, labels: tuple, stats: dict) -> None:
 
 
 def _consumer_gone(serial: int) -> None:
-    with _lock:
-        labels, acct = _consumers.pop(serial)
+    # A finalizer: it may run in any thread, at any allocation, even one
+    # holding _lock, so it only queues (list.append is atomic).
+    _gone.append(serial)
+
+
+def _reap() -> None:
+    """Retires the consumers gone (with _lock held)."""
+    while _gone:
+        labels, acct = _consumers.pop(_gone.pop())
         _retire("consumer", labels, acct.stats())
 
 
@@ -77,6 +86,7 @@ def track_consumer(consumer) -> None:
     rank = "" if consumer.rank is None else str(consumer.rank)
     serial = next(_serials)
     with _lock:
+        _reap()
         _consumers[serial] = ((consumer.name, rank, process_label()), consumer._acct)
     weakref.finalize(consumer, _consumer_gone, serial)
 
@@ -120,6 +130,7 @@ def retire_producer(producer) -> None:
 
 def _live_consumers() -> list[tuple[tuple, dict]]:
     with _lock:
+        _reap()
         live = [(labels, acct.stats()) for labels, acct in _consumers.values()]
         gone = [(labels, dict(v)) for (kind, labels), v in _retired.items() if kind == "consumer"]
     return gone + live
@@ -132,7 +143,10 @@ def _live_producers() -> list[tuple[tuple, dict]]:
     for serial, (labels, ref, last) in entries:
         p = ref()
         if p is not None and not p._closed:
-            last.update(_producer_stats(p))
+            try:
+                last.update(_producer_stats(p))
+            except TsockError:
+                pass  # a forked child's copy of its parent's producer (EFORKED): the last values stay
         if p is None or p._closed:
             with _lock:
                 if _producers.pop(serial, None) is not None:
