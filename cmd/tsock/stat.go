@@ -235,6 +235,10 @@ func runStat(e *env, args []string) int {
 	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
 	defer signal.Stop(sigs)
 
+	if !o.jsonOut {
+		fmt.Fprintln(e.stdout, "STALL*: share of the interval a reader waited for data; AVG STALL*: of the time OVER since")
+		fmt.Fprintln(e.stdout, "stat first saw it. * from the wait time each reader reports (untrusted, clamped to 0-100%).")
+	}
 	prev := takeSnap(name, seg)
 	watch := map[readerKey]watched{}
 	watchReaders(watch, prev, &statSample{Readers: readerLines(prev)})
@@ -306,6 +310,4 @@ func printStat(w io.Writer, s statSample) {
 			r.BatchRate, 100*r.Stall, 100*r.StallAvg, r.WatchedS)
 	}
 	_ = tw.Flush()
-	fmt.Fprintln(w, "  * share of the time waiting for data, from the wait time each reader reports (clamped to 0-100%);")
-	fmt.Fprintln(w, "    STALL over the interval, AVG STALL over the time OVER since stat first saw the reader")
 }
