@@ -162,6 +162,10 @@ func TestStat(t *testing.T) {
 	// Throttled producer, fast reader: most of the time is spent waiting.
 	assert.Greater(t, fr.Stall, 0.3, "fast reader's stall")
 	assert.LessOrEqual(t, fr.Stall, 1.0)
+	// Averaged since stat first saw it: three intervals of 300 ms.
+	assert.Greater(t, fr.WatchedS, 0.5, "time since stat first saw the reader")
+	assert.Greater(t, fr.StallAvg, 0.3, "fast reader's average stall")
+	assert.LessOrEqual(t, fr.StallAvg, 1.0)
 
 	// A reader that holds what it acquires (here: acquires nothing, never
 	// releases) gates the producer once the ring is full.
@@ -199,7 +203,7 @@ func TestStat(t *testing.T) {
 	// Human output.
 	rc, out, errs := runInProcess(t, "stat", name, "--interval", "100ms", "--count", "1")
 	require.Equal(t, exitOK, rc, errs)
-	for _, want := range []string{"channel " + name, "READER", "LAG", "STALL", strconv.Itoa(fast.Pid())} {
+	for _, want := range []string{"channel " + name, "READER", "LAG", "STALL", "AVG STALL", "reader reports", strconv.Itoa(fast.Pid())} {
 		assert.Contains(t, out, want)
 	}
 

@@ -24,10 +24,12 @@ func init() {
 the producer's publish rate and the share of time it was back-pressured
 (waiting for the slowest reader), and for each reader its lag (batches
 published but not yet released), its read rate and its data stall: the
-share of the interval it spent waiting for data. The stall comes from the
-wait time each reader accounts in its record when a wait ends; a reader
-that is caught up and saw nothing published during the whole interval is
-shown as stalled 100% (it is still waiting).
+share of the interval it spent waiting for data, and that share averaged
+over the time since stat first saw the reader (AVG STALL; the roster has
+no attach time). The stall comes from the wait time each reader accounts
+in its record when a wait ends, a value the reader writes (untrusted,
+clamped to 0-100%); a reader that is caught up and saw nothing published
+during the whole interval is shown as stalled 100% (it is still waiting).
 
 Only reads the segment (read-only mapping, no lock, no reader record).
 If the producer is replaced by a new one, stat follows the new segment.
@@ -59,6 +61,40 @@ type statReader struct {
 	BatchRate float64 `json:"batch_rate"` // batches acquired per second
 	Stall     float64 `json:"stall"`      // share of the interval spent waiting for data, 0..1
 	New       bool    `json:"new"`        // joined during the interval (rates cover part of it)
+	// StallAvg is the share of the time since this stat first saw the
+	// reader (WatchedS seconds) that it spent waiting for data, 0..1.
+	StallAvg float64 `json:"stall_avg"`
+	WatchedS float64 `json:"watched_s"`
+}
+
+// watched is a reader as stat first saw it: when, and its wait time then.
+type watched struct {
+	at     time.Time
+	waitNs uint64
+}
+
+// watchReaders adds the readers of snapshot b not seen before to w (and
+// those whose reader-written wait time went back: counted afresh), drops
+// those gone, and fills in each sample reader's average stall since.
+func watchReaders(w map[readerKey]watched, b statSnap, s *statSample) {
+	for k := range w {
+		if _, ok := b.readers[k]; !ok {
+			delete(w, k)
+		}
+	}
+	for i := range s.Readers {
+		r := &s.Readers[i]
+		k := readerKey{r.Index, r.Pid, r.startTime}
+		first, ok := w[k]
+		if !ok || first.waitNs > r.WaitNs {
+			first = watched{at: b.at, waitNs: r.WaitNs}
+			w[k] = first
+		}
+		r.WatchedS = b.at.Sub(first.at).Seconds()
+		if r.WatchedS > 0 {
+			r.StallAvg = clamp01(float64(r.WaitNs-first.waitNs) / 1e9 / r.WatchedS)
+		}
+	}
 }
 
 // statSample is one interval of `tsock stat`.
@@ -147,6 +183,17 @@ func sampleBetween(a, b statSnap) statSample {
 	return s
 }
 
+// readerLines is the sample lines of a snapshot's readers, without rates.
+func readerLines(b statSnap) []statReader {
+	var out []statReader
+	for _, r := range b.info.ReaderList {
+		if r.State != "free" {
+			out = append(out, statReader{readerInfo: r})
+		}
+	}
+	return out
+}
+
 func clamp01(v float64) float64 {
 	switch {
 	case v < 0:
@@ -188,7 +235,13 @@ func runStat(e *env, args []string) int {
 	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
 	defer signal.Stop(sigs)
 
+	if !o.jsonOut {
+		fmt.Fprintln(e.stdout, "STALL*: share of the interval a reader waited for data; AVG STALL*: of the time OVER since")
+		fmt.Fprintln(e.stdout, "stat first saw it. * from the wait time each reader reports (untrusted, clamped to 0-100%).")
+	}
 	prev := takeSnap(name, seg)
+	watch := map[readerKey]watched{}
+	watchReaders(watch, prev, &statSample{Readers: readerLines(prev)})
 	tick := time.NewTicker(o.interval)
 	defer tick.Stop()
 	for n := 0; o.count == 0 || n < o.count; n++ {
@@ -211,11 +264,14 @@ func runStat(e *env, args []string) int {
 				fmt.Fprintf(e.stdout, "channel %s: new segment, producer pid %d\n", name, cur.info.ProducerPid)
 			}
 			prev = cur
+			watch = map[readerKey]watched{}
+			watchReaders(watch, prev, &statSample{Readers: readerLines(prev)})
 			n--
 			continue
 		}
 		cur := takeSnap(name, seg)
 		s := sampleBetween(prev, cur)
+		watchReaders(watch, cur, &s)
 		prev = cur
 		if o.jsonOut {
 			b, _ := json.Marshal(s)
@@ -244,14 +300,14 @@ func printStat(w io.Writer, s statSample) {
 		return
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "  READER\tPID\tSTATE\tLAG\tBATCHES\tBATCHES/s\tSTALL")
+	fmt.Fprintln(tw, "  READER\tPID\tSTATE\tLAG\tBATCHES\tBATCHES/s\tSTALL*\tAVG STALL*\tOVER")
 	for _, r := range s.Readers {
 		state := r.State
 		if !r.Alive {
 			state += " (dead)"
 		}
-		fmt.Fprintf(tw, "  %d\t%d\t%s\t%d\t%d\t%.0f\t%.1f%%\n", r.Index, r.Pid, state, r.Lag, r.Batches, r.BatchRate,
-			100*r.Stall)
+		fmt.Fprintf(tw, "  %d\t%d\t%s\t%d\t%d\t%.0f\t%.1f%%\t%.1f%%\t%.0fs\n", r.Index, r.Pid, state, r.Lag, r.Batches,
+			r.BatchRate, 100*r.Stall, 100*r.StallAvg, r.WatchedS)
 	}
 	_ = tw.Flush()
 }

@@ -13,6 +13,7 @@ import hashlib
 import random
 import struct
 import sys
+from time import perf_counter_ns
 
 import numpy as np
 
@@ -28,6 +29,9 @@ MASK128 = (1 << 128) - 1
 # so augment sees the same state whether or not the loading stages ran (the
 # decoded-sample cache, _cache.py, skips them).
 LOAD, AUGMENT = 0, 1
+
+#: The stages, in order; Stages.ns times each (tsock.metrics' stage seconds).
+STAGE_NAMES = ("source", "read", "decode", "augment", "collate")
 
 #: Modules whose global generator is seeded per sample when they are imported
 #: (random and numpy always are).
@@ -98,6 +102,13 @@ class Stages:
         self.collate = collate or default_collate
         self.seed = seed
         self._bits = None  # one PCG64 per process, its state set per sample
+        #: nanoseconds spent in each stage in this process, since take_ns()
+        self.ns = dict.fromkeys(STAGE_NAMES, 0)
+
+    def take_ns(self) -> tuple:
+        """The stage times (ns, in STAGE_NAMES' order) since the last call."""
+        ns, self.ns = self.ns, dict.fromkeys(STAGE_NAMES, 0)
+        return tuple(ns[n] for n in STAGE_NAMES)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -151,9 +162,11 @@ class Stages:
         samples = [self.sample(epoch, i) for i in indices]
         return self._stage("collate", list(map(int, indices)), epoch, self.collate, samples)
 
-    @staticmethod
-    def _stage(name: str, index, epoch: int, fn, *args):
+    def _stage(self, name: str, index, epoch: int, fn, *args):
+        start = perf_counter_ns()
         try:
             return fn(*args)
         except Exception as e:
             raise StageError(name, index, epoch) from e
+        finally:
+            self.ns[name] += perf_counter_ns() - start

@@ -35,7 +35,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
 
-from ._stages import SEEDED_MODULES, StageError
+from ._stages import SEEDED_MODULES, STAGE_NAMES, StageError
 from .errors import PipelineError, WorkerDied
 
 ALIGN = 64
@@ -150,6 +150,7 @@ def worker_main(conn, stages, worker: int, parent: int, slots: int, preload: tup
         # global generator is seeded per sample, as a forked worker has them.
         __import__(module)
     staging = _Staging(worker, slots)
+    stages.take_ns()  # a forked worker starts with its parent's counts
     while True:
         try:
             if not conn.poll(POLL_S):
@@ -166,7 +167,7 @@ def worker_main(conn, stages, worker: int, parent: int, slots: int, preload: tup
             batch = stages.batch(epoch, indices)
             skeleton, arrays = split(batch)
             gen, size, layout, fd = staging.put(slot, arrays)
-            msg = ("ok", tid, slot, gen, size, fd is not None, skeleton, layout)
+            msg = ("ok", tid, slot, gen, size, fd is not None, skeleton, layout, stages.take_ns())
             conn.send(msg)
         except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
             _report(conn, tid, e)
@@ -218,6 +219,7 @@ class WorkerPool:
         self.next_tid = 0
         self.stream = 0
         self.pid = None
+        self.stage_ns = (0,) * len(STAGE_NAMES)  # the workers' time in each stage (Stages.take_ns)
 
     # ---- lifecycle ----
 
@@ -385,7 +387,8 @@ class WorkerPool:
         kind, tid = msg[0], msg[1]
         worker, slot, task_stream, key = self.inflight.pop(tid)
         if kind == "ok":
-            _, _, slot, gen, size, has_fd, skeleton, layout = msg
+            _, _, slot, gen, size, has_fd, skeleton, layout, ns = msg
+            self.stage_ns = tuple(map(sum, zip(self.stage_ns, ns)))
             if has_fd:
                 fd = recv_handle(conn)
                 try:

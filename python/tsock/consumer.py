@@ -8,8 +8,10 @@ import numbers
 import sys
 import time
 import weakref
+from time import perf_counter_ns
 
-from . import _capi, _lifetime, _partition, _placement, _state, _structure
+from . import _accounting, _capi, _lifetime, _partition, _placement, _state, _structure
+from . import metrics as _metrics
 from ._reader import Raw, Reader
 from ._rebatch import Rebatched, Whole
 from .errors import ChannelClosed, TsockError
@@ -296,6 +298,8 @@ class Consumer:
             # A batch of this rank still referenced holds the other ranks'
             # after it (see _lifetime.Referenced.ranks).
             max_held = min(_capi.MAX_HELD, max_held * world_size)
+        self._acct = _accounting.Account()  # before attaching: time to first batch counts the wait for the producer
+        _metrics.track_consumer(self)  # for tsock.metrics (its exporter, if the environment asks, starts now)
         self._reader = Reader(name, _START[start], timeout, max_held=max_held, keeping=keeping)
         self._keeping = keeping
         if keeping:
@@ -491,7 +495,32 @@ class Consumer:
     def __next__(self):
         """The next batch of the epoch in progress; StopIteration at its end
         (the following call starts the next epoch). Under PyTorch's
-        profiler the call shows as a DataLoader's does (see _profiled)."""
+        profiler the call shows as a DataLoader's does (see _profiled); its
+        time and the caller's between calls are accounted (stats())."""
+        start = perf_counter_ns()
+        got = False
+        try:
+            batch = self._next_profiled()
+            got = True
+            return batch
+        finally:
+            self._acct.call(start, perf_counter_ns(), got)
+
+    def stats(self) -> dict:
+        """Where this consumer's time went, as Ray Data's iteration metrics
+        count it: `batches` handed out; `blocked_s`, seconds the caller was
+        blocked in next() (waiting for the producer, making the batch);
+        `user_s`, seconds between one next() returning and the next call
+        (the caller's steps); `time_to_first_batch_s`, from the consumer's
+        creation to its first batch (None before it); `stall`, blocked_s /
+        (blocked_s + user_s). Costs two clock reads per batch; see
+        docs/METRICS.md for the Prometheus exporter."""
+        out = self._acct.stats()
+        out.update(name=self.name, rank=self.rank, epoch=self.epoch)
+        return out
+
+    def _next_profiled(self):
+        """__next__ without the accounting (the benchmark's baseline)."""
         record = _profiled()
         if record is None:
             return self._next_batch()

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _sampler
-from ._stages import GlobalRNGState, StageError, Stages
+from ._stages import STAGE_NAMES, GlobalRNGState, StageError, Stages
 from .errors import PipelineError
 
 FINGERPRINT_BYTES = 16
@@ -519,6 +519,15 @@ class Pipeline:
                 )
             )
         return self._pool_box[0]
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds spent in each stage (source, read, decode, augment,
+        collate) so far, summed over this process and its workers (a
+        worker's time counts once its batch arrives): where the pipeline's
+        time goes. Costs two clock reads per stage call."""
+        ns = self._stages.ns
+        pooled = self._pool_box[0].stage_ns if self._pool_box else (0,) * len(STAGE_NAMES)
+        return {name: (ns[name] + p) / 1e9 for name, p in zip(STAGE_NAMES, pooled)}
 
     def start(self) -> None:
         """Starts the worker processes now rather than at the first batch

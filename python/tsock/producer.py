@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _capi, _dtypes, _from_dataloader, _state, _structure
+from . import metrics as _metrics
 from ._reader import SLICE_NS
 from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
 from .pipeline import Pipeline, Position
@@ -455,6 +456,7 @@ class Producer:
         #: and lingers there); it may raise to stop run()
         self.before_publish = None
         self._finalizer = weakref.finalize(self, _close_handle, self._lib, self._handle, self._pid)
+        _metrics.track_producer(self)  # for tsock.metrics (its exporter, if the environment asks, starts now)
 
     # ---- channel ----
 
@@ -845,6 +847,8 @@ class Producer:
     def close(self) -> None:
         """Closes the channel: consumers read what was published, then get
         ChannelClosed. Idempotent."""
+        if not self._closed:
+            _metrics.retire_producer(self)  # its counters, read once more before the handle goes
         self._closed = True
         self._finalizer()
         self._slot_views.clear()  # they point into the unmapped segment now

@@ -84,6 +84,12 @@ def slow_on_13(sample, rng):
     return noisy(sample, rng)
 
 
+def sleepy(sample):
+    """A decode stage that takes at least 2 ms (tests/python/test_metrics.py)."""
+    time.sleep(0.002)
+    return sample
+
+
 def make_pipeline(workers: int = 0, n: int = 60, batch_size: int = 4, **kw):
     """The pipeline the producer scripts and the tests both build."""
     import tsock
