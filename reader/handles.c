@@ -13,8 +13,8 @@
 /* ---- handle table: handles are ids, so a stale handle is detected, not
  * dereferenced. ---- */
 
-/* An entry per handle. `uses` counts the calls of other threads inside the
- * reader right now (tsock__handle_get .. tsock__handle_put): detach
+/* An entry per handle. `uses` counts the calls inside the reader right now,
+ * whatever their thread (tsock__handle_get .. tsock__handle_put): detach
  * (tsock__handle_take) unregisters the handle first, so no new call gets
  * in, then waits for `uses` to drop to zero before the reader is freed, so
  * that a thread blocked in tsock_reader_acquire while another detaches (an
