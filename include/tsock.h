@@ -24,7 +24,9 @@
  *     first, then change what you need.
  *
  * Thread safety is stated per function. "One thread at a time" means the
- * handle may move between threads but calls on it must not overlap.
+ * handle may move between threads but calls on it must not overlap, except
+ * that tsock_reader_detach may overlap any call taking the reader handle (it
+ * waits for them); calls taking a batch need the batch held.
  */
 #ifndef TSOCK_H
 #define TSOCK_H
@@ -341,8 +343,9 @@ typedef struct tsock_batch {
  * arrived within timeout_ns (not an error); TSOCK_EPRODUCER_GONE when the
  * producer died and everything it published has been read; TSOCK_ECLOSED
  * after a clean close, likewise; TSOCK_ESTATE when max_held batches are
- * already held. Spins briefly, then sleeps on a futex.
- * One thread at a time per reader. */
+ * already held; TSOCK_EHANDLE when another thread detached r meanwhile
+ * (tsock_reader_detach). Spins briefly, then sleeps on a futex.
+ * One thread at a time per reader (detach excepted). */
 int tsock_reader_acquire(tsock_reader_t *r, const tsock_batch_t **batch, int64_t timeout_ns);
 
 /* Releases `batch` and every batch acquired before it, so the producer may
@@ -595,7 +598,12 @@ int tsock_batch_free(const tsock_batch_t *kept);
 int tsock_batch_pin(tsock_reader_t *r, const tsock_batch_t *batch, void **token);
 
 /* Releases everything, frees the reader record and the handle. Thread-safe
- * against other readers; a second detach returns TSOCK_EHANDLE. The
+ * against other readers, and against calls on r in other threads: a call
+ * already inside the reader finishes first (detach waits for it; an
+ * acquire waiting for a batch is woken and returns TSOCK_EHANDLE), and
+ * calls after it return TSOCK_EHANDLE. Batches (and pointers into them)
+ * are invalid once it returns, unless kept or pinned. A second detach
+ * returns TSOCK_EHANDLE. The
  * producer has freed the record when it returns (it waits up to 1 s for a
  * producer that does not answer, e.g. a stopped one). Waits for
  * the GPU work of released batches (tsock_batch_cuda_use); where CUDA cannot

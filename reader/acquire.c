@@ -99,6 +99,8 @@ corrupt:
 
 /* Nothing to read: decides whether the stream has ended. */
 static int stream_ended(struct reader_impl *r, uint64_t now) {
+  if (__atomic_load_n(&r->closing, __ATOMIC_ACQUIRE))
+    return tsock__fail(TSOCK_EHANDLE, "reader detached by another thread while acquire waited");
   if (__atomic_load_n(&r->live->state, __ATOMIC_ACQUIRE) == TSOCK_STATE_CLOSED) {
     /* The producer publishes before it closes: re-read published. */
     if (r->next >= __atomic_load_n(&r->live->published, __ATOMIC_ACQUIRE))
@@ -170,10 +172,8 @@ static int wait_for_data(struct reader_impl *r, int64_t timeout_ns, uint64_t sta
   }
 }
 
-int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t timeout_ns) {
+static int acquire(struct reader_impl *r, const tsock_batch_t **out, int64_t timeout_ns) {
   int rc;
-  struct reader_impl *r = tsock__handle_get(h, &rc);
-  if (r == NULL) return rc;
   if (out == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_acquire: batch is NULL");
   uint64_t start = 0;
   for (;;) {
@@ -230,4 +230,13 @@ int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t t
     *out = &hb->batch;
     return TSOCK_OK;
   }
+}
+
+int tsock_reader_acquire(tsock_reader_t *h, const tsock_batch_t **out, int64_t timeout_ns) {
+  int rc;
+  struct reader_impl *r = tsock__handle_get(h, &rc);
+  if (r == NULL) return rc;
+  rc = acquire(r, out, timeout_ns);
+  tsock__handle_put(h); /* a detach in another thread waits for this */
+  return rc;
 }

@@ -278,8 +278,7 @@ static int open_pool(device_state *g, const tsock_reader_view *v) {
   return TSOCK_OK;
 }
 
-int tsock_reader_open_device(tsock_reader_t *h, int32_t *cuda_ordinal) {
-  tsock__clear_error();
+static int open_device(tsock_reader_t *h, int32_t *cuda_ordinal) {
   tsock_reader_view v;
   int st = tsock__reader_view(h, &v);
   if (st != TSOCK_OK) return st;
@@ -350,8 +349,7 @@ int tsock_reader_open_device(tsock_reader_t *h, int32_t *cuda_ordinal) {
   return TSOCK_OK;
 }
 
-int tsock_reader_device_range(tsock_reader_t *h, uint64_t *base, uint64_t *len) {
-  tsock__clear_error();
+static int device_range(tsock_reader_t *h, uint64_t *base, uint64_t *len) {
   tsock_reader_view v;
   int st = tsock__reader_view(h, &v);
   if (st != TSOCK_OK) return st;
@@ -364,6 +362,26 @@ int tsock_reader_device_range(tsock_reader_t *h, uint64_t *base, uint64_t *len) 
   *base = g->base;
   *len = (uint64_t)g->slot_count * g->slot_bytes;
   return TSOCK_OK;
+}
+
+/* Both hold a use of the handle (tsock__handle_get) throughout, as every
+ * call on one does: a detach in another thread waits for them to end. */
+int tsock_reader_open_device(tsock_reader_t *h, int32_t *cuda_ordinal) {
+  tsock__clear_error();
+  int rc;
+  if (tsock__handle_get(h, &rc) == NULL) return rc;
+  rc = open_device(h, cuda_ordinal);
+  tsock__handle_put(h);
+  return rc;
+}
+
+int tsock_reader_device_range(tsock_reader_t *h, uint64_t *base, uint64_t *len) {
+  tsock__clear_error();
+  int rc;
+  if (tsock__handle_get(h, &rc) == NULL) return rc;
+  rc = device_range(h, base, len);
+  tsock__handle_put(h);
+  return rc;
 }
 
 /* ---- batches ---- */

@@ -40,8 +40,7 @@ static void unregister_host(tsock_map_ref *m) {
   free(g);
 }
 
-int tsock_reader_register_host(tsock_reader_t *h) {
-  tsock__clear_error();
+static int register_host(tsock_reader_t *h) {
   tsock_map_ref *m;
   const void *base;
   uint64_t len;
@@ -119,4 +118,15 @@ int tsock_reader_register_host(tsock_reader_t *h) {
   }
   tsock__record_pinned(h, ordinal, &uuid);
   return TSOCK_OK;
+}
+
+/* Holds a use of the handle (tsock__handle_get) throughout, as every call
+ * on one does: a detach in another thread waits for it to end. */
+int tsock_reader_register_host(tsock_reader_t *h) {
+  tsock__clear_error();
+  int rc;
+  if (tsock__handle_get(h, &rc) == NULL) return rc;
+  rc = register_host(h);
+  tsock__handle_put(h);
+  return rc;
 }

@@ -13,10 +13,19 @@
 /* ---- handle table: handles are ids, so a stale handle is detected, not
  * dereferenced. ---- */
 
-static struct {
-  struct reader_impl *impl;
-  uint32_t gen;
-} handles[TSOCK_READER_HANDLES];
+/* An entry per handle. `uses` counts the calls inside the reader right now,
+ * whatever their thread (tsock__handle_get .. tsock__handle_put): detach
+ * (tsock__handle_take) unregisters the handle first, so no new call gets
+ * in, then waits for `uses` to drop to zero before the reader is freed, so
+ * that a thread blocked in tsock_reader_acquire while another detaches (an
+ * interpreter's exit finalizers, with a daemon thread reading) never runs
+ * in freed or unmapped memory. A cache line each: readers used by
+ * different threads do not share one. */
+static struct handle_entry {
+  struct reader_impl *impl; /* atomic */
+  uint32_t gen;             /* atomic loads; stored under handle_mu */
+  uint32_t uses;            /* atomic */
+} __attribute__((aligned(64))) handles[TSOCK_READER_HANDLES];
 /* Guards allocation and free of handles. A mutex, not a spinlock: the
  * fork handlers below take it, so a child never inherits it held. */
 static pthread_mutex_t handle_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -40,8 +49,14 @@ static void tables_release(void) {
   pthread_mutex_unlock(&pin_mu);
   pthread_mutex_unlock(&handle_mu);
 }
+/* The child has none of the other threads whose calls `uses` counted: a
+ * count left by one would make a detach in the child wait forever. */
+static void tables_child(void) {
+  for (uint32_t i = 0; i < TSOCK_READER_HANDLES; i++) handles[i].uses = 0;
+  tables_release();
+}
 __attribute__((constructor)) static void tables_fork_safe(void) {
-  pthread_atfork(tables_prepare, tables_release, tables_release);
+  pthread_atfork(tables_prepare, tables_release, tables_child);
 }
 
 tsock_reader_t *tsock__handle_new(struct reader_impl *impl) {
@@ -49,9 +64,10 @@ tsock_reader_t *tsock__handle_new(struct reader_impl *impl) {
   handles_lock();
   for (uint32_t i = 0; i < TSOCK_READER_HANDLES; i++) {
     if (handles[i].impl == NULL) {
-      handles[i].gen++;
-      __atomic_store_n(&handles[i].impl, impl, __ATOMIC_RELEASE);
-      h = (tsock_reader_t *)(uintptr_t)(((uint64_t)handles[i].gen << 16) | (i + 1));
+      uint32_t gen = handles[i].gen + 1;
+      __atomic_store_n(&handles[i].gen, gen, __ATOMIC_SEQ_CST);
+      __atomic_store_n(&handles[i].impl, impl, __ATOMIC_SEQ_CST);
+      h = (tsock_reader_t *)(uintptr_t)(((uint64_t)gen << 16) | (i + 1));
       break;
     }
   }
@@ -59,14 +75,20 @@ tsock_reader_t *tsock__handle_new(struct reader_impl *impl) {
   return h;
 }
 
-struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status) {
-  uint64_t v = (uint64_t)(uintptr_t)h;
-  uint32_t i = (uint32_t)(v & 0xffff) - 1;
-  if (h == NULL || i >= TSOCK_READER_HANDLES || handles[i].gen != (uint32_t)(v >> 16)) {
+/* The entry index of h, or -1 when h cannot name one. */
+static int64_t handle_index(tsock_reader_t *h) {
+  uint32_t i = (uint32_t)((uint64_t)(uintptr_t)h & 0xffff) - 1;
+  return h == NULL || i >= TSOCK_READER_HANDLES ? -1 : (int64_t)i;
+}
+
+/* The reader of entry i if h is its open handle, else NULL with *status. */
+static struct reader_impl *lookup(tsock_reader_t *h, int64_t i, int *status) {
+  if (i < 0 || __atomic_load_n(&handles[i].gen, __ATOMIC_SEQ_CST) !=
+                   (uint32_t)((uint64_t)(uintptr_t)h >> 16)) {
     *status = tsock__fail(TSOCK_EHANDLE, "reader handle %p is not open", (void *)h);
     return NULL;
   }
-  struct reader_impl *impl = __atomic_load_n(&handles[i].impl, __ATOMIC_ACQUIRE);
+  struct reader_impl *impl = __atomic_load_n(&handles[i].impl, __ATOMIC_SEQ_CST);
   if (impl == NULL) {
     *status = tsock__fail(TSOCK_EHANDLE, "reader handle %p is not open", (void *)h);
     return NULL;
@@ -79,15 +101,45 @@ struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status) {
   return impl;
 }
 
+struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status) {
+  int64_t i = handle_index(h);
+  if (i < 0) return lookup(h, i, status);
+  /* The use first, then the checks; detach unregisters first, then reads
+   * the uses (both sequentially consistent): either this call sees the
+   * handle gone, or detach sees this use and waits for it. */
+  __atomic_add_fetch(&handles[i].uses, 1, __ATOMIC_SEQ_CST);
+  struct reader_impl *impl = lookup(h, i, status);
+  if (impl == NULL) __atomic_sub_fetch(&handles[i].uses, 1, __ATOMIC_RELEASE);
+  return impl;
+}
+
+void tsock__handle_put(tsock_reader_t *h) {
+  __atomic_sub_fetch(&handles[handle_index(h)].uses, 1, __ATOMIC_RELEASE);
+}
+
+#define DETACH_POLL_NS 1000000ll /* how often detach looks whether other calls have left */
+
 struct reader_impl *tsock__handle_take(tsock_reader_t *h, int *status) {
+  int64_t i = handle_index(h);
   handles_lock();
-  struct reader_impl *impl = tsock__handle_get(h, status);
+  struct reader_impl *impl = lookup(h, i, status);
   if (impl != NULL) {
-    uint32_t i = (uint32_t)((uint64_t)(uintptr_t)h & 0xffff) - 1;
-    handles[i].gen++;
-    __atomic_store_n(&handles[i].impl, NULL, __ATOMIC_RELEASE);
+    __atomic_store_n(&handles[i].gen, handles[i].gen + 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&handles[i].impl, NULL, __ATOMIC_SEQ_CST);
   }
   handles_unlock();
+  if (impl == NULL) return NULL;
+  /* Calls of other threads still inside the reader: an acquire waiting for
+   * a batch sees `closing` and returns TSOCK_EHANDLE (woken from its sleep
+   * on the published word: other readers sleeping there wake too, and sleep
+   * again); the others are short. The reader is freed after the last. */
+  uint32_t n = __atomic_load_n(&handles[i].uses, __ATOMIC_SEQ_CST);
+  if (n != 0) {
+    __atomic_store_n(&impl->closing, 1, __ATOMIC_SEQ_CST);
+    tsock__futex_wake_all((uint32_t *)(uintptr_t)&impl->live->published);
+    while ((n = __atomic_load_n(&handles[i].uses, __ATOMIC_ACQUIRE)) != 0)
+      tsock__futex_wait(&handles[i].uses, n, DETACH_POLL_NS);
+  }
   return impl;
 }
 
@@ -149,10 +201,14 @@ int tsock_reader_pin_mapping(tsock_reader_t *h, void **token) {
   int rc;
   struct reader_impl *r = tsock__handle_get(h, &rc);
   if (r == NULL) return rc;
-  if (token == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_pin_mapping: token is NULL");
-  tsock__map_ref(r->map_ref);
-  rc = tsock__pin_add(drop_map, r->map_ref, token);
-  if (rc != TSOCK_OK) tsock__map_unref(r->map_ref);
+  if (token == NULL) {
+    rc = tsock__fail(TSOCK_EINVAL, "tsock_reader_pin_mapping: token is NULL");
+  } else {
+    tsock__map_ref(r->map_ref);
+    rc = tsock__pin_add(drop_map, r->map_ref, token);
+    if (rc != TSOCK_OK) tsock__map_unref(r->map_ref);
+  }
+  tsock__handle_put(h);
   return rc;
 }
 

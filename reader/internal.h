@@ -246,14 +246,22 @@ struct reader_impl {
   void *device;
   const tsock_device_hooks *hooks;
   uint32_t fenced; /* held batches with an armed fence */
+  uint32_t closing; /* atomic: detached by another thread (tsock__handle_take) */
 };
 
 /* The reader behind handle h, or NULL with *status set (TSOCK_EHANDLE for
  * a stale or unknown handle, TSOCK_EFORKED in a child of its process).
- * tsock__handle_new registers one (NULL when the table is full);
- * tsock__handle_take also unregisters it (detach). handles.c. */
+ * tsock__handle_new registers one (NULL when the table is full).
+ * tsock__handle_get counts a use of it, which the caller drops with
+ * tsock__handle_put(h) once it no longer touches the reader (every public
+ * call on a handle holds one for its whole length; nested uses are fine).
+ * tsock__handle_take unregisters it (detach), so later calls fail with
+ * TSOCK_EHANDLE, and returns once no other thread's use is left: it sets
+ * the reader's `closing` and wakes an acquire waiting in it, which then
+ * returns TSOCK_EHANDLE. handles.c. */
 TSOCK_INTERNAL tsock_reader_t *tsock__handle_new(struct reader_impl *impl);
 TSOCK_INTERNAL struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status);
+TSOCK_INTERNAL void tsock__handle_put(tsock_reader_t *h);
 TSOCK_INTERNAL struct reader_impl *tsock__handle_take(tsock_reader_t *h, int *status);
 /* TSOCK_OK while the reader's roster entry is still its own, else
  * TSOCK_EEVICTED with a message. acquire.c. */

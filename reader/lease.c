@@ -367,9 +367,8 @@ static int pages_fit(const tsock_leases *t) {
                      (unsigned long long)t->slot_bytes, (unsigned long long)page);
 }
 
-int tsock_batch_keep(tsock_reader_t *r, const tsock_batch_t *b, uint32_t tensor_mask,
-                     const tsock_batch_t **kept) {
-  tsock__clear_error();
+static int batch_keep(tsock_reader_t *r, const tsock_batch_t *b, uint32_t tensor_mask,
+                      const tsock_batch_t **kept) {
   tsock_held_batch *hb = NULL;
   tsock_leases *t = NULL;
   int rc = tsock__reader_held(r, b, "tsock_batch_keep", &hb, &t);
@@ -412,6 +411,18 @@ int tsock_batch_keep(tsock_reader_t *r, const tsock_batch_t *b, uint32_t tensor_
   return TSOCK_OK;
 }
 
+/* Holds a use of the handle (tsock__handle_get) throughout, as every call
+ * on one does: a detach in another thread waits for it to end. */
+int tsock_batch_keep(tsock_reader_t *r, const tsock_batch_t *b, uint32_t tensor_mask,
+                     const tsock_batch_t **kept) {
+  tsock__clear_error();
+  int rc;
+  if (tsock__handle_get(r, &rc) == NULL) return rc;
+  rc = batch_keep(r, b, tensor_mask, kept);
+  tsock__handle_put(r);
+  return rc;
+}
+
 int tsock_batch_free(const tsock_batch_t *kept) {
   tsock__clear_error();
   if (!tsock__pin_take(kept, kept_free))
@@ -424,8 +435,7 @@ int tsock_batch_free(const tsock_batch_t *kept) {
 
 static void drop_lease(void *l) { tsock__lease_unref(l); }
 
-int tsock_batch_pin(tsock_reader_t *r, const tsock_batch_t *b, void **token) {
-  tsock__clear_error();
+static int batch_pin(tsock_reader_t *r, const tsock_batch_t *b, void **token) {
   tsock_held_batch *hb = NULL;
   tsock_leases *t = NULL;
   int rc = tsock__reader_held(r, b, "tsock_batch_pin", &hb, &t);
@@ -434,5 +444,14 @@ int tsock_batch_pin(tsock_reader_t *r, const tsock_batch_t *b, void **token) {
   tsock__lease_ref(hb->lease);
   rc = tsock__pin_add(drop_lease, hb->lease, token);
   if (rc != TSOCK_OK) tsock__lease_unref(hb->lease);
+  return rc;
+}
+
+int tsock_batch_pin(tsock_reader_t *r, const tsock_batch_t *b, void **token) {
+  tsock__clear_error();
+  int rc;
+  if (tsock__handle_get(r, &rc) == NULL) return rc;
+  rc = batch_pin(r, b, token);
+  tsock__handle_put(r);
   return rc;
 }

@@ -19,15 +19,26 @@
  */
 #include "internal.h"
 
-int tsock_reader_payload_range(tsock_reader_t *h, const void **base, uint64_t *len) {
-  int rc;
-  struct reader_impl *r = tsock__handle_get(h, &rc);
-  if (r == NULL) return rc;
+/* Every function here holds a use of the handle while it reads the reader
+ * (tsock__handle_get/put). The internal ones (tsock__reader_*) hand out
+ * pointers into the reader: their callers, public calls, hold a use of
+ * their own for as long as they use them. */
+
+static int payload_range(struct reader_impl *r, const void **base, uint64_t *len) {
   if (base == NULL || len == NULL)
     return tsock__fail(TSOCK_EINVAL, "tsock_reader_payload_range: NULL out-parameter");
   *base = r->payload;
   *len = (r->mask + 1) * r->slot_payload_bytes;
   return TSOCK_OK;
+}
+
+int tsock_reader_payload_range(tsock_reader_t *h, const void **base, uint64_t *len) {
+  int rc;
+  struct reader_impl *r = tsock__handle_get(h, &rc);
+  if (r == NULL) return rc;
+  rc = payload_range(r, base, len);
+  tsock__handle_put(h);
+  return rc;
 }
 
 int tsock__reader_map(tsock_reader_t *h, tsock_map_ref **m, const void **base, uint64_t *len) {
@@ -37,14 +48,12 @@ int tsock__reader_map(tsock_reader_t *h, tsock_map_ref **m, const void **base, u
   *m = r->map_ref;
   *base = r->payload;
   *len = (r->mask + 1) * r->slot_payload_bytes;
+  tsock__handle_put(h);
   return TSOCK_OK;
 }
 
-int tsock__reader_held(tsock_reader_t *h, const tsock_batch_t *b, const char *fn,
+static int reader_held(struct reader_impl *r, const tsock_batch_t *b, const char *fn,
                        tsock_held_batch **out, tsock_leases **leases) {
-  int rc;
-  struct reader_impl *r = tsock__handle_get(h, &rc);
-  if (r == NULL) return rc;
   if (b == NULL) return tsock__fail(TSOCK_EINVAL, "%s: batch is NULL", fn);
   /* By address first: b may be anything, and is read only once it is ours. */
   tsock_held_batch *hb = NULL;
@@ -54,11 +63,21 @@ int tsock__reader_held(tsock_reader_t *h, const tsock_batch_t *b, const char *fn
       hb->user_released)
     return tsock__fail(TSOCK_ESTATE, "%s: batch is not held by this reader (released, or not "
                                      "one of its batches)", fn);
-  rc = tsock__check_claim(r);
+  int rc = tsock__check_claim(r);
   if (rc != TSOCK_OK) return rc;
   *out = hb;
   *leases = r->leases;
   return TSOCK_OK;
+}
+
+int tsock__reader_held(tsock_reader_t *h, const tsock_batch_t *b, const char *fn,
+                       tsock_held_batch **out, tsock_leases **leases) {
+  int rc;
+  struct reader_impl *r = tsock__handle_get(h, &rc);
+  if (r == NULL) return rc;
+  rc = reader_held(r, b, fn, out, leases);
+  tsock__handle_put(h);
+  return rc;
 }
 
 int tsock_reader_check(tsock_reader_t *h) {
@@ -69,7 +88,10 @@ int tsock_reader_check(tsock_reader_t *h) {
 int tsock__reader_claimed(tsock_reader_t *h) {
   int rc;
   struct reader_impl *r = tsock__handle_get(h, &rc);
-  return r == NULL ? rc : tsock__check_claim(r);
+  if (r == NULL) return rc;
+  rc = tsock__check_claim(r);
+  tsock__handle_put(h);
+  return rc;
 }
 
 int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v) {
@@ -80,6 +102,7 @@ int tsock__reader_view(tsock_reader_t *h, tsock_reader_view *v) {
                            .slot_count = (uint32_t)(r->mask + 1),
                            .slot_payload_bytes = r->slot_payload_bytes, .fd = r->fd,
                            .device = r->device};
+  tsock__handle_put(h);
   return TSOCK_OK;
 }
 
@@ -87,9 +110,14 @@ int tsock__reader_set_device(tsock_reader_t *h, void *device, const tsock_device
   int rc;
   struct reader_impl *r = tsock__handle_get(h, &rc);
   if (r == NULL) return rc;
-  if (r->device != NULL) return tsock__fail(TSOCK_ESTATE, "reader already has a device");
-  r->device = device;
-  r->hooks = hooks;
-  for (uint32_t i = 0; i < r->max_held; i++) r->held[i].device = device;
-  return TSOCK_OK;
+  if (r->device != NULL) {
+    rc = tsock__fail(TSOCK_ESTATE, "reader already has a device");
+  } else {
+    rc = TSOCK_OK;
+    r->device = device;
+    r->hooks = hooks;
+    for (uint32_t i = 0; i < r->max_held; i++) r->held[i].device = device;
+  }
+  tsock__handle_put(h);
+  return rc;
 }

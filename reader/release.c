@@ -38,10 +38,7 @@ void tsock__advance(struct reader_impl *r, int wait_oldest) {
   if (c != r->released) publish_cursor(r, c);
 }
 
-int tsock_reader_release(tsock_reader_t *h, const tsock_batch_t *b) {
-  int rc;
-  struct reader_impl *r = tsock__handle_get(h, &rc);
-  if (r == NULL) return rc;
+static int release(struct reader_impl *r, const tsock_batch_t *b) {
   if (b == NULL) return tsock__fail(TSOCK_EINVAL, "tsock_reader_release: batch is NULL");
   uint64_t seq = b->seq;
   if (seq < r->released || seq >= r->next || b != &r->held[seq % r->max_held].batch ||
@@ -62,4 +59,13 @@ int tsock_reader_release(tsock_reader_t *h, const tsock_batch_t *b) {
   }
   tsock__advance(r, 0);
   return tsock__check_claim(r);
+}
+
+int tsock_reader_release(tsock_reader_t *h, const tsock_batch_t *b) {
+  int rc;
+  struct reader_impl *r = tsock__handle_get(h, &rc);
+  if (r == NULL) return rc;
+  rc = release(r, b);
+  tsock__handle_put(h);
+  return rc;
 }

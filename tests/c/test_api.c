@@ -895,6 +895,66 @@ static void test_peek(void) {
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
 
+/* Detach from one thread while another waits in acquire (an interpreter's
+ * exit finalizers detach under a daemon thread reading): the waiting
+ * acquire returns TSOCK_EHANDLE at once, detach returns once it has left
+ * the reader, and nothing runs in freed or unmapped memory. */
+struct waiter {
+  tsock_reader_t *r;
+  int rc;
+  int64_t returned_ns;
+  char why[256]; /* its tsock_last_error(), which is per thread */
+};
+
+static void *acquire_forever(void *arg) {
+  struct waiter *w = arg;
+  const tsock_batch_t *b = NULL;
+  w->rc = tsock_reader_acquire(w->r, &b, -1);
+  w->returned_ns = test_now_ns();
+  snprintf(w->why, sizeof w->why, "%s", tsock_last_error());
+  return NULL;
+}
+
+static void test_detach_under_acquire(void) {
+  const char *name = test_name("tapi", "detachwait");
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  if (p == NULL) return;
+  for (int round = 0; round < 3; round++) {
+    tsock_reader_options_t o;
+    tsock_reader_options_init(&o);
+    o.start = TSOCK_START_NOW;
+    o.spin_ns = round == 2 ? INT64_MAX / 2 : 20000; /* round 2: spinning, never asleep */
+    tsock_reader_t *r = NULL;
+    CHECK_RC(tsock_reader_attach(name, &o, &r), TSOCK_OK);
+    if (r == NULL) break;
+    struct waiter w = {.r = r, .rc = 1};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, acquire_forever, &w) == 0);
+    struct timespec ts = {0, 100 * MS}; /* the waiter is asleep in acquire */
+    nanosleep(&ts, NULL);
+    int64_t t0 = test_now_ns();
+    CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+    int64_t detached = test_now_ns();
+    pthread_join(th, NULL);
+    CHECK(w.rc == TSOCK_EHANDLE && strstr(w.why, "detached by another thread") != NULL);
+    CHECK(w.returned_ns <= detached);     /* detach waited for it */
+    CHECK(detached - t0 < 1000 * MS);      /* woken, not left to its sleep */
+    CHECK_RC(tsock_reader_detach(r), TSOCK_EHANDLE);
+    const tsock_batch_t *b = NULL;
+    CHECK_RC(tsock_reader_acquire(r, &b, 0), TSOCK_EHANDLE);
+  }
+  /* The readers' entries are free again: a new reader reads as usual. */
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NOW);
+  publish_value(p, 7);
+  const tsock_batch_t *b = NULL;
+  if (r != NULL) {
+    CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+    if (b != NULL) CHECK(batch_value(b) == 7);
+    CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  }
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
 int main(void) {
   test_options_init();
   test_status_strings();
@@ -915,5 +975,6 @@ int main(void) {
   test_mapping_outlives_detach();
   test_dlpack_export();
   test_peek();
+  test_detach_under_acquire();
   return test_report("test_api");
 }

@@ -96,6 +96,27 @@ def stuck_pipeline(n: int, batch_size: int, token: str, gate_dir: str):
     return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7, augment=StuckUntil(gate_dir), workers=2)
 
 
+class StallAfter:
+    """An augment stage that passes `count` samples, then blocks each later
+    one until `gate_dir`/go exists: a producer running it publishes a batch
+    or so and then publishes nothing, with its trainers waiting in next()."""
+
+    def __init__(self, count: int, gate_dir: str):
+        self.count = count
+        self.gate_dir = gate_dir
+
+    def __call__(self, sample, rng):
+        self.count -= 1
+        while self.count < 0 and not os.path.exists(os.path.join(self.gate_dir, "go")):
+            time.sleep(0.05)
+        return sample
+
+
+def stalling_pipeline(n: int, batch_size: int, token: str, gate_dir: str):
+    """pipeline(), stalled after its first batch (StallAfter)."""
+    return tsock.Pipeline(Ids(n), batch_size=batch_size, seed=7, augment=StallAfter(batch_size, gate_dir))
+
+
 def generator(n: int, batch_size: int, token: str = ""):
     """Not re-iterable: its batches come once (an iterator, refused)."""
     return (batch for batch in plain(n, batch_size))

@@ -1,0 +1,140 @@
+"""A process exits while a daemon thread of it is blocked reading a consumer:
+the exit finalizers detach the reader under that thread's acquire
+(tsock_reader_detach from another thread). It must exit cleanly, never
+crash (it segfaulted in the acquire: review 30)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import time
+
+import pytest
+from tsock import _shared
+
+# A producer that publishes one batch, then nothing (its data blocks).
+PRODUCER = """
+import sys, threading
+import numpy as np
+import tsock
+
+def data():
+    yield (np.arange(16, dtype=np.float32),)
+    threading.Event().wait()  # never set: nothing more
+    yield (np.arange(16, dtype=np.float32),)
+
+producer = tsock.Producer(data(), sys.argv[1], slots=4, wait_readers=1)
+if __name__ == "__main__":
+    producer.run(epochs=1)
+"""
+
+# The child: a daemon thread reads the producer's batch, then waits in
+# next(); the main thread exits while it waits. The producer runs in a
+# thread of the child or in a process of its own (the channel then stays
+# open while the reader's process exits).
+PLAIN = """
+import atexit, sys, subprocess, threading, time
+
+# Registered first, so it runs last, after the finalizers that detach: the
+# waiting thread wakes in the meantime (it crashed here, not always before
+# the process was gone).
+atexit.register(time.sleep, 0.3)
+import tsock
+
+name, lifetime, output, where, producer_code = sys.argv[1:6]
+if where == "thread":
+    scope = {"__name__": "producer"}
+    exec(producer_code, scope)
+    threading.Thread(target=scope["producer"].run, daemon=True).start()
+else:
+    child = subprocess.Popen([sys.executable, "-c", producer_code, name], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    print("producer", child.pid, flush=True)  # alive after we exit: the test ends it
+consumer = tsock.Consumer(name, output=output, timeout=30, lifetime=lifetime)
+got = threading.Event()
+
+def read():
+    for batch in consumer:
+        got.set()
+
+threading.Thread(target=read, daemon=True).start()
+assert got.wait(30), "no batch"
+time.sleep(0.5)  # the reader is back in acquire, waiting for the next batch
+print("exiting", flush=True)
+"""
+
+
+def _assert_clean_exit(p, timeout=60) -> str:
+    out, err = p.communicate(timeout=timeout)
+    for line in out.splitlines():  # a producer process it left running
+        if line.startswith("producer "):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[1]), signal.SIGKILL)
+    assert "exiting" in out, err
+    assert "Segmentation fault" not in err and "Fatal Python error" not in err, err
+    assert p.returncode == 0, (p.returncode, err)
+    return out
+
+
+@pytest.mark.parametrize("lifetime", ["referenced", "step"])
+@pytest.mark.parametrize("output", ["numpy", "torch"])
+def test_exit_with_a_daemon_thread_blocked_in_next(spawn, channel, lifetime, output):
+    if output == "torch":
+        pytest.importorskip("torch")
+    _assert_clean_exit(spawn(PLAIN, channel, lifetime, output, "thread", PRODUCER))
+
+
+def test_exit_with_a_daemon_thread_blocked_on_a_producer_process(spawn, channel):
+    # The channel stays open while the reader's process exits.
+    _assert_clean_exit(spawn(PLAIN, channel, "referenced", "numpy", "process", PRODUCER))
+
+
+SHARED = """
+import atexit, sys, threading, time
+
+atexit.register(time.sleep, 0.3)  # runs after the finalizers (see PLAIN)
+import shared_helpers as h
+import tsock
+
+token, gate = sys.argv[1:3]
+loader = tsock.shared(h.stalling_pipeline, 64, 4, token, gate, linger=0.5)
+got = threading.Event()
+
+def read():
+    while True:
+        for batch in loader:
+            got.set()
+
+threading.Thread(target=read, daemon=True).start()
+assert got.wait(60), "no batch"
+time.sleep(0.5)  # the reader is back in acquire, waiting for the next batch
+print("exiting", flush=True)
+"""
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    """A runtime directory of this test's; afterwards its producers are
+    killed and their channels removed."""
+    path = tmp_path / "rt"
+    monkeypatch.setenv("TSOCK_RUNTIME_DIR", str(path))
+    yield path
+    for alive_file in glob.glob(str(path / "*.alive")):
+        key = os.path.basename(alive_file)[: -len(".alive")]
+        note = _shared.Paths(str(path), key).read_alive()
+        if _shared.lock_is_held(alive_file) and note.get("pid"):
+            os.kill(note["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while _shared.lock_is_held(alive_file) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if note.get("channel") and os.path.exists(f"/dev/shm/tsock.{note['channel']}"):
+            os.unlink(f"/dev/shm/tsock.{note['channel']}")
+
+
+def test_exit_with_a_daemon_thread_blocked_in_a_shared_loader(spawn, runtime, tmp_path):
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    p = spawn(SHARED, f"{os.getpid()}-{time.monotonic_ns()}", gate)
+    _assert_clean_exit(p, timeout=120)
