@@ -89,7 +89,7 @@ static struct reader_impl *lookup(tsock_reader_t *h, int64_t i, int *status) {
     return NULL;
   }
   struct reader_impl *impl = __atomic_load_n(&handles[i].impl, __ATOMIC_SEQ_CST);
-  if (impl == NULL) {
+  if (impl == NULL || impl == (struct reader_impl *)(uintptr_t)1) {
     *status = tsock__fail(TSOCK_EHANDLE, "reader handle %p is not open", (void *)h);
     return NULL;
   }
@@ -117,6 +117,7 @@ void tsock__handle_put(tsock_reader_t *h) {
   __atomic_sub_fetch(&handles[handle_index(h)].uses, 1, __ATOMIC_RELEASE);
 }
 
+#define TAKEN ((struct reader_impl *)(uintptr_t)1) /* detached, draining */
 #define DETACH_POLL_NS 1000000ll /* how often detach looks whether other calls have left */
 
 struct reader_impl *tsock__handle_take(tsock_reader_t *h, int *status) {
@@ -125,7 +126,7 @@ struct reader_impl *tsock__handle_take(tsock_reader_t *h, int *status) {
   struct reader_impl *impl = lookup(h, i, status);
   if (impl != NULL) {
     __atomic_store_n(&handles[i].gen, handles[i].gen + 1, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&handles[i].impl, NULL, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&handles[i].impl, TAKEN, __ATOMIC_SEQ_CST);
   }
   handles_unlock();
   if (impl == NULL) return NULL;
@@ -136,10 +137,18 @@ struct reader_impl *tsock__handle_take(tsock_reader_t *h, int *status) {
   uint32_t n = __atomic_load_n(&handles[i].uses, __ATOMIC_SEQ_CST);
   if (n != 0) {
     __atomic_store_n(&impl->closing, 1, __ATOMIC_SEQ_CST);
-    tsock__futex_wake_all((uint32_t *)(uintptr_t)&impl->live->published);
-    while ((n = __atomic_load_n(&handles[i].uses, __ATOMIC_ACQUIRE)) != 0)
+    /* Woken again at every poll: an acquire that read `closing` just
+     * before it was set sleeps after the first wake. */
+    while ((n = __atomic_load_n(&handles[i].uses, __ATOMIC_ACQUIRE)) != 0) {
+      tsock__futex_wake_all((uint32_t *)(uintptr_t)&impl->live->published);
       tsock__futex_wait(&handles[i].uses, n, DETACH_POLL_NS);
+    }
   }
+  /* The entry stays reserved (impl = TAKEN) until now: a reader attached
+   * meanwhile must not share the `uses` this detach waited on. */
+  handles_lock();
+  __atomic_store_n(&handles[i].impl, NULL, __ATOMIC_SEQ_CST);
+  handles_unlock();
   return impl;
 }
 
