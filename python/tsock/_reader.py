@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import struct
+import threading
 import time
 import weakref
 from collections import deque
@@ -217,6 +218,9 @@ class Reader:
         self._out = ctypes.c_void_p()
         self._out_ref = ctypes.byref(self._out)
         self._views: dict[int, tuple] = {}
+        # Held while a batch is acquired and read, and by detach: another
+        # thread's detach must not free the reader's memory in between.
+        self._busy = threading.Lock()
         # Called before a batch is released and before detaching (the GPU
         # staging waits there for copies still reading held batches).
         self.on_release = None
@@ -225,15 +229,22 @@ class Reader:
         """The next batch, waiting in slices without limit (or until the
         time.monotonic() `deadline`: None then); raises ProducerGone,
         ChannelClosed, Evicted... when the stream ends."""
-        acquire, handle, ref = self.lib.acquire, self.handle, self._out_ref
+        acquire, handle, ref, busy = self.lib.acquire, self.handle, self._out_ref, self._busy
         while True:
-            rc = acquire(handle, ref, SLICE_NS)
-            if rc == _capi.OK:
-                break
+            with busy:
+                rc = acquire(handle, ref, SLICE_NS)
+                if rc == _capi.OK:
+                    # Read under the lock: the batch record is the reader's
+                    # memory, which a detach from another thread (a
+                    # finalizer at exit) frees (review 32, F3).
+                    return self._acquired()
             if rc != _capi.EAGAIN:
                 check(self.lib, rc, "acquire")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+
+    def _acquired(self) -> Raw:
+        """The batch acquire() just took, read from the reader's record of it."""
         addr = self._out.value
         views = self._views.get(addr)
         if views is None:
@@ -380,8 +391,9 @@ class Reader:
                 raw.lease.valid = False
         self.held.clear()
         if self.handle is not None:
-            rc = self.lib.tsock_reader_detach(self.handle)
-            self.handle = None
+            with self._busy:
+                rc = self.lib.tsock_reader_detach(self.handle)
+                self.handle = None
             # EFORKED: a child of the attaching process; the parent detaches.
             if rc not in (_capi.OK, _capi.EFORKED, _capi.EHANDLE):
                 raise TsockError(f"detach: {self.lib.tsock_last_error().decode(errors='replace')}", rc)
