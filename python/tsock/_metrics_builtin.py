@@ -16,7 +16,7 @@ import threading
 import weakref
 
 from . import _metrics_export
-from ._metrics_registry import counter, gauge
+from ._metrics_registry import MAX_SERIES, counter, gauge
 from .errors import TsockError
 from .pipeline import Pipeline
 
@@ -58,6 +58,10 @@ def process_label() -> str:
 
 
 def _retire(kind: str, labels: tuple, stats: dict) -> None:
+    if (kind, labels) not in _retired and len(_retired) >= 2 * MAX_SERIES:
+        # The oldest series of objects gone make room: bounded memory, and
+        # a process that opens channel after channel keeps exporting.
+        del _retired[next(iter(_retired))]
     kept = _retired.setdefault((kind, labels), {})
     for k in stats:
         if k in SUMMED or k.startswith(STAGE):
@@ -133,7 +137,10 @@ def _live_consumers() -> list[tuple[tuple, dict]]:
         _reap()
         live = [(labels, acct.stats()) for labels, acct in _consumers.values()]
         gone = [(labels, dict(v)) for (kind, labels), v in _retired.items() if kind == "consumer"]
-    return gone + live
+    # Live consumers first: a family keeps MAX_SERIES label sets, and the
+    # series of consumers gone (a test suite's, a process that opened many
+    # channels) must not push the live ones out.
+    return live + gone
 
 
 def _live_producers() -> list[tuple[tuple, dict]]:

@@ -6,6 +6,7 @@ loaded machine."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -168,6 +169,29 @@ def test_labels_are_bounded(channel):
     assert len(many.samples()) == metrics.MAX_SERIES
     with pytest.raises(ValueError, match="labels"):
         many.inc(1, key=1, batch=2)
+
+
+def test_a_live_consumer_is_exported_after_many_gone(channel):
+    """The fresh-clone run found the exporter's series full of consumers
+    gone (each earlier test's own channel): a live consumer's series were
+    dropped. Live ones come first now."""
+    pytest.importorskip("prometheus_client")
+    for i in range(metrics.MAX_SERIES + 6):
+        other = f"{channel}-{i}"
+        with tsock.Producer(None, other, slots=8) as p:
+            publish(p, 1)
+            with tsock.Consumer(other, start="now", timeout=30) as c:
+                publish(p, 1)
+                read(c, 1)
+        del c
+    gc.collect()
+    with tsock.Producer(None, channel, slots=8) as p:
+        publish(p, 1)
+        with tsock.Consumer(channel, start="now", timeout=30) as c:
+            publish(p, 2)
+            read(c, 2)
+            text = metrics.text()
+    assert series(text, "tsock_iter_batches_total", channel=channel) == [2]
 
 
 def test_a_registered_family_is_exported():
