@@ -603,7 +603,9 @@ int tsock_batch_pin(tsock_reader_t *r, const tsock_batch_t *batch, void **token)
  * acquire waiting for a batch is woken and returns TSOCK_EHANDLE), and
  * calls after it return TSOCK_EHANDLE. Batches (and pointers into them)
  * are invalid once it returns, unless kept or pinned. A second detach
- * returns TSOCK_EHANDLE. The
+ * returns TSOCK_EHANDLE. A detach from inside a call on r in the same
+ * thread (a signal handler that interrupted it) would wait for itself: it
+ * returns TSOCK_ESTATE and changes nothing. The
  * producer has freed the record when it returns (it waits up to 1 s for a
  * producer that does not answer, e.g. a stopped one). Waits for
  * the GPU work of released batches (tsock_batch_cuda_use); where CUDA cannot

@@ -101,6 +101,11 @@ static struct reader_impl *lookup(tsock_reader_t *h, int64_t i, int *status) {
   return impl;
 }
 
+/* This thread's calls inside each entry: a detach made from inside one (a
+ * signal handler that interrupted a call on the same reader) would wait for
+ * its own call for ever, so it is refused instead (review 32, F5). */
+static _Thread_local uint8_t my_uses[TSOCK_READER_HANDLES];
+
 struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status) {
   int64_t i = handle_index(h);
   if (i < 0) return lookup(h, i, status);
@@ -109,12 +114,17 @@ struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status) {
    * handle gone, or detach sees this use and waits for it. */
   __atomic_add_fetch(&handles[i].uses, 1, __ATOMIC_SEQ_CST);
   struct reader_impl *impl = lookup(h, i, status);
-  if (impl == NULL) __atomic_sub_fetch(&handles[i].uses, 1, __ATOMIC_RELEASE);
+  if (impl == NULL)
+    __atomic_sub_fetch(&handles[i].uses, 1, __ATOMIC_RELEASE);
+  else
+    my_uses[i]++;
   return impl;
 }
 
 void tsock__handle_put(tsock_reader_t *h) {
-  __atomic_sub_fetch(&handles[handle_index(h)].uses, 1, __ATOMIC_RELEASE);
+  int64_t i = handle_index(h);
+  my_uses[i]--;
+  __atomic_sub_fetch(&handles[i].uses, 1, __ATOMIC_RELEASE);
 }
 
 #define TAKEN ((struct reader_impl *)(uintptr_t)1) /* detached, draining */
@@ -122,6 +132,12 @@ void tsock__handle_put(tsock_reader_t *h) {
 
 struct reader_impl *tsock__handle_take(tsock_reader_t *h, int *status) {
   int64_t i = handle_index(h);
+  if (i >= 0 && my_uses[i] != 0) {
+    *status = tsock__fail(TSOCK_ESTATE,
+                          "tsock_reader_detach: called from inside a call on the same reader "
+                          "(a signal handler?); detach it after that call returns");
+    return NULL;
+  }
   handles_lock();
   struct reader_impl *impl = lookup(h, i, status);
   if (impl != NULL) {

@@ -236,12 +236,15 @@ class Referenced:
             # parent's (batches kept before the fork are its own copies).
             return
         error = None
-        for raw in list(self.reader.held):
-            if raw.lease.kept or not _by_both(raw):
-                continue
-            try:
-                self._keep(raw)
-            except Exception as e:  # noqa: BLE001 - raised below, after the others
-                error = error or e
+        # Under the reader's lock: a thread still reading (a daemon thread
+        # at exit) cannot release a batch between the look and the keep.
+        with self.reader.busy:
+            for raw in list(self.reader.held):
+                if raw.lease.kept or not raw.lease.valid or not _by_both(raw):
+                    continue
+                try:
+                    self._keep(raw)
+                except Exception as e:  # noqa: BLE001 - raised below, after the others
+                    error = error or e
         if error is not None:
             raise error

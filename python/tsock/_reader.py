@@ -218,9 +218,17 @@ class Reader:
         self._out = ctypes.c_void_p()
         self._out_ref = ctypes.byref(self._out)
         self._views: dict[int, tuple] = {}
-        # Held while a batch is acquired and read, and by detach: another
-        # thread's detach must not free the reader's memory in between.
-        self._busy = threading.Lock()
+        # Held by every call that changes the reader (acquire and reading
+        # the batch, release, keep, detach): the C reader takes one thread
+        # at a time, and a detach from another thread (a finalizer at exit)
+        # must not free the reader's memory under a call, nor an exit
+        # finalizer's keep meet a release of the reading thread (review 32).
+        # Re-entrant: a finalizer keeps batches under it.
+        self.busy = threading.RLock()
+        # Set by detach: None while attached, else whether it ran at
+        # interpreter exit (the exit finalizers), for what a call of another
+        # thread sees then (_closed).
+        self._detached_at_exit: bool | None = None
         # Called before a batch is released and before detaching (the GPU
         # staging waits there for copies still reading held batches).
         self.on_release = None
@@ -229,7 +237,7 @@ class Reader:
         """The next batch, waiting in slices without limit (or until the
         time.monotonic() `deadline`: None then); raises ProducerGone,
         ChannelClosed, Evicted... when the stream ends."""
-        acquire, handle, ref, busy = self.lib.acquire, self.handle, self._out_ref, self._busy
+        acquire, handle, ref, busy = self.lib.acquire, self.handle, self._out_ref, self.busy
         while True:
             with busy:
                 rc = acquire(handle, ref, SLICE_NS)
@@ -239,7 +247,7 @@ class Reader:
                     # finalizer at exit) frees (review 32, F3).
                     return self._acquired()
             if rc != _capi.EAGAIN:
-                check(self.lib, rc, "acquire")
+                self._check(rc, "acquire")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
@@ -278,7 +286,7 @@ class Reader:
         (tsock_batch_pin) for as long as its view or a slice of it lives."""
         lib = self.lib
         token = ctypes.c_void_p()
-        check(lib, lib.pin(self.handle, batch, ctypes.byref(token)), "pin a slot")
+        self._check(lib.pin(self.handle, batch, ctypes.byref(token)), "pin a slot")
         view = _pinned_view(lib, token, payload, capacity)
         counts = memoryview((ctypes.c_uint32 * (LIVE_TOTAL + 1)).from_address(live)).cast("B").cast("I")
         mem = self._slots[payload] = Memory(view, payload, capacity, counts)
@@ -299,9 +307,10 @@ class Reader:
         kept copies only, and later batches of the slot lie elsewhere."""
         lib = self.lib
         kept = ctypes.c_void_p()
-        rc = lib.keep(self.handle, raw.lease.held, mask, ctypes.byref(kept))
+        with self.busy:
+            rc = lib.keep(self.handle, raw.lease.held, mask, ctypes.byref(kept))
         if rc:
-            check(lib, rc, "keep a batch")
+            self._check(rc, "keep a batch")
         if not kept.value:
             return  # nothing was referenced after all: nothing copied
         mem = raw.mem
@@ -356,7 +365,7 @@ class Reader:
     def check_claim(self) -> None:
         """Evicted once the producer's eviction policy took this reader: what
         it holds may be rewritten from then on (a batch acquired ahead)."""
-        check(self.lib, self.lib.tsock_reader_check(self.handle), "check")
+        self._check(self.lib.tsock_reader_check(self.handle), "check")
 
     def slot_count(self) -> int:
         """The ring's slots, from the payload mapping's length and the slot
@@ -370,15 +379,29 @@ class Reader:
             self.on_release()
         lease = raw.lease
         held = self.held
-        rc = self.lib.release(self.handle, lease.held)
-        # Invalid whatever the release says: after an eviction (EEVICTED)
-        # the producer may already be rewriting these slots.
-        while held and held[0].lease.seq <= lease.seq:
-            old = held.popleft().lease
-            if not old.kept:
-                old.valid = False
+        with self.busy:
+            rc = self.lib.release(self.handle, lease.held)
+            # Invalid whatever the release says: after an eviction (EEVICTED)
+            # the producer may already be rewriting these slots.
+            while held and held[0].lease.seq <= lease.seq:
+                old = held.popleft().lease
+                if not old.kept:
+                    old.valid = False
         if rc:
-            check(self.lib, rc, "release")
+            self._check(rc, "release")
+
+    def _check(self, rc: int, what: str) -> None:
+        """check() for a call on the reader, which another thread may have
+        detached meanwhile (its handle is then not open): that reads as the
+        consumer closed, whichever call noticed it (review 32, F4)."""
+        if rc == _capi.EHANDLE and self._detached_at_exit is not None:
+            if self._detached_at_exit and threading.current_thread() is not threading.main_thread():
+                # The exit finalizers closed it under a daemon thread still
+                # reading: end that thread quietly (threading prints no
+                # traceback for SystemExit), as the process is exiting.
+                raise SystemExit(0)
+            raise TsockError(f"{what}: the consumer was closed by another thread", rc)
+        check(self.lib, rc, what)
 
     def detach(self) -> None:
         if self.on_release is not None and self.handle is not None:
@@ -391,7 +414,9 @@ class Reader:
                 raw.lease.valid = False
         self.held.clear()
         if self.handle is not None:
-            with self._busy:
+            # At exit the main thread has stopped before the finalizers run.
+            self._detached_at_exit = not threading.main_thread().is_alive()
+            with self.busy:
                 rc = self.lib.tsock_reader_detach(self.handle)
                 self.handle = None
             # EFORKED: a child of the attaching process; the parent detaches.

@@ -1,6 +1,8 @@
 /* test_api.c - the C ABI of libtsock.so (producer and reader), in one process. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <signal.h>
+#include <sys/time.h>
 #include <stdint.h>
 
 #include "test_util.h"
@@ -955,6 +957,40 @@ static void test_detach_under_acquire(void) {
   CHECK_RC(tsock_producer_close(p), TSOCK_OK);
 }
 
+/* A signal handler that detaches the reader its thread is inside a call on:
+ * refused (TSOCK_ESTATE), not a wait for itself for ever (review 32, F5). */
+static tsock_reader_t *self_detach_reader;
+static volatile sig_atomic_t self_detach_rc = -1000;
+static void self_detach(int sig) {
+  (void)sig;
+  self_detach_rc = tsock_reader_detach(self_detach_reader);
+}
+
+static void test_detach_from_inside_a_call(void) {
+  const char *name = test_name("tapi", "selfdetach");
+  tsock_producer_t *p = make_producer(name, 4, 4096);
+  if (p == NULL) return;
+  tsock_reader_t *r = make_reader(name, TSOCK_START_NOW);
+  if (r != NULL) {
+    self_detach_reader = r;
+    struct sigaction sa = {.sa_handler = self_detach}, old;
+    sigemptyset(&sa.sa_mask);
+    CHECK(sigaction(SIGALRM, &sa, &old) == 0);
+    struct itimerval it = {.it_value = {0, 50000}}; /* 50 ms into the acquire */
+    CHECK(setitimer(ITIMER_REAL, &it, NULL) == 0);
+    const tsock_batch_t *b = NULL;
+    CHECK_RC(tsock_reader_acquire(r, &b, 300 * MS), TSOCK_EAGAIN);
+    CHECK(self_detach_rc == TSOCK_ESTATE);
+    CHECK(sigaction(SIGALRM, &old, NULL) == 0);
+    /* Nothing changed: the reader still reads, then detaches. */
+    publish_value(p, 9);
+    CHECK_RC(tsock_reader_acquire(r, &b, 1000 * MS), TSOCK_OK);
+    if (b != NULL) CHECK(batch_value(b) == 9);
+    CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
+  }
+  CHECK_RC(tsock_producer_close(p), TSOCK_OK);
+}
+
 int main(void) {
   test_options_init();
   test_status_strings();
@@ -976,5 +1012,6 @@ int main(void) {
   test_dlpack_export();
   test_peek();
   test_detach_under_acquire();
+  test_detach_from_inside_a_call();
   return test_report("test_api");
 }

@@ -56,8 +56,11 @@ consumer = tsock.Consumer(name, output=output, timeout=30, lifetime=lifetime)
 got = threading.Event()
 
 def read():
-    for batch in consumer:
-        got.set()
+    try:
+        for batch in consumer:
+            got.set()
+    finally:  # woken by the exit's detach: ends quietly (no traceback)
+        print("reader ended", flush=True)
 
 threading.Thread(target=read, daemon=True).start()
 assert got.wait(30), "no batch"
@@ -75,6 +78,10 @@ def _assert_clean_exit(p, timeout=60) -> str:
     assert "exiting" in out, err
     assert "Segmentation fault" not in err and "Fatal Python error" not in err, err
     assert p.returncode == 0, (p.returncode, err)
+    # The reading thread was woken by the exit's detach and ended with no
+    # traceback (review 32, F4 and F6).
+    assert "reader ended" in out, (out, err)
+    assert "Traceback" not in err, err
     return out
 
 
@@ -103,9 +110,12 @@ loader = tsock.shared(h.stalling_pipeline, 64, 4, token, gate, linger=0.5)
 got = threading.Event()
 
 def read():
-    while True:
-        for batch in loader:
-            got.set()
+    try:
+        while True:
+            for batch in loader:
+                got.set()
+    finally:
+        print("reader ended", flush=True)
 
 threading.Thread(target=read, daemon=True).start()
 assert got.wait(60), "no batch"
@@ -138,3 +148,42 @@ def test_exit_with_a_daemon_thread_blocked_in_a_shared_loader(spawn, runtime, tm
     gate.mkdir()
     p = spawn(SHARED, f"{os.getpid()}-{time.monotonic_ns()}", gate)
     _assert_clean_exit(p, timeout=120)
+
+
+def test_a_consumer_closed_by_another_thread_says_so_in_the_reading_thread(channel, run_producer):
+    # Not at exit: the reading thread gets one clear error, whichever call
+    # of it noticed the close (before: "reader handle 0x10001 is not open",
+    # "release: ...", "pin a slot: ..." by turns).
+    import threading
+
+    import numpy as np
+    import tsock
+
+    stop = threading.Event()
+
+    def data():
+        yield (np.arange(16, dtype=np.float32),)
+        stop.wait(60)  # nothing more until the test ends
+
+    producer = tsock.Producer(data(), channel, slots=4, wait_readers=1)
+    run_producer(producer)
+    consumer = tsock.Consumer(channel, timeout=30)
+    got, ended = threading.Event(), []
+
+    def read():
+        try:
+            for _ in consumer:
+                got.set()
+        except BaseException as e:  # noqa: BLE001 - what the test looks at
+            ended.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    assert got.wait(30), "no batch"
+    time.sleep(0.3)  # back in acquire (or about to be: either way the same error)
+    consumer.close()
+    t.join(30)
+    stop.set()
+    assert not t.is_alive()
+    assert len(ended) == 1 and isinstance(ended[0], tsock.TsockError), ended
+    assert "closed by another thread" in str(ended[0]) or "consumer is closed" in str(ended[0]), ended
