@@ -16,7 +16,8 @@ Two knobs, sized from two kinds of measurement:
   (the pool is the bottleneck). While it waits more than GROW_WAIT the
   controller tries one worker more, never above the CPU budget; a try that
   does not raise the rate by GAIN is taken back, and that count is not
-  tried again for COOLDOWN windows. While the consumer waits less than
+  tried again for COOLDOWN windows (twice as many after each further
+  failure, up to 8 times). While the consumer waits less than
   SHRINK_WAIT for PATIENCE windows in a row (it, or the ring's readers
   behind it, are the bottleneck), it tries one worker less; if the rate
   then drops by GAIN or the consumer starts waiting, the worker comes back
@@ -84,6 +85,7 @@ class Controller:
     settle: int = 1  # windows not judged (the first: start-up)
     quiet: int = 0  # windows in a row with the consumer hardly waiting
     no_more: dict = field(default_factory=dict)  # workers count -> windows it is not tried for
+    failed: dict = field(default_factory=dict)  # workers count -> its trials taken back
     log: list = field(default_factory=list)  # (workers, threads, why) of each change
     settled_after: int = 0  # windows until the last change
 
@@ -115,14 +117,14 @@ class Controller:
             self.trial = None
             if kind == "grow":
                 if w.rate < before * (1 + GAIN):
-                    self.no_more[self.workers] = COOLDOWN
+                    self._cool(self.workers)
                     self.workers = n
                     self.settle = 1
                     return self._decide(f"back to {n}: {n + 1} gave {w.rate:.1f} batches/s against {before:.1f}")
                 # kept; go on judging this window as a steady one
             else:
                 if w.rate < before * (1 - GAIN) or w.wait > GROW_WAIT:
-                    self.no_more[self.workers] = COOLDOWN
+                    self._cool(self.workers)
                     self.workers = n
                     self.settle = 1
                     return self._decide(
@@ -148,6 +150,11 @@ class Controller:
         else:
             self.quiet = 0
         return None
+
+    def _cool(self, n: int) -> None:
+        """Count n failed: not tried again for a while."""
+        self.failed[n] = self.failed.get(n, 0) + 1
+        self.no_more[n] = COOLDOWN << min(3, self.failed[n] - 1)
 
     def _decide(self, why: str) -> Decision:
         self.log.append((self.workers, self.threads, why))

@@ -553,6 +553,7 @@ class WorkerPool:
             + "; the other workers were stopped (the next iteration starts new ones)"
         )
 
+
 def _exit_text(code: int) -> str:
     if code < 0:
         try:
