@@ -296,3 +296,14 @@ def test_a_producer_passes_its_backpressure(quick_windows):
         pool = p._pool_box[0]
         assert pool.feedback is not None and pool.feedback() == prod.stats()["backpressure_s"]
     p.close()
+
+
+def test_a_large_pool_grows_by_a_quarter_and_settles_within_the_budget():
+    c = Controller(budget=64, threads_wanted=False)
+    seen = drive(c, 40)
+    # 1, 2, .., 8, 10, 12, 15, .. 63 in 40 windows, not 63 steps; 64 is 1.6% more than 63: under GAIN, taken back.
+    assert seen[-1] == 63 and max(seen) == 64, c.log
+    c = Controller(budget=64, threads_wanted=False)
+    seen = drive(c, 80, cores=20)
+    # 18 -> 22 raised the rate by 11% (20 cores busy): kept; 27 and 23 gave nothing: taken back.
+    assert seen[-1] == 22 and max(seen) == 27, (seen[-1], c.log)
