@@ -87,6 +87,18 @@ def targets(res: dict) -> list[list[str]]:
                     "",
                 ]
             )
+    au = res.get("autosize")
+    for src in (au or {}).get("sources", []):
+        a = src["auto"]
+        rows.append(
+            [
+                f'workers="auto", {src["source"]}-bound: within 10% of the best hand-set, settled in 30 s',
+                f"{src['ratio_tail']:.2f}x the best ({src['best']['batches_per_s']:.1f} batches/s), "
+                f"settled at {a['settled_s']:.1f} s",
+                src["ratio_tail"] >= 0.9 and a["settled_s"] <= 30,
+                f"auto's last {au['tail']:g} s of {a['seconds']:g}; the best of the same run's sweep",
+            ]
+        )
     return rows
 
 
