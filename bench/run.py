@@ -6,7 +6,9 @@
 Sections (--only to pick some): transport (latency, throughput, bandwidth,
 producer scaling and shared memory: bench/latency, a Go driver with C reader
 processes), python (bench/python_consumer.py), e2e (bench/e2e.py), pipeline
-(bench/pipeline.py: tsock.Pipeline against a DataLoader), resume
+(bench/pipeline.py: tsock.Pipeline against a DataLoader), autosize
+(bench/autosize.py: Pipeline(workers="auto") against hand-set worker counts;
+not in --quick), resume
 (bench/resume.py: tsock's state against torchdata's StatefulDataLoader). Every
 figure is a ratio against a baseline measured in the same run. Needs `make
 build` and the environment of `make bench-env`.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-SECTIONS = ("transport", "python", "e2e", "pipeline", "resume", "gpu")
+SECTIONS = ("transport", "python", "e2e", "pipeline", "autosize", "resume", "gpu")
 
 
 def _cmd(*args: str) -> str:
@@ -153,6 +155,16 @@ def pipeline_section(quick: bool) -> dict:
     return pipeline.measure(pipeline.parse(["--quick"] if quick else []))
 
 
+def autosize_section(quick: bool) -> dict:
+    """bench/autosize.py; not in --quick (about 3 minutes)."""
+    if quick:
+        print("  skipped in --quick (about 3 minutes)", flush=True)
+        return {"skipped": "not in --quick (about 3 minutes)"}
+    import autosize
+
+    return autosize.measure(autosize.parse([]))
+
+
 def resume_section(quick: bool) -> dict:
     import resume
 
@@ -181,6 +193,7 @@ def measure(a, only: list[str]) -> dict:
             ("python", lambda: python_section(a.quick)),
             ("e2e", lambda: e2e_section(a.quick, Path(tmp))),
             ("pipeline", lambda: pipeline_section(a.quick)),
+            ("autosize", lambda: autosize_section(a.quick)),
             ("resume", lambda: resume_section(a.quick)),
             ("gpu", lambda: gpu_section(a.quick)),
         ):

@@ -3,6 +3,7 @@ document's frame here, one module a section."""
 
 from __future__ import annotations
 
+from .autosize import autosize_md
 from .common import table
 from .e2e import e2e_md
 from .gpu import gpu_md
@@ -67,6 +68,8 @@ def markdown(res: dict, images: list[str], command: str) -> str:
         L += e2e_md(e, "e2e.png" in images)
     if res.get("pipeline"):
         L += pipeline_md(res["pipeline"])
+    if res.get("autosize") and not res["autosize"].get("skipped"):
+        L += autosize_md(res["autosize"])
     if res.get("resume"):
         L += resume_md(res["resume"])
     if t and (t.get("scaling") or t.get("shm") or t.get("flat")):

@@ -87,6 +87,20 @@ def targets(res: dict) -> list[list[str]]:
                     "",
                 ]
             )
+    au = res.get("autosize")
+    for src in (au or {}).get("sources", []):
+        a = src["auto"]
+        rows.append(
+            [
+                f'workers="auto", {src["source"]}-bound: within 10% of the best hand-set, settled in 30 s',
+                f"{src.get('ratio_pair', src['ratio_tail']):.2f}x the best run right after it; "
+                f"{src['ratio_tail']:.2f}x the sweep's best ({src['best']['batches_per_s']:.1f} batches/s); "
+                f"settled at {a['settled_s']:.1f} s",
+                src.get("ratio_pair", src["ratio_tail"]) >= 0.9 and a["settled_s"] <= 30,
+                f"auto's last {au['tail']:g} s of {a['seconds']:g} against the best hand-set configuration of the "
+                "sweep run again right after (back-to-back)",
+            ]
+        )
     return rows
 
 

@@ -13,6 +13,7 @@ import hashlib
 import random
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter_ns
 
 import numpy as np
@@ -101,6 +102,7 @@ class Stages:
         self.collate = collate or default_collate
         self.seed = seed
         self._bits = None  # one PCG64 per process, its state set per sample
+        self._io = None  # (threads, ThreadPoolExecutor) of batch(threads=k)
         #: nanoseconds spent in each stage in this process, since take_ns()
         self.ns = dict.fromkeys(STAGE_NAMES, 0)
 
@@ -112,6 +114,7 @@ class Stages:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_bits"] = None
+        state["_io"] = None
         return state
 
     def rng(self, words: tuple) -> np.random.Generator:
@@ -142,10 +145,54 @@ class Stages:
             x = self._stage("augment", index, epoch, self.augment, x, self.rng(words))
         return x
 
-    def batch(self, epoch: int, indices):
-        """The batch of these indices of epoch `epoch`."""
-        samples = [self.sample(epoch, i) for i in indices]
+    def batch(self, epoch: int, indices, threads: int | None = None):
+        """The batch of these indices of epoch `epoch`. threads: run `read`
+        on that many I/O threads (see threaded())."""
+        if threads is None or self.read is None:
+            samples = [self.sample(epoch, i) for i in indices]
+        else:
+            samples = self.threaded(epoch, indices, threads)
         return self._stage("collate", list(map(int, indices)), epoch, self.collate, samples)
+
+    def threaded(self, epoch: int, indices, threads: int) -> list:
+        """The samples of a batch with their `read` stage on `threads` I/O
+        threads (reads that wait for a file system release the GIL):
+        source[i] for each sample in turn, the reads all at once, then decode
+        and augment of each sample in turn as its read is done. The global
+        generators are seeded before source[i] and again before decode (the
+        reads ran meanwhile), so the samples are the same whatever `threads`,
+        and the same as sample()'s when source[i] and read draw nothing
+        from the global generators (read is I/O: it must not)."""
+        indices = [int(i) for i in indices]
+        items = []
+        for i in indices:
+            seed_globals(_seed_words(self.seed, epoch, i, LOAD))
+            items.append(self._stage("source", i, epoch, self.source.__getitem__, i))
+        io = self._io
+        if io is None or io[0] != threads:
+            if io is not None:
+                io[1].shutdown(wait=False)
+            io = self._io = (threads, ThreadPoolExecutor(threads, thread_name_prefix="tsock-read"))
+        futures = [io[1].submit(_timed, self.read, x) for x in items]
+        try:
+            samples = []
+            for i, f in zip(indices, futures):
+                ok, x, ns = f.result()
+                self.ns["read"] += ns
+                if not ok:
+                    raise StageError("read", i, epoch) from x
+                seed_globals(_seed_words(self.seed, epoch, i, LOAD))
+                if self.decode is not None:
+                    x = self._stage("decode", i, epoch, self.decode, x)
+                if self.augment is not None:
+                    words = _seed_words(self.seed, epoch, i, AUGMENT)
+                    seed_globals(words)
+                    x = self._stage("augment", i, epoch, self.augment, x, self.rng(words))
+                samples.append(x)
+            return samples
+        finally:
+            for f in futures:
+                f.cancel()
 
     def _stage(self, name: str, index, epoch: int, fn, *args):
         start = perf_counter_ns()
@@ -155,3 +202,12 @@ class Stages:
             raise StageError(name, index, epoch) from e
         finally:
             self.ns[name] += perf_counter_ns() - start
+
+
+def _timed(fn, x) -> tuple:
+    """(ok, result or exception, ns) of fn(x), on an I/O thread."""
+    start = perf_counter_ns()
+    try:
+        return True, fn(x), perf_counter_ns() - start
+    except Exception as e:  # noqa: BLE001 - raised as a StageError by the batch's thread
+        return False, e, perf_counter_ns() - start

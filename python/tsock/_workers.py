@@ -162,9 +162,9 @@ def worker_main(conn, stages, worker: int, parent: int, slots: int, preload: tup
             return
         if task is None:
             return
-        tid, epoch, indices, slot = task
+        tid, epoch, indices, slot, threads = task
         try:
-            batch = stages.batch(epoch, indices)
+            batch = stages.batch(epoch, indices, threads)
             skeleton, arrays = split(batch)
             gen, size, layout, fd = staging.put(slot, arrays)
             msg = ("ok", tid, slot, gen, size, fd is not None, skeleton, layout, stages.take_ns())
@@ -198,20 +198,48 @@ class _Result:
         self.worker, self.slot, self.key, self.batch = worker, slot, key, batch
 
 
-class WorkerPool:
-    """`workers` processes computing batches for one parent. One stream of
-    tasks at a time (run()); the processes live until close()."""
+class _Worker:
+    """One worker process as the parent sees it."""
 
-    def __init__(self, stages, workers: int, start_method: str | None, slots: int, timeout: float | None, describe):
+    __slots__ = ("id", "proc", "conn", "free", "busy", "retiring")
+
+    def __init__(self, wid: int, proc, conn, slots: int):
+        self.id, self.proc, self.conn = wid, proc, conn
+        self.free = list(range(slots))  # its slots not in use
+        self.busy = 0  # its tasks in flight
+        self.retiring = False  # given no more tasks; stopped once its tasks are in
+
+
+class WorkerPool:
+    """Worker processes computing batches for one parent. One stream of
+    tasks at a time (run()); the processes live until close(). `workers`
+    processes, or with `auto` (an _autosize.Controller) as many as it
+    decides, resized between batches: a worker retired is given no new task
+    and stopped once its tasks are in, so no batch is lost and the order is
+    the tasks' whoever computes them."""
+
+    def __init__(
+        self,
+        stages,
+        workers: int,
+        start_method: str | None,
+        slots: int,
+        timeout: float | None,
+        describe,
+        threads: int | None = None,
+        auto=None,
+    ):
         self.stages = stages
-        self.workers = workers
+        self.workers = workers  # the count wanted
+        self.threads = threads  # I/O threads per worker for `read` (None: none, the samples in turn)
+        self.auto = auto
         self.start_method = start_method
         self.slots = slots
         self.timeout = timeout
         self.describe = describe  # describe(key) -> "batch 3 of epoch 0", for messages
-        self.procs: list = []
-        self.conns: list = []
-        self.free: list = []  # per worker: its free slots
+        self.live: dict = {}  # worker id -> _Worker, retiring ones included
+        self.retired: list = []  # processes asked to stop, not joined yet
+        self.next_id = 0
         self.maps: dict = {}  # (worker, slot) -> (generation, mmap)
         self.inflight: dict = {}  # task id -> (worker, slot, stream, key)
         self.ready: dict = {}  # task id -> _Result, received, not handed out yet
@@ -220,52 +248,103 @@ class WorkerPool:
         self.stream = 0
         self.pid = None
         self.stage_ns = (0,) * len(STAGE_NAMES)  # the workers' time in each stage (Stages.take_ns)
+        self.received = 0  # batches received from the workers
+        self.waited_ns = 0  # time run() waited for the workers with nothing to hand out
+        self.delivered = 0  # batches run() handed out
+        self.feedback = None  # () -> seconds downstream waited for its consumers so far (a Producer's ring)
+        self._window = None  # what the running window started from
+        self.changes: list = []  # (seconds since start, workers, threads, why) of each resize by `auto`
+        self.started_ns = 0
+
+    @property
+    def procs(self) -> list:
+        """The worker processes now computing (not those retiring)."""
+        return [w.proc for w in self.live.values() if not w.retiring]
 
     # ---- lifecycle ----
 
     def start(self) -> None:
-        if self.procs:
+        if self.live:
             if os.getpid() != self.pid:
                 raise PipelineError("a Pipeline's workers belong to the process that started them, not a forked child")
             return
-        ctx = mp.get_context(self.start_method)
-        parent = os.getpid()
-        preload = tuple(m for m in SEEDED_MODULES if m in sys.modules)
+        self.pid = os.getpid()
+        self.started_ns = time.perf_counter_ns()
         try:
-            for w in range(self.workers):
-                mine, theirs = ctx.Pipe(duplex=True)
-                p = ctx.Process(
-                    target=worker_main,
-                    args=(theirs, self.stages, w, parent, self.slots, preload),
-                    name=f"tsock-pipeline-{w}",
-                    daemon=True,
-                )
-                p.start()
-                theirs.close()
-                self.procs.append(p)
-                self.conns.append(mine)
-                self.free.append(list(range(self.slots)))
+            self._spawn(self.workers)
         except BaseException:
             self.close()
             raise
-        self.pid = parent
+
+    def _spawn(self, count: int) -> None:
+        ctx = mp.get_context(self.start_method)
+        preload = tuple(m for m in SEEDED_MODULES if m in sys.modules)
+        for _ in range(count):
+            wid = self.next_id
+            self.next_id += 1
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(
+                target=worker_main,
+                args=(theirs, self.stages, wid, self.pid, self.slots, preload),
+                name=f"tsock-pipeline-{wid}",
+                daemon=True,
+            )
+            try:
+                p.start()
+            finally:
+                theirs.close()
+            self.live[wid] = _Worker(wid, p, mine, self.slots)
 
     def alive(self) -> bool:
-        return bool(self.procs)
+        return bool(self.live)
+
+    def resize(self, workers: int) -> None:
+        """Makes `workers` processes compute from the next task on: starts
+        new ones, or retires the idlest (see _Worker.retiring). Retired ones
+        are stopped as their tasks come in (_finish_retiring)."""
+        self.workers = workers = max(1, int(workers))
+        if not self.live:
+            return  # start() makes them
+        active = [w for w in self.live.values() if not w.retiring]
+        if len(active) < workers:
+            self._spawn(workers - len(active))
+        for w in sorted(active, key=lambda w: (w.busy, -w.id))[: max(0, len(active) - workers)]:
+            w.retiring = True
+        self._finish_retiring()
+
+    def _finish_retiring(self) -> None:
+        for w in [w for w in self.live.values() if w.retiring and w.busy == 0]:
+            del self.live[w.id]
+            for slot in range(self.slots):
+                # Batches handed out keep their mapping alive as long as they are referenced.
+                self.maps.pop((w.id, slot), None)
+            try:
+                w.conn.send(None)
+            except (OSError, ValueError):
+                pass
+            w.conn.close()
+            self.retired.append(w.proc)
+        still = []
+        for p in self.retired:
+            p.join(0)
+            if p.exitcode is None:
+                still.append(p)
+        self.retired = still
 
     def close(self) -> None:
         """Stops every worker (asks, waits up to 2 s, then kills) and joins it."""
-        procs, conns = self.procs, self.conns
-        self.procs, self.conns, self.free, self.inflight = [], [], [], {}
+        workers, retired = list(self.live.values()), self.retired
+        self.live, self.retired, self.inflight = {}, [], {}
         self.ready, self.held = {}, None
         self.maps.clear()
         if self.pid is not None and os.getpid() != self.pid:
             return  # a forked child: the workers are not its own
-        for c in conns:
+        for w in workers:
             try:
-                c.send(None)
+                w.conn.send(None)
             except (OSError, ValueError):
                 pass
+        procs = [w.proc for w in workers] + retired
         deadline = time.monotonic() + 2.0
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -273,8 +352,8 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join()
-        for c in conns:
-            c.close()
+        for w in workers:
+            w.conn.close()
 
     # ---- streams ----
 
@@ -290,6 +369,7 @@ class WorkerPool:
         tasks = iter(tasks)
         order: deque = deque()
         more = True
+        self._window = None
         try:
             while True:
                 if self.stream != stream:
@@ -307,14 +387,17 @@ class WorkerPool:
                 if not order:
                     if not more:
                         return
-                    self._receive(stream)  # every buffer is out with a superseded iteration's task
+                    self._wait(stream)  # every buffer is out with a superseded iteration's task
                     continue
                 res = self.ready.pop(order[0], None)
                 if res is None:
-                    self._receive(stream)
+                    self._wait(stream)
                     continue
                 order.popleft()
                 self.held = res
+                self.delivered += 1
+                if self.auto is not None:
+                    self._autosize()
                 yield res.key, res.batch
                 self.held = None
                 self._release(res)
@@ -322,6 +405,45 @@ class WorkerPool:
             if self.stream == stream:
                 self._reclaim()
                 self.stream += 1  # results still on their way are dropped when they arrive
+
+    def _wait(self, stream: int) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            self._receive(stream)
+        finally:
+            self.waited_ns += time.perf_counter_ns() - t0
+            self._finish_retiring()
+
+    def _autosize(self) -> None:
+        """Closes the controller's window when it is over and applies its decision."""
+        from ._autosize import MIN_BATCHES, WINDOW_S, Window
+
+        now = time.perf_counter_ns()
+        if self._window is not None:
+            t0, d0, w0, s0, r0, b0 = self._window
+            if (now - t0) / 1e9 < WINDOW_S or self.delivered - d0 < MIN_BATCHES:
+                return
+        back = self.feedback() if self.feedback is not None else None
+        mark = (now, self.delivered, self.waited_ns, self.stage_ns, self.received, back)
+        if self._window is None:
+            self._window = mark
+            return
+        self._window = mark
+        seconds = (now - t0) / 1e9
+        window = Window(
+            seconds=seconds,
+            batches=self.delivered - d0,
+            waited=(self.waited_ns - w0) / 1e9,
+            stages={n: (a - b) / 1e9 for n, a, b in zip(STAGE_NAMES, self.stage_ns, s0)},
+            received=self.received - r0,
+            backpressure=None if back is None or b0 is None else (back - b0) / seconds,
+        )
+        decision = self.auto.step(window)
+        if decision is not None:
+            if self.threads is not None:
+                self.threads = decision.threads
+            self.resize(decision.workers)
+            self.changes.append(((now - self.started_ns) / 1e9, self.workers, self.threads, decision.why))
 
     def _reclaim(self) -> None:
         """Takes back the buffers of results no iteration will hand out."""
@@ -333,30 +455,32 @@ class WorkerPool:
             self.held = None
 
     def _has_free(self) -> bool:
-        return any(self.free)
+        return any(w.free and not w.retiring for w in self.live.values())
 
     def _submit(self, key, epoch: int, indices, stream: int) -> int:
-        w = max(range(len(self.free)), key=lambda i: len(self.free[i]))
-        slot = self.free[w].pop()
+        w = max((w for w in self.live.values() if not w.retiring), key=lambda w: len(w.free))
+        slot = w.free.pop()
         tid = self.next_tid
         self.next_tid += 1
-        self.inflight[tid] = (w, slot, stream, key)
+        self.inflight[tid] = (w.id, slot, stream, key)
+        w.busy += 1
         try:
-            self.conns[w].send((tid, epoch, indices, slot))
+            w.conn.send((tid, epoch, indices, slot, self.threads))
         except (OSError, ValueError):
-            self._died(w)
+            self._died(w.id)
         return tid
 
     def _release(self, res: _Result) -> None:
-        if self.procs:
-            self.free[res.worker].append(res.slot)
+        w = self.live.get(res.worker)
+        if w is not None and not w.retiring:
+            w.free.append(res.slot)
 
     def _receive(self, stream: int) -> None:
         """Waits for messages from the workers (or a death) and files them."""
         waitables = {}
-        for w, (p, c) in enumerate(zip(self.procs, self.conns)):
-            waitables[c] = w
-            waitables[p.sentinel] = w
+        for w in self.live.values():
+            waitables[w.conn] = w.id
+            waitables[w.proc.sentinel] = w.id
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -371,57 +495,60 @@ class WorkerPool:
                     f"(waiting for {', '.join(busy) or 'nothing'}); workers stopped"
                 )
         for obj in got:
-            w = waitables[obj]
+            wid = waitables[obj]
             if isinstance(obj, int):  # a sentinel: the process ended
                 continue
             try:
                 while obj.poll():
-                    self._handle(w, obj, obj.recv(), stream)
+                    self._handle(wid, obj, obj.recv(), stream)
             except (EOFError, OSError):
-                self._died(w)
+                self._died(wid)
         for obj in got:
-            if isinstance(obj, int) and not self.procs[waitables[obj]].is_alive():
+            if isinstance(obj, int) and not self.live[waitables[obj]].proc.is_alive():
                 self._died(waitables[obj])
 
-    def _handle(self, w: int, conn, msg, stream: int) -> None:
+    def _handle(self, wid: int, conn, msg, stream: int) -> None:
         kind, tid = msg[0], msg[1]
-        worker, slot, task_stream, key = self.inflight.pop(tid)
+        _, slot, task_stream, key = self.inflight.pop(tid)
+        w = self.live[wid]
+        w.busy -= 1
         if kind == "ok":
             _, _, slot, gen, size, has_fd, skeleton, layout, ns = msg
             self.stage_ns = tuple(map(sum, zip(self.stage_ns, ns)))
+            self.received += 1
             if has_fd:
                 fd = recv_handle(conn)
                 try:
-                    self.maps[(w, slot)] = (gen, mmap.mmap(fd, size))
+                    self.maps[(wid, slot)] = (gen, mmap.mmap(fd, size))
                 finally:
                     os.close(fd)
             if task_stream != stream:
-                self.free[w].append(slot)
+                w.free.append(slot)
                 return
-            mm = self.maps[(w, slot)][1]
+            mm = self.maps[(wid, slot)][1]
             leaves = [np.ndarray(shape, dtype, buffer=mm, offset=off) for off, dtype, shape in layout]
-            self.ready[tid] = _Result(w, slot, key, join(skeleton, leaves))
+            self.ready[tid] = _Result(wid, slot, key, join(skeleton, leaves))
             return
-        self.free[w].append(slot)
+        w.free.append(slot)
         if task_stream != stream:
             return
         _, _, where, summary, text = msg
-        pid = self.procs[w].pid
+        pid = w.proc.pid
         if where is None:
             what = f"{self.describe(key)} failed"
         else:
             what = f"{StageError.what(*where)} ({self.describe(key)})"
-        raise PipelineError(f"{what} in pipeline worker {w} (pid {pid}): {summary}\n\nworker traceback:\n{text}")
+        raise PipelineError(f"{what} in pipeline worker {wid} (pid {pid}): {summary}\n\nworker traceback:\n{text}")
 
-    def _died(self, w: int) -> None:
-        p = self.procs[w]
+    def _died(self, wid: int) -> None:
+        p = self.live[wid].proc
         p.join(1.0)
         code = p.exitcode
         how = "is unresponsive" if code is None else _exit_text(code)
-        doing = [self.describe(k) for (wk, _, _, k) in self.inflight.values() if wk == w]
+        doing = [self.describe(k) for (wk, _, _, k) in self.inflight.values() if wk == wid]
         self.close()
         raise WorkerDied(
-            f"pipeline worker {w} (pid {p.pid}) {how}"
+            f"pipeline worker {wid} (pid {p.pid}) {how}"
             + (f" while computing {', '.join(doing)}" if doing else "")
             + "; the other workers were stopped (the next iteration starts new ones)"
         )

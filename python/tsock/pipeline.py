@@ -160,6 +160,19 @@ class Pipeline:
       drop_last: drop an epoch's last, incomplete batch (DataLoader's).
       workers: worker processes (0: every stage runs in the calling process,
         for debugging). They start at the first batch and live until close().
+        "auto": as many as a controller finds best at run time, from 1 up to
+        cpu_budget, judged on the batches/s handed out and the time the
+        consumer waits for them (see docs/PIPELINE.md, "workers='auto'").
+      cpu_budget: with workers="auto", the most worker processes (default:
+        the CPUs this process may run on, os.sched_getaffinity).
+      io_threads: run `read` on this many threads in each worker (reads that
+        wait on a file system release the GIL: an I/O-bound source gains
+        without using more cores); "auto" sizes them from the stage times.
+        Default: "auto" with workers="auto" and a read stage, else none (the
+        stages of each sample run in turn). `read` must then not use the
+        global generators (it is I/O); the batches are the same whatever the
+        thread count, and the same as without threads when source[i] and
+        read draw nothing from the global generators.
       start_method: "fork", "spawn" or "forkserver" (default: fork where the
         platform has it). With spawn and forkserver the source and the
         stages are pickled: they must be importable (module level).
@@ -195,7 +208,9 @@ class Pipeline:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        workers: int = 0,
+        workers: int | str = 0,
+        cpu_budget: int | None = None,
+        io_threads: int | str | None = None,
         start_method: str | None = None,
         prefetch: int = 2,
         timeout: float | None = None,
@@ -218,7 +233,22 @@ class Pipeline:
                 raise TypeError(f"{name} must be a function, got {fn!r}")
         self.batch_size = _int("batch_size", batch_size, 1)
         self.seed = _int("seed", seed, 0, (1 << 63) - 1)
-        self.workers = _int("workers", workers, 0, 1024)
+        self.autosize = workers == "auto"
+        self.workers = "auto" if self.autosize else _int("workers", workers, 0, 1024)
+        if cpu_budget is not None and not self.autosize:
+            raise ValueError('cpu_budget= is for workers="auto"')
+        self.cpu_budget = _int("cpu_budget", cpu_budget, 1, 1024) if cpu_budget is not None else _cpus()
+        if io_threads is None:
+            io_threads = "auto" if self.autosize and read is not None else None
+        elif read is None:
+            raise ValueError("io_threads= runs the read stage on threads: this pipeline has none")
+        elif io_threads == "auto":
+            if not self.autosize:
+                raise ValueError('io_threads="auto" needs workers="auto"')
+        else:
+            io_threads = _int("io_threads", io_threads, 1, 1024)
+        self.io_threads = io_threads
+        self._feedback = None
         self.prefetch = _int("prefetch", prefetch, 1, 64)
         if start_method is not None:
             import multiprocessing
@@ -309,7 +339,7 @@ class Pipeline:
         part = f" world_size={self.world_size} ranks={list(self.ranks)}" if self.world_size else ""
         return (
             f"<tsock.Pipeline {len(self)} batches of {self.batch_size} per epoch, seed={self.seed}{part} "
-            f"workers={self.workers} fingerprint={self.fingerprint.hex()}>"
+            f"workers={self.workers!r} fingerprint={self.fingerprint.hex()}>"
         )
 
     # ---- the order ----
@@ -431,10 +461,46 @@ class Pipeline:
                 # A staging buffer per batch each worker may compute ahead,
                 # and one for the batch being handed out.
                 WorkerPool(
-                    self._stages, self.workers, self.start_method, self.prefetch + 1, self.timeout, BatchInfo.describe
+                    self._stages,
+                    1 if self.autosize else self.workers,
+                    self.start_method,
+                    self.prefetch + 1,
+                    self.timeout,
+                    BatchInfo.describe,
+                    threads=1 if self.io_threads == "auto" else self.io_threads,
+                    auto=self._controller() if self.autosize else None,
                 )
             )
+            self._pool_box[0].feedback = self._feedback
         return self._pool_box[0]
+
+    def _controller(self):
+        from ._autosize import MAX_THREADS, Controller
+
+        return Controller(
+            budget=self.cpu_budget,
+            threads_wanted=self.io_threads == "auto",
+            max_threads=min(MAX_THREADS, self.batch_size),
+            threads=1,
+        )
+
+    def autosize_feedback(self, seconds) -> None:
+        """With workers="auto": `seconds()` is the time what this pipeline
+        feeds has waited for its own consumers so far (a Producer's ring
+        full: tsock.Producer passes its stats' backpressure_s). While it
+        grows, the pool is not the bottleneck: no worker is added."""
+        self._feedback = seconds
+        if self._pool_box:
+            self._pool_box[0].feedback = seconds
+
+    def pool_size(self) -> dict:
+        """The worker pool now: processes computing, I/O threads per worker
+        (None: none), and with workers="auto" the controller's changes as
+        (seconds since the pool started, workers, threads, why)."""
+        if not self._pool_box:
+            return {"workers": 0, "threads": None, "changes": []}
+        pool = self._pool_box[0]
+        return {"workers": len(pool.procs), "threads": pool.threads, "changes": list(pool.changes)}
 
     def stage_seconds(self) -> dict[str, float]:
         """Seconds spent in each stage (source, read, decode, augment,
@@ -464,6 +530,13 @@ class Pipeline:
 
     def __getstate__(self):
         raise TypeError("a Pipeline is not picklable (its workers are processes); pickle its source and stages")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _close_pool(box: list) -> None:

@@ -697,6 +697,9 @@ class Producer:
         n = len(pipe)
         if n == 0:
             raise ValueError(f"{pipe!r} has no batch per epoch: nothing to publish")
+        if pipe.autosize:
+            # The ring full, waiting for its readers: the pipeline's workers are not what is slow.
+            pipe.autosize_feedback(lambda: self.stats()["backpressure_s"])
         if start is None:
             start = Position(0, 0)
         elif isinstance(start, str) and start == "recorded":
