@@ -101,10 +101,32 @@ static struct reader_impl *lookup(tsock_reader_t *h, int64_t i, int *status) {
   return impl;
 }
 
-/* This thread's calls inside each entry: a detach made from inside one (a
- * signal handler that interrupted a call on the same reader) would wait for
- * its own call for ever, so it is refused instead (review 32, F5). */
-static _Thread_local uint8_t my_uses[TSOCK_READER_HANDLES];
+/* The entries this thread is inside a call on (index + 1, innermost last;
+ * deeper than MY_CALLS, from signal handlers nesting calls, is counted but
+ * not recorded): a detach made from inside one (a signal handler that
+ * interrupted a call on the same reader) would wait for its own call for
+ * ever, so it is refused instead (review 32, F5). Small on purpose: the
+ * library's thread-local storage comes out of glibc's static TLS reserve,
+ * which other libraries need too (review 34, B1). */
+#define MY_CALLS 4
+static _Thread_local uint16_t my_calls[MY_CALLS];
+static _Thread_local uint32_t my_depth;
+
+static void my_enter(int64_t i) {
+  if (my_depth < MY_CALLS) my_calls[my_depth] = (uint16_t)(i + 1);
+  my_depth++;
+}
+
+static void my_leave(void) {
+  my_depth--;
+  if (my_depth < MY_CALLS) my_calls[my_depth] = 0;
+}
+
+static int my_inside(int64_t i) {
+  for (uint32_t k = 0; k < my_depth && k < MY_CALLS; k++)
+    if (my_calls[k] == (uint16_t)(i + 1)) return 1;
+  return 0;
+}
 
 struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status) {
   int64_t i = handle_index(h);
@@ -112,19 +134,21 @@ struct reader_impl *tsock__handle_get(tsock_reader_t *h, int *status) {
   /* The use first, then the checks; detach unregisters first, then reads
    * the uses (both sequentially consistent): either this call sees the
    * handle gone, or detach sees this use and waits for it. */
+  /* Recorded before the use and dropped after it (review 34, B4): a
+   * signal handler that detaches in between sees the use as this thread's. */
+  my_enter(i);
   __atomic_add_fetch(&handles[i].uses, 1, __ATOMIC_SEQ_CST);
   struct reader_impl *impl = lookup(h, i, status);
-  if (impl == NULL)
+  if (impl == NULL) {
     __atomic_sub_fetch(&handles[i].uses, 1, __ATOMIC_RELEASE);
-  else
-    my_uses[i]++;
+    my_leave();
+  }
   return impl;
 }
 
 void tsock__handle_put(tsock_reader_t *h) {
-  int64_t i = handle_index(h);
-  my_uses[i]--;
-  __atomic_sub_fetch(&handles[i].uses, 1, __ATOMIC_RELEASE);
+  __atomic_sub_fetch(&handles[handle_index(h)].uses, 1, __ATOMIC_RELEASE);
+  my_leave();
 }
 
 #define TAKEN ((struct reader_impl *)(uintptr_t)1) /* detached, draining */
@@ -132,7 +156,7 @@ void tsock__handle_put(tsock_reader_t *h) {
 
 struct reader_impl *tsock__handle_take(tsock_reader_t *h, int *status) {
   int64_t i = handle_index(h);
-  if (i >= 0 && my_uses[i] != 0) {
+  if (i >= 0 && my_inside(i)) {
     *status = tsock__fail(TSOCK_ESTATE,
                           "tsock_reader_detach: called from inside a call on the same reader "
                           "(a signal handler?); detach it after that call returns");

@@ -152,6 +152,17 @@ def _pinned_view(lib, token: ctypes.c_void_p, base: int, length: int) -> memoryv
     return memoryview(mapping).cast("B").toreadonly()
 
 
+def _exiting() -> bool:
+    """Whether the interpreter is exiting: its main thread has stopped and
+    only daemon threads are left (the exit finalizers run then). The main
+    thread alone is not enough: it stops too when the script ends while
+    non-daemon threads still run (review 34, B3)."""
+    main = threading.main_thread()
+    if main.is_alive():
+        return False
+    return all(t.daemon for t in threading.enumerate() if t is not main)
+
+
 class Reader:
     """One attached reader handle. Not thread-safe: one thread at a time."""
 
@@ -409,16 +420,19 @@ class Reader:
             # attached; the copies' sources keep the mapping alive anyway.
             with contextlib.suppress(Exception):
                 self.on_release()
-        for raw in self.held:
-            if not raw.lease.kept:
-                raw.lease.valid = False
-        self.held.clear()
-        if self.handle is not None:
-            # At exit the main thread has stopped before the finalizers run.
-            self._detached_at_exit = not threading.main_thread().is_alive()
-            with self.busy:
+        rc = _capi.OK
+        # Under the lock: the reading thread appends to and pops from
+        # `held` under it (review 34, B2).
+        with self.busy:
+            for raw in self.held:
+                if not raw.lease.kept:
+                    raw.lease.valid = False
+            self.held.clear()
+            if self.handle is not None:
+                self._detached_at_exit = _exiting()
                 rc = self.lib.tsock_reader_detach(self.handle)
                 self.handle = None
+        if rc != _capi.OK:
             # EFORKED: a child of the attaching process; the parent detaches.
-            if rc not in (_capi.OK, _capi.EFORKED, _capi.EHANDLE):
+            if rc not in (_capi.EFORKED, _capi.EHANDLE):
                 raise TsockError(f"detach: {self.lib.tsock_last_error().decode(errors='replace')}", rc)

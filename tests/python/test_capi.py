@@ -209,3 +209,32 @@ def test_a_join_window_past_the_default_ring_stops_the_pipeline_workers(channel)
         tsock.Producer(pipe, channel, join_window=16)
     left = wait_gone(children() - before)
     assert not left, f"the pipeline's workers were left running: {left}"
+
+
+# glibc gives a library flagged STATIC_TLS (libtsock.so: it holds the Go
+# runtime) its thread-local storage from a reserve of about 1.6 KiB that
+# every such library loaded later shares (libgomp among them): a library
+# that takes most of it makes the next one fail to load with "cannot
+# allocate memory in static TLS block" (review 34, B1: a 1 KiB per-thread
+# table did). Kept well under half of it.
+TLS_BUDGET = 0x300
+
+
+def _tls_bytes(path: Path) -> int:
+    """p_memsz of the PT_TLS program header of a 64-bit little-endian ELF
+    file (0 without one)."""
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path}: not a 64-bit little-endian ELF"
+    phoff = int.from_bytes(data[32:40], "little")
+    phentsize, phnum = int.from_bytes(data[54:56], "little"), int.from_bytes(data[56:58], "little")
+    for k in range(phnum):
+        ph = data[phoff + k * phentsize : phoff + (k + 1) * phentsize]
+        if int.from_bytes(ph[0:4], "little") == 7:  # PT_TLS
+            return int.from_bytes(ph[40:48], "little")
+    return 0
+
+
+def test_the_library_leaves_room_in_the_static_tls_reserve():
+    for name in ("libtsock.so", "libtsock_reader.so"):
+        path = _capi._find(name)
+        assert _tls_bytes(path) <= TLS_BUDGET, f"{name}: {_tls_bytes(path):#x} bytes of thread-local storage"

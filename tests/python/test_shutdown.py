@@ -187,3 +187,58 @@ def test_a_consumer_closed_by_another_thread_says_so_in_the_reading_thread(chann
     assert not t.is_alive()
     assert len(ended) == 1 and isinstance(ended[0], tsock.TsockError), ended
     assert "closed by another thread" in str(ended[0]) or "consumer is closed" in str(ended[0]), ended
+
+
+# The script's main thread returns while two non-daemon threads run on: a
+# trainer and a watchdog that closes the consumer. The process is not
+# exiting, so the trainer gets the error (its except runs), not the quiet
+# SystemExit of an exit (review 34, B3: it did, as the main thread had
+# stopped).
+MAIN_RETURNS = """
+import sys, threading, time
+import numpy as np
+import tsock
+
+name = sys.argv[1]
+stop = threading.Event()
+
+def data():
+    yield (np.zeros(8, np.float32),)
+    stop.wait(60)
+
+prod = tsock.Producer(data(), name, slots=4, wait_readers=1)
+threading.Thread(target=prod.run, daemon=True).start()
+consumer = tsock.Consumer(name, timeout=30)
+got = threading.Event()
+
+def trainer():
+    try:
+        for _ in consumer:
+            got.set()
+        print("trainer: epoch ended", flush=True)
+    except Exception as e:
+        print(f"trainer: caught {type(e).__name__}: {e}", flush=True)
+    except BaseException as e:
+        print(f"trainer: ended by {type(e).__name__}", flush=True)
+        raise
+    finally:
+        stop.set()
+
+def watchdog():
+    assert got.wait(30), "no batch"
+    while threading.main_thread().is_alive():
+        time.sleep(0.05)
+    time.sleep(0.3)  # the trainer is back in next()
+    consumer.close()
+
+threading.Thread(target=trainer).start()
+threading.Thread(target=watchdog).start()
+"""
+
+
+def test_a_consumer_closed_after_the_main_thread_returned_is_not_an_exit(spawn, channel):
+    p = spawn(MAIN_RETURNS, channel)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "trainer: caught TsockError" in out, (out, err)
+    assert "closed by another thread" in out or "consumer is closed" in out, out
