@@ -39,8 +39,9 @@ sys.path.insert(0, str(ROOT / "python"))
 BATCH = 16
 NOTES = """The I/O-bound source sleeps in `read` (no CPU: a network file system's latency); the decode-bound one
 burns CPU in `decode`, holding the GIL. Hand-set configurations are `workers=N` (each sample's stages in turn,
-as before) and, for the I/O source, `io_threads=T` too. `workers="auto"` starts from one worker and one read
-thread, with cpu_budget = the CPUs of the process. The machine is shared with other jobs: ratios within 10% of
+as before) and, for the I/O source, `io_threads=T` too. `workers="auto"` (with `io_threads="auto"` on the I/O
+source: read threads are opt-in) starts from one worker and one read thread, with cpu_budget = the CPUs of the
+process. The machine is shared with other jobs: ratios within 10% of
 1 are equal."""
 
 
@@ -158,7 +159,9 @@ def measure(a: Namespace, log=print) -> dict:
         best = max(rows, key=lambda r: r["batches_per_s"])
         within = [r for r in rows if r["config"]["workers"] <= budget]
         best_in = max(within, key=lambda r: r["batches_per_s"]) if within else best
-        pipe = _pipeline(source, a, burn, workers="auto")
+        # Read threads are opt-in (a read must be thread-safe): this read is.
+        auto = {"workers": "auto", "io_threads": "auto"} if source == "io" else {"workers": "auto"}
+        pipe = _pipeline(source, a, burn, **auto)
         r = _run(pipe, a.auto_seconds, 0.0)
         changes = [list(c) for c in pipe._pool_box[0].changes]
         final = (pipe._pool_box[0].workers, pipe._pool_box[0].threads)

@@ -210,6 +210,19 @@ class _Worker:
         self.retiring = False  # given no more tasks; stopped once its tasks are in
 
 
+def _parent_map(fd: int, size: int) -> mmap.mmap:
+    """The parent's mapping of a worker's staging buffer, left out of
+    every later fork: a worker added at run time (workers="auto") would
+    otherwise inherit the mappings of the other workers' buffers and keep
+    them allocated, retired ones included, for as long as it lives
+    (review 34, A1)."""
+    mm = mmap.mmap(fd, size)
+    dontfork = getattr(mmap, "MADV_DONTFORK", None)
+    if dontfork is not None and size:
+        mm.madvise(dontfork)
+    return mm
+
+
 class WorkerPool:
     """Worker processes computing batches for one parent. One stream of
     tasks at a time (run()); the processes live until close(). `workers`
@@ -519,7 +532,7 @@ class WorkerPool:
             if has_fd:
                 fd = recv_handle(conn)
                 try:
-                    self.maps[(wid, slot)] = (gen, mmap.mmap(fd, size))
+                    self.maps[(wid, slot)] = (gen, _parent_map(fd, size))
                 finally:
                     os.close(fd)
             if task_stream != stream:

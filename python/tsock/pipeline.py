@@ -167,12 +167,13 @@ class Pipeline:
         the CPUs this process may run on, os.sched_getaffinity).
       io_threads: run `read` on this many threads in each worker (reads that
         wait on a file system release the GIL: an I/O-bound source gains
-        without using more cores); "auto" sizes them from the stage times.
-        Default: "auto" with workers="auto" and a read stage, else none (the
-        stages of each sample run in turn). `read` must then not use the
-        global generators (it is I/O); the batches are the same whatever the
-        thread count, and the same as without threads when source[i] and
-        read draw nothing from the global generators.
+        without using more cores); "auto" (with workers="auto") sizes them
+        from the stage times. Default: none, the stages of each sample run
+        in turn. Opt-in because `read` must then be thread-safe (several
+        calls at once in one process: no shared file object with seek and
+        read, for one) and must not draw from the global generators; the
+        batches are then the same whatever the thread count, and the same
+        as without threads when source[i] draws nothing from them either.
       start_method: "fork", "spawn" or "forkserver" (default: fork where the
         platform has it). With spawn and forkserver the source and the
         stages are pickled: they must be importable (module level).
@@ -239,7 +240,7 @@ class Pipeline:
             raise ValueError('cpu_budget= is for workers="auto"')
         self.cpu_budget = _int("cpu_budget", cpu_budget, 1, 1024) if cpu_budget is not None else _cpus()
         if io_threads is None:
-            io_threads = "auto" if self.autosize and read is not None else None
+            pass  # off unless asked: `read` on threads must be thread-safe (review 34, A2)
         elif read is None:
             raise ValueError("io_threads= runs the read stage on threads: this pipeline has none")
         elif io_threads == "auto":

@@ -165,6 +165,26 @@ def test_resize_during_an_epoch_keeps_the_batches_and_leaves_nothing():
     assert _memfd_maps() == 0, "no staging buffer is mapped any more"
 
 
+def test_a_worker_added_later_does_not_map_the_others_buffers():
+    # Forked while the parent maps the first workers' staging buffers, a
+    # worker added at run time must not inherit those mappings (it would
+    # keep them, retired ones too, allocated as long as it lives: review
+    # 34, A1). Its own buffers are named tsock-pipeline-w<its id>-s<slot>.
+    with h.make_pipeline(2, n=200, batch_size=4) as p:
+        it = p.stream()
+        for _ in range(8):
+            next(it)
+        pool = p._pool_box[0]
+        pool.resize(3)
+        new = max(pool.live.values(), key=lambda w: w.id)
+        for _ in range(8):
+            next(it)
+        with open(f"/proc/{new.proc.pid}/maps") as f:
+            names = {line.split("memfd:")[1].split()[0] for line in f if "memfd:tsock-pipeline" in line}
+        assert names, "the new worker maps its own buffers"
+        assert all(n.startswith(f"tsock-pipeline-w{new.id}-") for n in names), names
+
+
 def test_a_retired_workers_buffers_go_once_its_batches_do():
     with h.make_pipeline(3, n=60, batch_size=4) as p:
         it = p.stream()
@@ -229,6 +249,8 @@ def test_auto_arguments():
     with pytest.raises(TypeError):
         tsock.Pipeline(src, batch_size=2, workers="many")
     p = tsock.Pipeline(src, batch_size=2, workers="auto", read=sleepy_read)
+    assert p.io_threads is None, "read threads are opt-in: a read must be thread-safe for them"
+    p = tsock.Pipeline(src, batch_size=2, workers="auto", read=sleepy_read, io_threads="auto")
     assert p.io_threads == "auto" and p.cpu_budget == len(os.sched_getaffinity(0))
     assert tsock.Pipeline(src, batch_size=2, workers="auto").io_threads is None
 
@@ -263,7 +285,7 @@ def test_auto_on_an_io_bound_source(quick_windows):
         return tsock.Pipeline(list(range(240)), batch_size=8, read=sleepy_read, decode=as_sample, seed=3, **kw)
 
     ref = [h.batch_hash(b) for e in range(2) for b in pipe(workers=0).batches(e)]
-    with pipe(workers="auto", cpu_budget=2) as p:
+    with pipe(workers="auto", cpu_budget=2, io_threads="auto") as p:
         got, sizes = _run_auto(p, range(2))
         assert got == ref
         assert max(sizes) <= 2
