@@ -110,7 +110,9 @@ def _producer_stats(producer) -> dict:
     stats = producer.stats()
     pipe = producer.loader
     if isinstance(pipe, Pipeline):
-        stats["workers"] = pipe.workers
+        # The processes computing now: with workers="auto" the pool's size
+        # (pipe.workers is the string "auto" there).
+        stats["workers"] = pipe.pool_size()["workers"] if pipe.autosize else pipe.workers
         stats.update((STAGE + name, v) for name, v in pipe.stage_seconds().items())
     return stats
 

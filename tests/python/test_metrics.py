@@ -297,3 +297,21 @@ def test_the_producer_exports_its_pipeline(channel, tmp_path):
     assert len(series(text, "tsock_pipeline_stage_seconds_total", channel=channel)) == 5, "one series per stage"
     # Closed, the producer's counters stay.
     assert series(metrics.text(), "tsock_pipeline_stage_seconds_total", channel=channel, stage="decode") == [decode]
+
+
+def test_an_auto_pipeline_exports_its_pool_size(channel):
+    # workers="auto": the gauge is the number of worker processes now (it
+    # was the string "auto", which no exporter can write).
+    pytest.importorskip("prometheus_client")
+    pipe = h.make_pipeline("auto", n=16, decode=h.sleepy)
+    with tsock.Producer(pipe, channel, slots=8, wait_readers=1) as p:
+        runner = threading.Thread(target=p.run, kwargs={"epochs": 1})
+        runner.start()
+        with tsock.Consumer(channel, timeout=60) as c:
+            assert len(list(c)) == 4
+            runner.join(60)
+            text = metrics.text()
+            size = pipe.pool_size()["workers"]
+    pipe.close()
+    assert size >= 1
+    assert series(text, "tsock_pipeline_workers", channel=channel) == [size]
