@@ -222,7 +222,23 @@ func removeChannel(name string, force bool) (string, error) {
 	if err := os.Remove(path); err != nil {
 		return "", err
 	}
+	removeStatsNote(name, mustStat(f))
 	return detail, nil
+}
+
+// removeStatsNote removes the pipeline figures a producer of the removed
+// channel wrote (stat_pipeline.go), if they are the channel owner's.
+func removeStatsNote(name string, channel os.FileInfo) {
+	note := shmDir + "/" + statsNotePrefix + name
+	st, err := os.Lstat(note)
+	if err != nil || !st.Mode().IsRegular() || channel == nil {
+		return
+	}
+	a, aok := st.Sys().(*syscall.Stat_t)
+	b, bok := channel.Sys().(*syscall.Stat_t)
+	if aok && bok && a.Uid == b.Uid {
+		_ = os.Remove(note)
+	}
 }
 
 // mustStat is f's FileInfo, or nil (which SameFile treats as different).

@@ -31,6 +31,12 @@ in its record when a wait ends, a value the reader writes (untrusted,
 clamped to 0-100%); a reader that is caught up and saw nothing published
 during the whole interval is shown as stalled 100% (it is still waiting).
 
+A producer fed by a tsock.Pipeline also writes its figures once a second
+(/dev/shm/.tsock-stats.NAME): stat then prints a pipeline line with its
+worker processes (and read threads), the seconds each stage took per
+second of the interval (workers summed), and its decoded-sample cache's hit
+rate over the interval and bytes held.
+
 Only reads the segment (read-only mapping, no lock, no reader record).
 If the producer is replaced by a new one, stat follows the new segment.
 
@@ -112,6 +118,9 @@ type statSample struct {
 	Reclaimed    uint64       `json:"readers_reclaimed"`
 	Evicted      uint64       `json:"readers_evicted"`
 	Readers      []statReader `json:"readers"`
+	// The producer's tsock.Pipeline, when it writes its figures (nil: not
+	// a Pipeline, or not yet).
+	Pipeline *pipelineSample `json:"pipeline,omitempty"`
 }
 
 // statSnap is one read of the segment.
@@ -122,6 +131,7 @@ type statSnap struct {
 	readers   map[readerKey]readerInfo
 	info      channelInfo
 	stats     ring.HeaderStats
+	pipe      *pipelineNote
 }
 
 // readerKey identifies a reader across samples: the same record with
@@ -138,6 +148,9 @@ func takeSnap(name string, seg *ring.Segment) statSnap {
 	s := statSnap{at: time.Now(), published: ci.Published, info: ci, stats: seg.Stats(),
 		readers: map[readerKey]readerInfo{}}
 	s.backNs = s.stats.BackpressureNs
+	if st, ok := mustStat(seg.File).Sys().(*syscall.Stat_t); ok {
+		s.pipe = readPipelineNote(name, st.Uid, int(ci.ProducerPid))
+	}
 	for _, r := range ci.ReaderList {
 		s.readers[readerKey{r.Index, r.Pid, r.startTime}] = r
 	}
@@ -160,6 +173,7 @@ func sampleBetween(a, b statSnap) statSample {
 	if b.backNs >= a.backNs {
 		s.Backpressure = clamp01(float64(b.backNs-a.backNs) / 1e9 / dt)
 	}
+	s.Pipeline = pipelineBetween(a.pipe, b.pipe, dt)
 	for _, r := range b.info.ReaderList {
 		if r.State == "free" {
 			continue
@@ -295,6 +309,7 @@ func printStat(w io.Writer, s statSample) {
 	fmt.Fprintf(w, "%s  channel %s  producer %d (%s)  published %d  epoch %d  %.0f batches/s  back-pressure %.1f%%\n",
 		time.Now().Format("15:04:05"), s.Channel, s.ProducerPid, s.State, s.Published, s.Epoch, s.PublishRate,
 		100*s.Backpressure)
+	printPipeline(w, s.Pipeline)
 	if len(s.Readers) == 0 {
 		fmt.Fprintf(w, "  no readers\n")
 		return

@@ -20,6 +20,7 @@ import numpy as np
 from . import _capi, _dtypes, _from_dataloader, _state, _structure
 from . import metrics as _metrics
 from ._reader import SLICE_NS
+from ._stats_note import StatsNote
 from .errors import BatchTooLarge, TsockError, UnsupportedDtype, check
 from .pipeline import Pipeline, Position
 
@@ -451,6 +452,7 @@ class Producer:
         self._slot_views: dict[int, memoryview] = {}
         self._closed = False
         self._running = False  # run() is publishing a Pipeline
+        self._stats_note = None  # the Pipeline's figures for tsock stat (_stats_note), from the first run()
         #: called with the producer before each batch is written, once the
         #: channel exists (tsock.shared's producer waits for its trainers
         #: and lingers there); it may raise to stop run()
@@ -720,6 +722,8 @@ class Producer:
                 return
             start = Position(start.epoch + 1, 0)
         noted = False
+        if self._stats_note is None:
+            self._stats_note = StatsNote(self.name, pipe)
         stream = pipe.stream(start, epochs)
         for info, batch in stream:
             prepared = self._prepare(batch)
@@ -747,6 +751,7 @@ class Producer:
                 len(pipe.ranks),
             )
             self._write(prepared, _structure.encode_tagged(prepared.spec, n, pipe.samples_per_epoch, tag))
+            self._stats_note.tick()  # for tsock stat: stage times, workers, cache
             if noted:
                 _remove_resume_note(self.name)  # the ring has the position now
                 noted = False
@@ -852,6 +857,8 @@ class Producer:
         ChannelClosed. Idempotent."""
         if not self._closed:
             _metrics.retire_producer(self)  # its counters, read once more before the handle goes
+            if self._stats_note is not None:
+                self._stats_note.remove()
         self._closed = True
         self._finalizer()
         self._slot_views.clear()  # they point into the unmapped segment now

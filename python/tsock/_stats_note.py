@@ -1,0 +1,148 @@
+"""The producer's pipeline figures for `tsock stat`.
+
+They live in the producer's Python process (stage times, worker pool,
+decoded-sample cache), not in the channel's segment, so a Producer fed by a
+tsock.Pipeline writes them at most once a second, while it publishes, to a
+hidden file beside the segment: /dev/shm/.tsock-stats.NAME, JSON, replaced
+whole (written to NAME.PID, then renamed) and removed at close.
+cmd/tsock/stat_pipeline.go reads it as untrusted input: only a regular file
+of the segment's owner, at most 64 KiB, written by the channel's producer
+pid, with sane values. Writing it never fails the producer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import time
+
+DIRECTORY = "/dev/shm"
+INTERVAL_S = 1.0
+
+
+def path(name: str) -> str:
+    """Where the figures of channel `name` go (a name no channel can have)."""
+    return os.path.join(DIRECTORY, f".tsock-stats.{name}")
+
+
+def figures(pipe) -> dict:
+    """What `tsock stat` shows of a Pipeline: workers now, read threads per
+    worker, seconds per stage (workers summed), and its cache's counts."""
+    size = pipe.pool_size()
+    out = {
+        "workers": size["workers"],
+        "io_threads": size["threads"] or 0,
+        "stage_s": pipe.stage_seconds(),
+    }
+    cache = cache_figures(pipe)
+    if cache:
+        out["cache"] = cache
+    return out
+
+
+def cache_figures(pipe) -> dict:
+    """Hits, misses and bytes held of the Pipeline's cache segment (its
+    advisory totals: every process using it counts); {} without a cache,
+    or while its segment cannot be read."""
+    stats = getattr(pipe, "cache_stats", None)
+    try:
+        seg = (stats() or {}).get("segment") if stats is not None else None
+    except Exception:  # noqa: BLE001 - figures for a tool must not fail the producer
+        return {}
+    if not seg:
+        return {}
+    used = max(0, seg["blocks"] - seg["free_blocks"]) * seg["block_bytes"]
+    return {"hits": seg["hits"], "misses": seg["misses"], "bytes": used}
+
+
+def sweep() -> None:
+    """Removes this user's figures and half-written temporaries left by
+    producers that were killed (their pid is gone): a new producer does it
+    once, so they do not pile up in /dev/shm."""
+    try:
+        names = [n for n in os.listdir(DIRECTORY) if n.startswith(".tsock-stats.")]
+    except OSError:
+        return
+    for n in names:
+        full = os.path.join(DIRECTORY, n)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if os.lstat(full).st_uid != os.geteuid():
+                continue
+            data = _read(full)
+            try:
+                pid = json.loads(data).get("pid")
+            except ValueError:  # half-written: a temporary NAME.PID whose writer was killed
+                tail = n.rsplit(".", 1)[-1]
+                pid = int(tail) if tail.isdigit() else None
+            if isinstance(pid, int) and pid > 0 and not _alive(pid):
+                os.unlink(full)
+
+
+def _read(path: str) -> bytes:
+    """The first 64 KiB of a regular file, never through a link or a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class StatsNote:
+    """Writes a Pipeline's figures for channel `name` now and then."""
+
+    def __init__(self, name: str, pipe):
+        self.name, self.pipe = name, pipe
+        self._next = 0.0
+        self._written = False
+        sweep()
+
+    def tick(self) -> None:
+        """Writes the figures if INTERVAL_S has passed since the last time."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + INTERVAL_S
+        try:
+            self._write(figures(self.pipe))
+        except Exception:  # noqa: BLE001 - a full /dev/shm, another uid's file: no figures, same batches
+            self._next = now + 60 * INTERVAL_S
+
+    def _write(self, fig: dict) -> None:
+        final = path(self.name)
+        tmp = f"{final}.{os.getpid()}"
+        data = json.dumps({"pid": os.getpid(), **fig}, separators=(",", ":")).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            os.unlink(tmp)
+            raise
+        self._written = True
+
+    def remove(self) -> None:
+        """Removes the figures this process wrote (a killed producer's stay:
+        stat ignores them, as their pid is not the channel's producer's)."""
+        if not self._written:
+            return
+        self._written = False
+        final = path(self.name)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if json.loads(_read(final)).get("pid") == os.getpid():
+                os.unlink(final)
