@@ -112,14 +112,26 @@ static struct reader_impl *lookup(tsock_reader_t *h, int64_t i, int *status) {
 static _Thread_local uint16_t my_calls[MY_CALLS];
 static _Thread_local uint32_t my_depth;
 
+/* A signal handler may run between any two steps, and make calls of its
+ * own: the depth is taken before the slot is written (a handler then uses
+ * the next slot, not ours) and given back after it is cleared; the signal
+ * fences keep the compiler from reordering the steps (review 35, C1). A
+ * handler that runs before our slot is written cannot wait for us: our use
+ * is counted after it (tsock__handle_get). */
 static void my_enter(int64_t i) {
-  if (my_depth < MY_CALLS) my_calls[my_depth] = (uint16_t)(i + 1);
-  my_depth++;
+  uint32_t d = my_depth;
+  my_depth = d + 1;
+  __atomic_signal_fence(__ATOMIC_SEQ_CST);
+  if (d < MY_CALLS) my_calls[d] = (uint16_t)(i + 1);
+  __atomic_signal_fence(__ATOMIC_SEQ_CST);
 }
 
 static void my_leave(void) {
-  my_depth--;
-  if (my_depth < MY_CALLS) my_calls[my_depth] = 0;
+  uint32_t d = my_depth - 1;
+  __atomic_signal_fence(__ATOMIC_SEQ_CST);
+  if (d < MY_CALLS) my_calls[d] = 0;
+  __atomic_signal_fence(__ATOMIC_SEQ_CST);
+  my_depth = d;
 }
 
 static int my_inside(int64_t i) {

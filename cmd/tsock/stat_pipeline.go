@@ -73,7 +73,7 @@ func readPipelineNote(name string, owner uint32, pid int) *pipelineNote {
 		return nil
 	}
 	for k, v := range n.StageS {
-		if len(k) == 0 || len(k) > 32 || math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+		if !plainName(k) || math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
 			return nil
 		}
 	}
@@ -93,14 +93,31 @@ func pipelineBetween(a, b *pipelineNote, seconds float64) *pipelineSample {
 	if b.Cache != nil {
 		s.CacheBytes = &b.Cache.Bytes
 		if a.Cache != nil && b.Cache.Hits >= a.Cache.Hits && b.Cache.Misses >= a.Cache.Misses {
-			hits, misses := b.Cache.Hits-a.Cache.Hits, b.Cache.Misses-a.Cache.Misses
+			// In floating point: the sum of two untrusted counts may wrap.
+			hits, misses := float64(b.Cache.Hits-a.Cache.Hits), float64(b.Cache.Misses-a.Cache.Misses)
 			if hits+misses > 0 {
-				rate := float64(hits) / float64(hits+misses)
+				rate := hits / (hits + misses)
 				s.CacheHitRate = &rate
 			}
 		}
 	}
 	return s
+}
+
+// plainName reports whether a stage name is 1..32 of [A-Za-z0-9_.-]: it
+// is printed on an operator's terminal, so no control characters or
+// escape sequences get through (review 35, A2).
+func plainName(k string) bool {
+	if len(k) == 0 || len(k) > 32 {
+		return false
+	}
+	for _, c := range []byte(k) {
+		ok := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '.' || c == '-'
+		if !ok {
+			return false
+		}
+	}
+	return true
 }
 
 // stageNames is the stages of m in a Pipeline's order, then the rest sorted.

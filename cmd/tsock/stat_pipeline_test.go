@@ -34,6 +34,7 @@ func TestPipelineNote(t *testing.T) {
 		`{"pid":4242,"workers":-1}`,
 		`{"pid":4242,"stage_s":{"decode":-1}}`,
 		`{"pid":4242,"stage_s":{"":1}}`,
+		`{"pid":4242,"stage_s":{"de\u001b]0;owned\u0007code":1}}`,
 		`{"pid":4242,"workers":3`,
 		fmt.Sprintf(`{"pid":4242,"pad":"%0*d"}`, statsNoteMax, 0),
 	} {
@@ -62,6 +63,15 @@ func TestPipelineBetween(t *testing.T) {
 	}{Hits: 40, Misses: 20, Bytes: 200}
 	s := pipelineBetween(a, b, 2)
 	require.NotNil(t, s)
+	huge := *b
+	huge.Cache = &struct {
+		Hits   uint64 `json:"hits"`
+		Misses uint64 `json:"misses"`
+		Bytes  uint64 `json:"bytes"`
+	}{Hits: 1 << 63, Misses: 1 << 63, Bytes: 1}
+	hs := pipelineBetween(a, &huge, 2)
+	require.NotNil(t, hs.CacheHitRate)
+	assert.InDelta(t, 0.5, *hs.CacheHitRate, 1e-6, "counts whose sum wraps")
 	assert.Equal(t, 3, s.Workers)
 	assert.InDelta(t, 2.0, s.StageBusy["decode"], 1e-9)
 	assert.InDelta(t, 0.25, s.StageBusy["read"], 1e-9)

@@ -12,10 +12,16 @@ pid, with sane values. Writing it never fails the producer."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import stat
+import struct
+import threading
 import time
+import weakref
+
+from . import _runtime
 
 DIRECTORY = "/dev/shm"
 INTERVAL_S = 1.0
@@ -75,7 +81,10 @@ def sweep() -> None:
             except ValueError:  # half-written: a temporary NAME.PID whose writer was killed
                 tail = n.rsplit(".", 1)[-1]
                 pid = int(tail) if tail.isdigit() else None
-            if isinstance(pid, int) and pid > 0 and not _alive(pid):
+            # Not a pid of this namespace, and no producer holds the
+            # channel (containers sharing /dev/shm see each other's pids
+            # as dead, not their locks: review 35 A5).
+            if isinstance(pid, int) and pid > 0 and not _runtime.pid_alive(pid) and not _producer_holds(n):
                 os.unlink(full)
 
 
@@ -90,14 +99,27 @@ def _read(path: str) -> bytes:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+_FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64 and aarch64
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+
+
+def _producer_holds(note_name: str) -> bool:
+    """Whether a live producer holds the channel a note is named after (its
+    write lock on byte 0 of /dev/shm/tsock.NAME: ring/layout.h)."""
+    channel = note_name[len(".tsock-stats.") :]
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(
+            os.path.join(DIRECTORY, f"tsock.{channel}"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        )
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    try:
+        got = fcntl.fcntl(fd, _F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+        return _FLOCK.unpack(got)[0] == fcntl.F_WRLCK
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class StatsNote:
@@ -107,7 +129,13 @@ class StatsNote:
         self.name, self.pipe = name, pipe
         self._next = 0.0
         self._written = False
+        self._closed = False
+        # tick (the publishing thread) against remove (close, from any thread):
+        # a note written after its removal would be left behind.
+        self._lock = threading.Lock()
         sweep()
+        # A producer never closed (the process ends) removes it too.
+        weakref.finalize(self, _remove_ours, path(name))
 
     def tick(self) -> None:
         """Writes the figures if INTERVAL_S has passed since the last time."""
@@ -116,33 +144,31 @@ class StatsNote:
             return
         self._next = now + INTERVAL_S
         try:
-            self._write(figures(self.pipe))
+            fig = figures(self.pipe)
+            with self._lock:
+                if not self._closed:
+                    self._write(fig)
         except Exception:  # noqa: BLE001 - a full /dev/shm, another uid's file: no figures, same batches
             self._next = now + 60 * INTERVAL_S
 
     def _write(self, fig: dict) -> None:
-        final = path(self.name)
-        tmp = f"{final}.{os.getpid()}"
         data = json.dumps({"pid": os.getpid(), **fig}, separators=(",", ":")).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            os.unlink(tmp)
-            raise
+        _runtime.write_whole(path(self.name), data, 0o644)
         self._written = True
 
     def remove(self) -> None:
-        """Removes the figures this process wrote (a killed producer's stay:
-        stat ignores them, as their pid is not the channel's producer's)."""
-        if not self._written:
-            return
-        self._written = False
-        final = path(self.name)
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            if json.loads(_read(final)).get("pid") == os.getpid():
-                os.unlink(final)
+        """Removes the figures this process wrote, and writes no more (a
+        killed producer's stay: stat ignores them, their pid is not the
+        channel's producer's, and the next producer sweeps them)."""
+        with self._lock:
+            self._closed = True
+            if self._written:
+                self._written = False
+                _remove_ours(path(self.name))
+
+
+def _remove_ours(final: str) -> None:
+    """Removes the note at `final` if this process wrote it."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads(_read(final)).get("pid") == os.getpid():
+            os.unlink(final)

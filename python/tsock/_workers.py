@@ -22,6 +22,7 @@ pipe, so an end-of-file cannot be relied on).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import multiprocessing as mp
 import os
@@ -210,17 +211,28 @@ class _Worker:
         self.retiring = False  # given no more tasks; stopped once its tasks are in
 
 
-def _parent_map(fd: int, size: int) -> mmap.mmap:
-    """The parent's mapping of a worker's staging buffer, left out of
-    every later fork: a worker added at run time (workers="auto") would
-    otherwise inherit the mappings of the other workers' buffers and keep
-    them allocated, retired ones included, for as long as it lives
-    (review 34, A1)."""
-    mm = mmap.mmap(fd, size)
-    dontfork = getattr(mmap, "MADV_DONTFORK", None)
-    if dontfork is not None and size:
-        mm.madvise(dontfork)
-    return mm
+@contextlib.contextmanager
+def _kept_from_forks(maps):
+    """While a worker is forked: the parent's mappings of the workers'
+    staging buffers (`maps`) out of the child (MADV_DONTFORK), back to
+    normal after. A worker added at run time (workers="auto") would
+    otherwise inherit the other workers' buffers and keep them, retired
+    ones too, allocated as long as it lives (review 34, A1); for good, it
+    would also take them from every later fork of the process, where a
+    child touching a batch of stream() crashed (review 35, D1)."""
+    dontfork, dofork = getattr(mmap, "MADV_DONTFORK", None), getattr(mmap, "MADV_DOFORK", None)
+    marked = []
+    try:
+        if dontfork is not None and dofork is not None:
+            for _, mm in list(maps):
+                with contextlib.suppress(ValueError, OSError):  # closed meanwhile
+                    mm.madvise(dontfork)
+                    marked.append(mm)
+        yield
+    finally:
+        for mm in marked:
+            with contextlib.suppress(ValueError, OSError):
+                mm.madvise(dofork)
 
 
 class WorkerPool:
@@ -271,8 +283,10 @@ class WorkerPool:
 
     @property
     def procs(self) -> list:
-        """The worker processes now computing (not those retiring)."""
-        return [w.proc for w in self.live.values() if not w.retiring]
+        """The worker processes now computing (not those retiring). Read by
+        other threads too (metrics): the dict is copied in one step, as
+        resize() may change it meanwhile (review 35, D2)."""
+        return [w.proc for w in list(self.live.values()) if not w.retiring]
 
     # ---- lifecycle ----
 
@@ -303,7 +317,8 @@ class WorkerPool:
                 daemon=True,
             )
             try:
-                p.start()
+                with _kept_from_forks(self.maps.values()):
+                    p.start()
             finally:
                 theirs.close()
             self.live[wid] = _Worker(wid, p, mine, self.slots)
@@ -532,7 +547,7 @@ class WorkerPool:
             if has_fd:
                 fd = recv_handle(conn)
                 try:
-                    self.maps[(wid, slot)] = (gen, _parent_map(fd, size))
+                    self.maps[(wid, slot)] = (gen, mmap.mmap(fd, size))
                 finally:
                     os.close(fd)
             if task_stream != stream:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _capi, _dtypes, _from_dataloader, _state, _structure
+from . import _capi, _dtypes, _from_dataloader, _runtime, _state, _structure
 from . import metrics as _metrics
 from ._reader import SLICE_NS
 from ._stats_note import StatsNote
@@ -262,7 +262,6 @@ def _remove_dead_temporaries(name: str) -> None:
 def _write_resume_note(name: str, pipe: Pipeline, pos: Position) -> None:
     _remove_dead_temporaries(name)
     path = resume_note_path(name)
-    tmp = f"{path}.{os.getpid()}"
     text = json.dumps(
         {
             "fingerprint": pipe.fingerprint.hex(),
@@ -273,15 +272,8 @@ def _write_resume_note(name: str, pipe: Pipeline, pos: Position) -> None:
         }
     ).encode()
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, text)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)  # a reader sees the old note or the new one, never half of one
+        _runtime.write_whole(path, text, 0o600)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise TsockError(f"cannot record the resume position of '{name}' in {path}: {e}", _capi.ESYS) from None
 
 

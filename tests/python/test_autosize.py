@@ -329,3 +329,22 @@ def test_a_large_pool_grows_by_a_quarter_and_settles_within_the_budget():
     seen = drive(c, 80, cores=20)
     # 18 -> 22 raised the rate by 11% (20 cores busy): kept; 27 and 23 gave nothing: taken back.
     assert seen[-1] == 22 and max(seen) == 27, (seen[-1], c.log)
+
+
+def test_a_child_forked_later_still_reads_the_batches_it_holds():
+    # stream()'s batches lie in the workers' staging buffers: a process
+    # forked from the trainer (a DataLoader worker, multiprocessing) must
+    # still see them (review 35, D1: it died with SIGSEGV while the parent's
+    # mappings were MADV_DONTFORK for good).
+    with h.make_pipeline(2, n=40, batch_size=4) as p:
+        it = p.stream()
+        _, batch = next(it)
+        p._pool_box[0].resize(3)  # a worker forked meanwhile
+        for _ in range(4):
+            next(it)
+        want = h.batch_hash(batch)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if h.batch_hash(batch) == want else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"

@@ -10,6 +10,7 @@ import re
 import threading
 from pathlib import Path
 
+import numpy as np
 import pipeline_helpers as h
 import tsock
 from tsock import _stats_note
@@ -72,3 +73,46 @@ def test_figures_of_killed_producers_are_swept(tmp_path, monkeypatch):
     (tmp_path / ".tsock-stats.broken").write_text("not json")
     _stats_note.sweep()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tsock-stats.broken", ".tsock-stats.live"]
+
+
+def test_a_fifo_planted_at_the_temporary_name_does_not_block_the_producer(tmp_path, monkeypatch):
+    # /dev/shm is world-writable and pids are public: anyone can put a FIFO
+    # at NAME.PID (review 35, A1: the open blocked the publishing thread).
+    monkeypatch.setattr(_stats_note, "DIRECTORY", str(tmp_path))
+    final = _stats_note.path("fifo")
+    os.mkfifo(f"{final}.{os.getpid()}")
+    if os.geteuid() == 0:
+        os.chown(f"{final}.{os.getpid()}", 65534, 65534)  # another user's: not ours to remove
+    note = _stats_note.StatsNote("fifo", h.make_pipeline(0, n=8))
+    t = threading.Thread(target=note.tick, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "tick blocked on the FIFO"
+    assert not os.path.exists(final)
+
+
+def test_a_live_producers_note_is_not_swept_though_its_pid_is_not_ours(channel, tmp_path, monkeypatch):
+    # Another PID namespace sharing /dev/shm: its producer's pid means
+    # nothing here, but its lock on the channel does (review 35, A5).
+    pipe = h.make_pipeline(0, n=16)
+    with tsock.Producer(pipe, channel, slots=4) as p:
+        p.publish((np.zeros(4, np.float32),))  # the channel exists, its lock held
+        note = Path(_stats_note.path(channel))
+        note.write_text(json.dumps({"pid": 2**22 + 12345}))  # no such pid here
+        try:
+            _stats_note.sweep()
+            assert note.exists(), "a live producer's note was swept"
+        finally:
+            note.unlink(missing_ok=True)
+    pipe.close()
+
+
+def test_a_note_written_after_close_is_not_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(_stats_note, "DIRECTORY", str(tmp_path))
+    monkeypatch.setattr(_stats_note, "INTERVAL_S", 0.0)
+    note = _stats_note.StatsNote("late", h.make_pipeline(0, n=8))
+    note.tick()
+    assert os.path.exists(_stats_note.path("late"))
+    note.remove()
+    note.tick()  # the publishing thread, after a close from another thread
+    assert not os.path.exists(_stats_note.path("late"))
