@@ -181,6 +181,17 @@ class Pipeline:
       version: a string of yours that goes into the fingerprint (say, the
         dataset's version): pipelines that differ only in what the
         fingerprint cannot see should differ in it.
+      cache_bytes: keep decoded samples (the output of source[i], read and
+        decode) in a shared-memory cache of this many bytes on the node,
+        shared by every process and pipeline that decodes the same data
+        (docs/CACHE.md); "auto": a quarter of the available memory, at most
+        half of /dev/shm's free space; None (default): no cache. Only for
+        pipelines whose loading stages are deterministic and draw no random
+        numbers: a cached sample is the same in every epoch.
+      cache_policy: "belady" (default: evict the sample whose next use, in
+        the known orders of every pipeline using the cache, is farthest),
+        "lru" or "fill-once".
+      cache_dir: where the cache's segment lives (a tmpfs; default /dev/shm).
     """
 
     def __init__(
@@ -203,6 +214,9 @@ class Pipeline:
         ranks=None,
         sampler_drop_last: bool = False,
         version: str = "",
+        cache_bytes=None,
+        cache_policy: str = "belady",
+        cache_dir: str = "/dev/shm",
     ):
         try:
             n = len(source)
@@ -264,6 +278,7 @@ class Pipeline:
         self._stream_len = per_stream
         self._stages = Stages(source, read, decode, augment, collate, self.seed)
         self.fingerprint = self._fingerprint()
+        self._stages.cache = self._make_cache(cache_bytes, cache_policy, cache_dir)
         self._orders: OrderedDict = OrderedDict()
         #: the epoch the next `for batch in pipeline` iterates
         self.epoch = 0
@@ -300,6 +315,75 @@ class Pipeline:
             "sampler_drop_last": self.sampler_drop_last if self.world_size else None,
             "version": self.version,
         }
+
+    def order_params(self) -> dict:
+        """What the order of every epoch is computed from (the sample
+        sequence of _sampler.sample_sequence): the cache's consumer table
+        holds it so that other processes know this pipeline's future."""
+        return {
+            "n": self._n,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "world_size": self.world_size,
+            "ranks": list(self.ranks),
+            "sampler_drop_last": self.sampler_drop_last,
+        }
+
+    def cache_key(self) -> bytes:
+        """16 bytes naming the decoded samples: blake2b of what decides
+        them (the source, read, decode, version and the cache's sample
+        encoding), not of the seed, augment or batching, so pipelines
+        that differ only there share the cache."""
+        from ._cache_codec import VERSION
+
+        d = self.description()
+        text = json.dumps(
+            {
+                "tsock_cache": VERSION,
+                "source": d["source"],
+                "read": d["stages"]["read"],
+                "decode": d["stages"]["decode"],
+                "version": self.version,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_BYTES, person=b"tsock-cache").digest()
+
+    def _make_cache(self, cache_bytes, policy: str, directory: str):
+        if cache_bytes is None:
+            return None
+        from ._cache import SampleCache
+        from ._cache_store import POLICIES
+
+        if cache_bytes != "auto":
+            cache_bytes = _int("cache_bytes", cache_bytes, 1)
+        if policy not in POLICIES:
+            raise ValueError(f"cache_policy must be one of {POLICIES}, got {policy!r}")
+        budget = None if cache_bytes == "auto" else cache_bytes
+        return SampleCache(self.cache_key(), self.order_params(), budget, policy, directory)
+
+    def cache_stats(self) -> dict | None:
+        """The cache's counts in this process (with workers=0: every
+        sample's; with workers, the segment's totals are what tells) and
+        its segment's advisory totals over every process; None without a
+        cache."""
+        cache = self._stages.cache
+        return None if cache is None else cache.stats()
+
+    def remove_cache(self) -> bool:
+        """Removes this pipeline's cache segment from /dev/shm if no process
+        uses it (this one lets go of it first); True if it did. The segment
+        otherwise stays after its last user, for the next run."""
+        cache = self._stages.cache
+        if cache is None:
+            return False
+        from ._cache_segment import remove
+
+        cache.close()
+        return remove(self.cache_key(), cache.directory)
 
     def _fingerprint(self) -> bytes:
         text = json.dumps(self.description(), sort_keys=True, separators=(",", ":"))
@@ -453,8 +537,12 @@ class Pipeline:
             self._pool().start()
 
     def close(self) -> None:
-        """Stops the worker processes (a later iteration starts new ones)."""
+        """Stops the worker processes (a later iteration starts new ones)
+        and lets go of the cache's segment in this process (it stays in
+        /dev/shm for the next user)."""
         _close_pool(self._pool_box)
+        if self._stages.cache is not None:
+            self._stages.cache.close()
 
     def __enter__(self):
         return self
