@@ -278,6 +278,7 @@ class Pipeline:
         self._stream_len = per_stream
         self._stages = Stages(source, read, decode, augment, collate, self.seed)
         self.fingerprint = self._fingerprint()
+        self._cache_key = None
         self._stages.cache = self._make_cache(cache_bytes, cache_policy, cache_dir)
         self._orders: OrderedDict = OrderedDict()
         #: the epoch the next `for batch in pipeline` iterates
@@ -333,11 +334,36 @@ class Pipeline:
 
     def cache_key(self) -> bytes:
         """16 bytes naming the decoded samples: blake2b of what decides
-        them (the source, read, decode, version and the cache's sample
-        encoding), not of the seed, augment or batching, so pipelines
-        that differ only there share the cache."""
-        from ._cache_codec import VERSION
+        them, not of the seed, augment or batching (pipelines that differ
+        only there share the cache): the state of the source, read and
+        decode (a digest of their pickle, with every Python function's
+        code, defaults, closure cells and, two calls deep, the globals it
+        uses: _cache_key.state_digest), the dataset's length, `version`
+        and the cache's sample encoding. Where no digest can be made (the
+        source or a stage holds something pickle cannot handle, or its
+        pickle is over 256 MiB) the key is the names of the source's type
+        and the stages plus `version`, which must then be given (a string
+        you change whenever their data or code changes): ValueError
+        otherwise."""
+        if self._cache_key is None:
+            self._cache_key = self._make_cache_key()
+        return self._cache_key
 
+    def _make_cache_key(self) -> bytes:
+        from ._cache_codec import VERSION
+        from ._cache_key import Unkeyable, state_digest
+
+        s = self._stages
+        try:
+            state = state_digest((s.source, s.read, s.decode)).hex()
+        except Unkeyable as e:
+            if not self.version:
+                raise ValueError(
+                    f"cache_bytes: the cache key cannot be made from the state of the source, read and decode ({e}): "
+                    "pass version=, a string you change whenever their data or code changes, to name the "
+                    "decoded samples instead"
+                ) from None
+            state = None
         d = self.description()
         text = json.dumps(
             {
@@ -345,6 +371,7 @@ class Pipeline:
                 "source": d["source"],
                 "read": d["stages"]["read"],
                 "decode": d["stages"]["decode"],
+                "state": state,
                 "version": self.version,
             },
             sort_keys=True,

@@ -1,0 +1,146 @@
+"""The cache key (review 31, F1): it follows the state and the code of the
+source, read and decode, not their names, so that a dataset with other
+settings, a closure over other values or an edited decode never gets
+another's decoded samples from the cache."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import tsock
+
+pytestmark = pytest.mark.filterwarnings("error::tsock._cache.CacheWarning")
+
+
+class Folder:
+    """A dataset whose samples depend on its root (as a folder's files would)."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.full(4, 1000 * len(self.root) + i, dtype=np.int64)
+
+
+def ident(x):
+    return x
+
+
+def make_scale(k):
+    def scale(x):
+        return x * k
+
+    return scale
+
+
+class Scale:
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, x):
+        return x * self.k
+
+
+def pipe(shm, source, decode, **kw):
+    return tsock.Pipeline(source, decode=decode, batch_size=8, shuffle=False, cache_bytes=1 << 22, cache_dir=shm, **kw)
+
+
+def first_batch(p):
+    return np.asarray(next(iter(p)))
+
+
+def test_datasets_of_one_class_and_length_with_other_settings_get_their_own_samples(shm):
+    train, val = pipe(shm, Folder("/data/train"), ident), pipe(shm, Folder("/data/validation"), ident)
+    assert train.cache_key() != val.cache_key()
+    for _ in range(2):  # the second time from the cache
+        assert first_batch(train)[:, 0].tolist() == [Folder("/data/train")[i][0] for i in range(8)]
+        assert first_batch(val)[:, 0].tolist() == [Folder("/data/validation")[i][0] for i in range(8)]
+    assert train.cache_stats()["hits"] == 8 and val.cache_stats()["hits"] == 8
+    train.close(), val.close()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [make_scale, Scale, lambda k: functools.partial(np.multiply, k), lambda k: lambda x, k=k: x * k],
+    ids=["closure", "callable-object", "partial", "default-argument"],
+)
+def test_a_decode_with_other_state_is_another_key(shm, make):
+    two, three = pipe(shm, Folder("/x"), make(2)), pipe(shm, Folder("/x"), make(3))
+    assert two.cache_key() != three.cache_key()
+    assert two.cache_key() == pipe(shm, Folder("/x"), make(2)).cache_key()  # same state, same key
+    assert first_batch(two)[:, 0].tolist() == [2 * Folder("/x")[i][0] for i in range(8)]
+    assert first_batch(three)[:, 0].tolist() == [3 * Folder("/x")[i][0] for i in range(8)]
+    two.close(), three.close()
+
+
+OFFSET = 5
+
+
+def uses_a_helper(x):
+    return helper(x)
+
+
+def helper(x):
+    return x + OFFSET
+
+
+def test_the_code_and_globals_a_decode_calls_are_in_the_key(shm, monkeypatch):
+    before = pipe(shm, Folder("/x"), uses_a_helper).cache_key()
+    monkeypatch.setattr(sys.modules[__name__], "OFFSET", 6)  # a global the helper reads
+    assert pipe(shm, Folder("/x"), uses_a_helper).cache_key() != before
+    monkeypatch.undo()
+    monkeypatch.setattr(sys.modules[__name__], "helper", lambda x: x - OFFSET)  # the helper's code
+    assert pipe(shm, Folder("/x"), uses_a_helper).cache_key() != before
+
+
+def test_a_source_without_a_trustworthy_key_needs_a_version(shm):
+    class Locked(Folder):
+        def __init__(self, root):
+            super().__init__(root)
+            self.lock = threading.Lock()  # pickle cannot handle it
+
+    with pytest.raises(ValueError, match="version="):
+        pipe(shm, Locked("/x"), ident)
+    p = pipe(shm, Locked("/x"), ident, version="locked-v1")
+    assert p.cache_key() != pipe(shm, Locked("/x"), ident, version="locked-v2").cache_key()
+    assert first_batch(p)[:, 0].tolist() == list(range(2000, 2008))
+    p.close()
+    tsock.Pipeline(Locked("/x"), batch_size=8)  # without a cache nothing is asked
+
+
+JOB = """
+import numpy as np, tsock
+def decode(x):
+    return x * {k}
+p = tsock.Pipeline(list(range(6)), read=np.int64, decode=decode, batch_size=6, shuffle=False,
+                   cache_bytes=1 << 22, cache_dir={shm!r})
+print(p.cache_key().hex(), np.asarray(next(iter(p))).tolist(), p.cache_stats()["hits"])
+p.close()
+"""
+
+
+def test_an_edited_decode_does_not_get_the_samples_of_the_old_one(shm, tmp_path):
+    def run(k):
+        job = tmp_path / "job.py"
+        job.write_text(textwrap.dedent(JOB.format(k=k, shm=shm)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # a new hash seed each run
+        out = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        key, *rest = out.stdout.split(" ", 1)
+        return key, rest[0].strip()
+
+    key10, got = run(10)
+    assert got == "[0, 10, 20, 30, 40, 50] 0"
+    assert run(10) == (key10, "[0, 10, 20, 30, 40, 50] 6")  # unchanged: the same key in a new process, warm
+    key100, got = run(100)
+    assert key100 != key10 and got == "[0, 100, 200, 300, 400, 500] 0"
