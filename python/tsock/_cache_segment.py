@@ -249,6 +249,8 @@ class _Segment:
         self.members = np.ndarray(nb, np.uint32, self.mm, g["members_offset"])  # the FULL entries, unordered
         self.arena = np.ndarray((nb, header.block_bytes), np.uint8, self.mm, g["arena_offset"])
         _lock(fd, fcntl.F_RDLCK, USERS_BYTE, wait=True)
+        st = os.fstat(fd)
+        self.ident = (st.st_dev, st.st_ino)
 
     # ---- open, create ----
 
@@ -327,6 +329,17 @@ class _Segment:
         except BufferError:
             pass  # a view is still alive somewhere: the mapping goes with it
         os.close(self.fd)
+
+    def forget_in_child(self) -> None:
+        """In a child forked while this segment was open: closes the
+        inherited descriptor (if it is still this file: a thread of the
+        parent may have been closing it at the fork) and mapping."""
+        try:
+            st = os.fstat(self.fd)
+            if (st.st_dev, st.st_ino) == self.ident:
+                self.close()
+        except (OSError, AttributeError):
+            pass
 
     # ---- locking ----
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -60,6 +61,7 @@ class CacheStore:
         self._seg = None
         self._pid = None
         self._slots: list = []  # consumer entries this process registered
+        _STORES.add(self)
 
     # ---- pickling (spawned workers), fork ----
 
@@ -241,6 +243,27 @@ class CacheStore:
                     pass  # a truncated segment: nothing to give back in it
                 self._seg.close()
             self._seg, self._slots = None, []
+
+
+_STORES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child, every store gets a fresh thread lock (another
+    thread of the parent may have held the old one at the fork: the child
+    would wait on it forever) and lets go of the parent's segment: its
+    descriptor and mapping are closed (the parent's locks stay, held by
+    the parent's descriptor of the same open file description), and the
+    child opens the file again on first use."""
+    for store in list(_STORES):
+        store._thread_lock = threading.RLock()
+        seg = store._seg
+        store._seg, store._pid, store._slots = None, os.getpid(), []
+        if seg is not None:
+            seg.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _params(blob: bytes, n: int):

@@ -316,3 +316,57 @@ def test_a_producer_publishes_the_same_batches_from_a_cached_pipeline(shm, chann
         pipe.close()
     assert got == reference()
     assert pipe.cache_stats()["segment"]["hits"] >= 2 * N - 8
+
+
+# ---- fork while another thread is inside the cache (review 31, F6) ----
+
+MONITOR_JOB = """
+import os, sys, threading, time
+import numpy as np, tsock
+
+class Numbers:
+    def __len__(self): return 64
+    def __getitem__(self, i): return np.full(16, i, np.int64)
+
+p = tsock.Pipeline(Numbers(), batch_size=8, workers=2, cache_bytes=1 << 22, shuffle=False, cache_dir=sys.argv[1])
+stop = False
+def monitor():  # a progress thread: inside the store's thread lock most of the time
+    while not stop:
+        p.cache_stats()
+threading.Thread(target=monitor, daemon=True).start()
+for it in range(int(sys.argv[2])):
+    done = threading.Event()
+    def watchdog(it=it):
+        if not done.wait(90):
+            print(f"iteration {it}: no batch for 90 s: a worker hangs", flush=True)
+            os._exit(3)
+    threading.Thread(target=watchdog, daemon=True).start()
+    got = [int(np.asarray(b)[0, 0]) for b in p]
+    assert got == list(range(0, 64, 8)), got
+    done.set()
+    p.close()  # the next iteration forks new workers
+stop = True
+print("ok", flush=True)
+"""
+
+
+def test_workers_forked_while_a_thread_reads_the_cache_stats_do_not_hang(shm, tmp_path):
+    import subprocess
+    import sys
+
+    job = tmp_path / "monitor.py"
+    job.write_text(MONITOR_JOB)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, str(job), shm, "15"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        out, err = "timed out", ""
+    finally:
+        try:
+            os.killpg(proc.pid, 9)  # workers a hung run left behind
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0 and out.strip().endswith("ok"), (out, err[-2000:])
