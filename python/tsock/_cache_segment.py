@@ -48,6 +48,7 @@ _ENTRY = struct.Struct("<IIQQQ")  # state, member (place in the members list), l
 _CONSUMER = struct.Struct("<IIQQQQ")  # pid, params length, start time, epoch, position, updated_ns
 
 _FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64 and aarch64
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
 STORE_BYTE, USERS_BYTE = 0, 1
@@ -105,20 +106,94 @@ def segment_path(key: bytes, directory: str = "/dev/shm") -> str:
 
 
 def default_budget(directory: str = "/dev/shm") -> int:
-    """A quarter of MemAvailable, at most half of the directory's free space."""
+    """What cache_bytes="auto" may take in `directory`: a quarter of
+    MemAvailable, at most half of the free space, and at most a quarter of
+    the file system's total size less what this uid's caches there take
+    already (the rest is for rings and other users: review 31, F5)."""
     avail = _mem_available()
-    free = _free_bytes(directory)
-    return int(min(avail // 4 if avail else free // 2, free // 2))
+    st = os.statvfs(directory)
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    ours = sum(c["bytes"] for c in list_caches(directory))
+    return int(max(0, min(avail // 4 if avail else free // 2, free // 2, total // 4 - ours)))
 
 
 def auto_budget(n_samples: int, sample_bytes: int, block_bytes: int, directory: str = "/dev/shm") -> int:
     """default_budget(), but no more than the whole dataset needs if its
     samples are about the size of the first one (with a quarter more room):
     the file is allocated in full when created, so a small dataset must
-    not take a quarter of the memory."""
+    not take a quarter of the memory. CacheError if that leaves no room."""
     blocks = -(-sample_bytes // block_bytes)
     need = geometry(n_samples, block_bytes, -(-5 * n_samples * blocks // 4))["file_bytes"]
-    return min(default_budget(directory), need)
+    budget = min(default_budget(directory), need)
+    if blocks_for_budget(n_samples, block_bytes, budget) < 1:
+        caches = list_caches(directory)
+        raise CacheError(
+            f'cache_bytes="auto" leaves no room in {directory}: this uid\'s {len(caches)} caches there take '
+            f"{sum(c['bytes'] for c in caches)} bytes of the quarter of the file system auto may use "
+            f"(tsock.caches() lists them, tsock.remove_caches() removes those unused)"
+        )
+    return budget
+
+
+def list_caches(directory: str = "/dev/shm") -> list:
+    """This uid's cache segments in `directory`: dicts of path, key (hex),
+    bytes (allocated), in_use (a process has it open), n_samples (None if
+    the header is not a cache's). Nothing is locked or changed."""
+    prefix = f"tsock-cache.{os.geteuid()}."
+    out = []
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.startswith(prefix))
+    except OSError:
+        return out
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                n_samples = Header(os.pread(fd, HEADER_BYTES, 0)).n_samples
+            except CacheError:
+                n_samples = None
+            out.append(
+                {
+                    "path": path,
+                    "key": name[len(prefix) :],
+                    "bytes": st.st_blocks * 512,
+                    "in_use": _locked_by_others(fd, USERS_BYTE),
+                    "n_samples": n_samples,
+                }
+            )
+        finally:
+            os.close(fd)
+    return out
+
+
+def remove_caches(directory: str = "/dev/shm") -> list:
+    """Removes this uid's cache segments in `directory` that no process
+    uses; the paths removed."""
+    removed = []
+    for c in list_caches(directory):
+        try:
+            fd = os.open(c["path"], os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if _remove_if_unused(fd, c["path"]):
+                removed.append(c["path"])
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _locked_by_others(fd: int, byte: int) -> bool:
+    """Whether another open file description holds a lock on `byte`."""
+    got = fcntl.fcntl(fd, _F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
 
 
 def _mem_available() -> int:

@@ -191,7 +191,15 @@ class Pipeline:
       cache_policy: "belady" (default: evict the sample whose next use, in
         the known orders of every pipeline using the cache, is farthest),
         "lru" or "fill-once".
+        The cache's key follows the state and code of the source, read and
+        decode (cache_key()); a source or stage that pickle cannot handle
+        needs version= (ValueError otherwise).
       cache_dir: where the cache's segment lives (a tmpfs; default /dev/shm).
+      cache_keep: keep the segment after this pipeline's close when no
+        other process uses it (for the next run, which finds it warm);
+        default False: the last user's close (or exit) removes it.
+        tsock.caches() lists the segments left, tsock.remove_caches()
+        removes those unused.
     """
 
     def __init__(
@@ -217,6 +225,7 @@ class Pipeline:
         cache_bytes=None,
         cache_policy: str = "belady",
         cache_dir: str = "/dev/shm",
+        cache_keep: bool = False,
     ):
         try:
             n = len(source)
@@ -284,7 +293,8 @@ class Pipeline:
         #: the epoch the next `for batch in pipeline` iterates
         self.epoch = 0
         self._pool_box: list = []  # the WorkerPool once started (a list, for the finalizer)
-        self._finalizer = weakref.finalize(self, _close_pool, self._pool_box)
+        self._cache_keep = bool(cache_keep)
+        self._finalizer = weakref.finalize(self, _close_all, self._pool_box, self._stages.cache, self._cache_keep)
 
     # ---- what it is ----
 
@@ -402,8 +412,8 @@ class Pipeline:
 
     def remove_cache(self) -> bool:
         """Removes this pipeline's cache segment from /dev/shm if no process
-        uses it (this one lets go of it first); True if it did. The segment
-        otherwise stays after its last user, for the next run."""
+        uses it (this one lets go of it first); True if it did. close()
+        does the same unless cache_keep."""
         cache = self._stages.cache
         if cache is None:
             return False
@@ -565,11 +575,10 @@ class Pipeline:
 
     def close(self) -> None:
         """Stops the worker processes (a later iteration starts new ones)
-        and lets go of the cache's segment in this process (it stays in
-        /dev/shm for the next user)."""
-        _close_pool(self._pool_box)
-        if self._stages.cache is not None:
-            self._stages.cache.close()
+        and lets go of the cache's segment, which is removed if no other
+        process uses it, unless cache_keep (a later iteration makes a new
+        one)."""
+        _close_all(self._pool_box, self._stages.cache, self._cache_keep)
 
     def __enter__(self):
         return self
@@ -585,6 +594,20 @@ def _close_pool(box: list) -> None:
     if box:
         box[0].close()
 
+
+def _close_all(box: list, cache, keep: bool) -> None:
+    """The workers stopped, then the cache let go of (and removed when no
+    other process uses it, unless keep)."""
+    _close_pool(box)
+    if cache is not None:
+        cache.close()
+        if not keep:
+            from ._cache_segment import remove
+
+            try:
+                remove(cache.key, cache.directory)
+            except OSError:
+                pass  # the directory went: nothing to remove
 
 def _summary(e) -> str:
     return f"{type(e).__name__}: {e}"

@@ -123,7 +123,7 @@ import numpy as np, tsock
 def decode(x):
     return x * {k}
 p = tsock.Pipeline(list(range(6)), read=np.int64, decode=decode, batch_size=6, shuffle=False,
-                   cache_bytes=1 << 22, cache_dir={shm!r})
+                   cache_bytes=1 << 22, cache_dir={shm!r}, cache_keep=True)
 print(p.cache_key().hex(), np.asarray(next(iter(p))).tolist(), p.cache_stats()["hits"])
 p.close()
 """

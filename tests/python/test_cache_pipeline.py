@@ -120,7 +120,7 @@ def test_another_decode_or_version_is_another_cache(shm):
 
 def _own_pipeline(shm: str, seed: int, q) -> None:
     src = Counting(N)
-    pipe = cached(shm, src, seed=seed)
+    pipe = cached(shm, src, seed=seed, cache_keep=True)  # kept after the first one's end, for the second
     q.put((hashes(pipe, 1), len(src.loaded), pipe.cache_stats()["hits"]))
 
 
@@ -236,9 +236,9 @@ def test_auto_takes_what_the_dataset_needs_not_a_quarter_of_the_memory(shm):
 
 
 def test_remove_cache_removes_an_unused_segment_only(shm):
-    a, b = cached(shm), cached(shm)
+    a, b = cached(shm), cached(shm, cache_keep=True)
     hashes(a, 1)
-    hashes(b, 1)  # b has it open too
+    hashes(b, 1)  # b has it open too (and its close leaves it)
     assert not a.remove_cache()
     b.close()
     assert a.remove_cache()
@@ -306,7 +306,7 @@ def test_four_trainers_get_near_the_optimal_hit_rate_with_belady(shm):
 
 
 def test_a_producer_publishes_the_same_batches_from_a_cached_pipeline(shm, channel, run_producer):
-    pipe = cached(shm, workers=2)
+    pipe = cached(shm, workers=2, cache_keep=True)  # the totals are read after its close
     t = run_producer(tsock.Producer(pipe, channel, wait_readers=1, slots=64), epochs=3)
     try:
         with tsock.Consumer(channel, output="numpy", timeout=30) as c:
@@ -370,3 +370,55 @@ def test_workers_forked_while_a_thread_reads_the_cache_stats_do_not_hang(shm, tm
             pass
         proc.wait()
     assert proc.returncode == 0 and out.strip().endswith("ok"), (out, err[-2000:])
+
+
+# ---- lifetime and room (review 31, F5) ----
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_last_users_close_removes_the_segment(shm, workers):
+    a, b = cached(shm, workers=workers), cached(shm)
+    assert hashes(a, 1) == reference(1)
+    hashes(b, 1)
+    a.close()
+    assert len(os.listdir(shm)) == 1  # b still uses it
+    b.close()
+    assert os.listdir(shm) == []
+
+
+def test_a_segment_left_with_cache_keep_is_listed_and_removable(shm):
+    a = cached(shm, cache_keep=True)
+    hashes(a, 1)
+    (c,) = tsock.caches(shm)
+    assert c["key"] == a.cache_key().hex() and c["in_use"] and c["n_samples"] == N and c["bytes"] > 0
+    assert tsock.remove_caches(shm) == []  # in use
+    a.close()
+    assert os.listdir(shm) == [os.path.basename(c["path"])]  # kept for the next run
+    b = cached(shm, cache_keep=True)
+    assert hashes(b, 1) == reference(1) and b.cache_stats()["hits"] == N  # which finds it warm
+    b.close()
+    assert [x["in_use"] for x in tsock.caches(shm)] == [False]
+    assert tsock.remove_caches(shm) == [c["path"]] and os.listdir(shm) == []
+
+
+def test_auto_counts_the_caches_present_against_a_quarter_of_the_file_system(shm, monkeypatch):
+    real = os.statvfs(shm)
+    mib = 1 << 20
+
+    class Fs:  # a 64 MiB tmpfs with 60 MiB free
+        f_frsize, f_blocks, f_bavail = real.f_frsize, 64 * mib // real.f_frsize, 60 * mib // real.f_frsize
+
+    monkeypatch.setattr(_cache_segment.os, "statvfs", lambda d: Fs if d == shm else real)
+    monkeypatch.setattr(_cache_segment, "_mem_available", lambda: 1 << 40)
+    assert _cache_segment.default_budget(shm) == 16 * mib  # a quarter of the total, not half of the free
+    kept = [cached(shm, version=str(v), cache_keep=True, cache_bytes=6 * mib) for v in range(2)]
+    for p in kept:
+        hashes(p, 1)
+        p.close()
+    ours = sum(c["bytes"] for c in tsock.caches(shm))
+    assert ours >= 12 * mib
+    assert _cache_segment.default_budget(shm) == 16 * mib - ours
+    with pytest.raises(tsock.errors.CacheError, match="remove_caches"):
+        _cache_segment.auto_budget(200_000, 4096, 4096, shm)  # 4 MiB left: not even the entries fit
+    assert len(tsock.remove_caches(shm)) == 2
+    assert _cache_segment.default_budget(shm) == 16 * mib

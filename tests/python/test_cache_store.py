@@ -455,7 +455,7 @@ def test_a_budget_larger_than_the_free_space_fails_before_any_write(shm, monkeyp
 
     class Small:
         def __init__(self, st):
-            self.f_frsize, self.f_bavail = st.f_frsize, (1 << 20) // st.f_frsize
+            self.f_frsize, self.f_bavail, self.f_blocks = st.f_frsize, (1 << 20) // st.f_frsize, st.f_blocks
 
     monkeypatch.setattr(_cache_segment.os, "statvfs", lambda d: Small(real(d)))
     s = store(shm, budget=8 << 20)
