@@ -609,6 +609,7 @@ def _close_all(box: list, cache, keep: bool) -> None:
             except OSError:
                 pass  # the directory went: nothing to remove
 
+
 def _summary(e) -> str:
     return f"{type(e).__name__}: {e}"
 
