@@ -21,14 +21,18 @@ import sys
 import numpy as np
 
 MAGIC = b"TSC1"
-VERSION = 1  # part of the cache key: a change of this format is another cache
+VERSION = 2  # part of the cache key: a change of this format is another cache
 ALIGN = 64
 MAX_DEPTH = 32
 _HEAD = struct.Struct("<4sI")
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
-_ARRAY = struct.Struct("<BBBQ")  # dtype code, order (0 C, 1 F), ndim, offset
+_ARRAY = struct.Struct("<BBBQ")  # dtype code, layout (below), ndim, offset
+# Layout byte: the low bits say how the stored (C-ordered) bytes map back
+# to the array, bit 7 that the array was read-only.
+C_ORDER, PERMUTED, READ_ONLY = 0, 2, 0x80
+FLIPPED = 0x80  # in a PERMUTED array's axis byte: that axis runs backwards
 _DIM = struct.Struct("<Q")
 
 #: numpy dtypes a cached array or scalar may have (native or no byte order).
@@ -93,14 +97,24 @@ class _Encoder:
         self.data_bytes = offset + a.nbytes
         return offset
 
-    def array_tag(self, tag: bytes, code: int, a: np.ndarray) -> None:
-        fortran = a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous
-        if not (fortran or a.flags.c_contiguous):
-            a = a.copy(order="C")  # not ascontiguousarray: it makes a 0-d array 1-d
+    def array_tag(self, tag: bytes, code: int, a: np.ndarray, perm=None, flips=(), read_only=False) -> None:
+        """An array whose memory order is kept (review 31, F3: a reduction
+        in augment follows it, so another layout gives other bits): a
+        C-contiguous one as it is; one whose axes, some maybe reversed,
+        are a permutation of a C-contiguous array's (a transposed HWC
+        image, a flip) as that array and the permutation, decoded to the
+        same strides; any other layout (a step slice, a broadcast) is
+        Uncacheable. `perm`/`flips`: the caller found them (torch)."""
+        if perm is None and not a.flags.c_contiguous:
+            perm, flips, a = _permutation(a)
+        layout = C_ORDER if perm is None else PERMUTED
         offset = self.add_array(a)
-        self.skel += tag + _ARRAY.pack(code, int(fortran), a.ndim, offset)
-        for n in a.shape:
+        self.skel += tag + _ARRAY.pack(code, layout | (READ_ONLY if read_only else 0), len(a.shape), offset)
+        shape = a.shape if perm is None else tuple(a.shape[perm.index(ax)] for ax in range(a.ndim))
+        for n in shape:
             self.skel += _DIM.pack(n)
+        if perm is not None:
+            self.skel += bytes(ax | (FLIPPED if ax in flips else 0) for ax in perm)
 
     def walk(self, x, depth: int) -> None:
         if depth > MAX_DEPTH:
@@ -131,7 +145,7 @@ class _Encoder:
 
     def leaf(self, x) -> None:
         if isinstance(x, np.ndarray) and type(x) is np.ndarray:
-            self.array_tag(b"a", _numpy_code(x.dtype), x)
+            self.array_tag(b"a", _numpy_code(x.dtype), x, read_only=not x.flags.writeable)
         elif isinstance(x, np.generic):
             self.skel += b"n" + bytes([_numpy_code(x.dtype)]) + np.asarray(x).tobytes()
         elif _is_torch_tensor(x):
@@ -147,9 +161,31 @@ class _Encoder:
         code = _TORCH_CODE.get(name)
         if code is None:
             raise Uncacheable(f"torch dtype {x.dtype}")
-        t = x.contiguous().resolve_conj().resolve_neg()
+        t = x.resolve_conj().resolve_neg()
+        perm = None
+        if not t.is_contiguous():
+            perm = sorted(range(t.dim()), key=lambda ax: -t.stride(ax))
+            t = t.permute(perm)
+            if not t.is_contiguous():
+                raise Uncacheable(f"a torch tensor of strides {x.stride()} (not a permutation of a contiguous one)")
         arr = (t.view(torch.int16) if name == "bfloat16" else t).numpy()
-        self.array_tag(b"p", code, arr)
+        self.array_tag(b"p", code, arr, perm=perm)
+
+
+def _permutation(a: np.ndarray):
+    """(perm, flipped axes, c): c is a C-contiguous view of a's memory
+    with a == c.transpose(argsort(perm)) flipped along the flipped axes;
+    Uncacheable if there is none."""
+    flips = tuple(ax for ax in range(a.ndim) if a.strides[ax] < 0 and a.shape[ax] > 1)
+    b = a[tuple(slice(None, None, -1) if ax in flips else slice(None) for ax in range(a.ndim))] if flips else a
+    perm = sorted(range(b.ndim), key=lambda ax: -abs(b.strides[ax]))
+    c = b.transpose(perm)
+    if not c.flags.c_contiguous:
+        raise Uncacheable(
+            f"an array of shape {a.shape} and strides {a.strides} (a step slice or a broadcast: only arrays whose "
+            "memory is contiguous, in any axis order, keep their layout; return np.ascontiguousarray(x))"
+        )
+    return perm, flips, c
 
 
 def _numpy_code(dtype: np.dtype) -> int:
@@ -175,7 +211,7 @@ def encode(sample) -> bytearray:
     view = np.frombuffer(out, dtype=np.uint8)
     for a, offset in enc.arrays:
         if a.nbytes:
-            flat = a.reshape(-1, order="F" if not a.flags.c_contiguous else "C").view(np.uint8)
+            flat = a.reshape(-1).view(np.uint8)  # C-contiguous: a view
             view[start + offset : start + offset + a.nbytes] = flat
     return out
 
@@ -238,18 +274,38 @@ class _Decoder:
     def leaf(self, tag: bytes):
         if tag == b"n":
             dtype = _dtype(NUMPY_DTYPES, self.take(1)[0])
-            return np.frombuffer(bytes(self.take(dtype.itemsize)), dtype=dtype)[0]
+            raw = bytes(self.take(dtype.itemsize))
+            if dtype == np.bool_:
+                return np.bool_(raw[0] != 0)  # forged bytes: 0/1 only (review 31, F8)
+            return np.frombuffer(raw, dtype=dtype)[0]
         if tag == b"a":
-            code, order, ndim, offset = self.unpack(_ARRAY)
-            return self.array(_dtype(NUMPY_DTYPES, code), order, ndim, offset)
+            code, layout, ndim, offset = self.unpack(_ARRAY)
+            c, back, flips = self.array(_dtype(NUMPY_DTYPES, code), layout, ndim, offset)
+            a = _restore(c, back, flips)
+            if layout & READ_ONLY:
+                a.flags.writeable = False
+            return a
         if tag == b"p":
             return self.tensor()
         raise CorruptSample(f"unknown tag {tag!r} at {self.pos - 1}")
 
-    def array(self, dtype: np.dtype, order: int, ndim: int, offset: int) -> np.ndarray:
-        if order > 1 or ndim > 32:
-            raise CorruptSample(f"array order {order}, ndim {ndim}")
+    def array(self, dtype: np.dtype, layout: int, ndim: int, offset: int):
+        """(c, back, flips): the stored array c (C-ordered, a view of the
+        buffer), the transpose that gives the array back (None: c is it)
+        and the axes to reverse after it."""
+        order = layout & ~READ_ONLY
+        if order not in (C_ORDER, PERMUTED) or ndim > 32:
+            raise CorruptSample(f"array layout {layout}, ndim {ndim}")
         shape = tuple(self.unpack(_DIM)[0] for _ in range(ndim))
+        back, flips = None, ()
+        if order == PERMUTED:
+            axes = bytes(self.take(ndim))
+            perm = [ax & ~FLIPPED for ax in axes]
+            if sorted(perm) != list(range(ndim)):
+                raise CorruptSample(f"axes {list(axes)} are not a permutation of {ndim}")
+            flips = tuple(ax & ~FLIPPED for ax in axes if ax & FLIPPED)
+            back = tuple(int(i) for i in np.argsort(perm))
+            shape = tuple(shape[ax] for ax in perm)
         nbytes, extent = dtype.itemsize, 1
         for n in shape:
             nbytes *= n  # Python ints: no overflow
@@ -260,18 +316,36 @@ class _Decoder:
         if offset % ALIGN or start + nbytes > len(self.buf):
             raise CorruptSample(f"an array of {nbytes} bytes at {offset} in a sample of {len(self.buf)}")
         flat = np.frombuffer(self.buf, dtype=np.uint8, count=nbytes, offset=start)
-        return flat.view(dtype).reshape(shape, order="F" if order else "C")
+        if dtype == np.bool_:  # forged bytes: 0/1 only, as numpy and torch assume (review 31, F8)
+            if not flat.flags.writeable:
+                flat = flat.copy()
+            np.minimum(flat, 1, out=flat)
+        return flat.view(dtype).reshape(shape), back, flips
 
     def tensor(self):
-        code, order, ndim, offset = self.unpack(_ARRAY)
+        code, layout, ndim, offset = self.unpack(_ARRAY)
         name, moved = TORCH_DTYPES[_index(TORCH_DTYPES, code)]
-        arr = self.array(np.dtype(moved), order, ndim, offset)
+        c, back, flips = self.array(np.dtype(moved), layout, ndim, offset)
+        if flips:
+            raise CorruptSample("a torch tensor with reversed axes")
         try:
             import torch
         except ImportError:
             raise CorruptSample("a torch tensor, and torch is not installed here") from None
-        t = torch.from_numpy(np.ascontiguousarray(arr))
-        return t.view(torch.bfloat16) if name == "bfloat16" else t
+        if not c.flags.writeable:  # torch wants a writable array
+            c = c.copy()
+        t = torch.from_numpy(c)
+        t = t.view(torch.bfloat16) if name == "bfloat16" else t
+        return t if back is None else t.permute(back)
+
+
+def _restore(c: np.ndarray, back, flips) -> np.ndarray:
+    if back is None:
+        return c
+    a = c.transpose(back)
+    if flips:
+        a = a[tuple(slice(None, None, -1) if ax in flips else slice(None) for ax in range(a.ndim))]
+    return a
 
 
 def _index(table, code: int) -> int:

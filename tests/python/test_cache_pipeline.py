@@ -422,3 +422,31 @@ def test_auto_counts_the_caches_present_against_a_quarter_of_the_file_system(shm
         _cache_segment.auto_budget(200_000, 4096, 4096, shm)  # 4 MiB left: not even the entries fit
     assert len(tsock.remove_caches(shm)) == 2
     assert _cache_segment.default_budget(shm) == 16 * mib
+
+
+# ---- layout (review 31, F3) ----
+
+
+class Images(Numbers):
+    """Sample i: a 24x20x3 float32 HWC image of its own."""
+
+    def __getitem__(self, i):
+        return np.random.default_rng(int(i)).random((24, 20, 3), dtype=np.float32)
+
+
+def to_chw(x):
+    return x.transpose(2, 0, 1)  # a view: the strides of HWC memory
+
+
+def normalise(x, rng):
+    assert x.strides == (4, 240, 12)  # augment sees the decoded layout, from the cache too
+    return x / x.mean() * 0.5 + np.float32(rng.random())
+
+
+def test_a_transposed_float_sample_gives_the_same_bytes_from_the_cache(shm):
+    kw = dict(batch_size=4, seed=3, decode=to_chw, augment=normalise)
+    want = hashes(tsock.Pipeline(Images(N), **kw))
+    pipe = tsock.Pipeline(Images(N), cache_bytes=1 << 22, cache_dir=shm, **kw)
+    assert hashes(pipe) == want
+    assert pipe.cache_stats()["hits"] == 2 * N
+    pipe.close()
