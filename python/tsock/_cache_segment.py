@@ -44,6 +44,7 @@ _FIXED = struct.Struct("<8sII16sQQQIIQQQQQQQQQII")
 MUTABLE_OFFSET = 192
 (DIRTY, FREE_COUNT, CLOCK, HITS, MISSES, INSERTS, EVICTIONS, BYPASSES, CORRUPT, REBUILDS, MEMBERS) = range(11)
 N_MUTABLE = 11
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _ENTRY = struct.Struct("<IIQQQ")  # state, member (place in the members list), length, first block, last use
 _CONSUMER = struct.Struct("<IIQQQQ")  # pid, params length, start time, epoch, position, updated_ns
 
@@ -422,9 +423,24 @@ class _Segment:
         return _Locked(self, exclusive)
 
     def check_size(self) -> None:
-        size = os.fstat(self.fd).st_size
-        if size != self.h.geometry["file_bytes"]:
-            raise CacheError(f"{self.path} is {size} bytes now, not {self.h.geometry['file_bytes']} (truncated?)")
+        st = os.fstat(self.fd)
+        want = self.h.geometry["file_bytes"]
+        if st.st_size != want:
+            raise CacheError(f"{self.path} is {st.st_size} bytes now, not {want} (truncated?)")
+        if st.st_blocks * 512 < want:
+            raise CacheError(f"{self.path} has {st.st_blocks * 512} of its {want} bytes allocated (holes: truncated?)")
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        """n bytes of the file at offset, read, not mapped: a file that a
+        peer truncates under us gives a short read (CacheError), where a
+        read of the mapping would be a SIGBUS (review 31, F4)."""
+        got = os.pread(self.fd, n, offset)
+        if len(got) != n:
+            raise CacheError(f"{self.path}: {len(got)} of {n} bytes at {offset} (truncated while in use?)")
+        return got
+
+    def _pwrite(self, data: bytes, offset: int) -> None:
+        os.pwrite(self.fd, data, offset)
 
     # ---- entries ----
 
@@ -436,33 +452,45 @@ class _Segment:
         return state, length, first, last
 
     def read(self, index: int):
-        """The entry's bytes (private), None, or _CORRUPT."""
-        state, length, first, _ = self.entry(index)
+        """The entry's bytes (private), None, or _CORRUPT. Everything is
+        read with pread, not from the mapping (see _pread)."""
+        if not 0 <= index < self.h.n_samples:
+            raise IndexError(f"sample {index} of a cache of {self.h.n_samples}")
+        g = self.h.geometry
+        state, _, length, first, _ = _ENTRY.unpack(self._pread(_ENTRY.size, g["entries_offset"] + 32 * index))
         if state != FULL:
             return None
         b_bytes, nb = self.h.block_bytes, self.h.n_blocks
         k = -(-length // b_bytes)
         if not 0 < k <= nb:
             return _CORRUPT
-        blocks = np.empty(k, dtype=np.int64)
+        blocks = []
         b = first
-        for j in range(k):
-            if b >= nb or int(self.owner[b]) != index + 1:
+        for _ in range(k):
+            if b >= nb or _U32.unpack(self._pread(4, g["owner_offset"] + 4 * b))[0] != index + 1:
                 return _CORRUPT
-            blocks[j] = b
-            b = int(self.next[b])
+            blocks.append(b)
+            b = _U32.unpack(self._pread(4, g["next_offset"] + 4 * b))[0]
         if b != END:
             return _CORRUPT
-        data = self.arena[blocks].reshape(-1)[:length]  # a copy: fancy indexing
+        data = np.empty(length, dtype=np.uint8)
+        view = memoryview(data)
+        for j, b in enumerate(blocks):
+            part = view[j * b_bytes : min((j + 1) * b_bytes, length)]
+            got = os.preadv(self.fd, [part], g["arena_offset"] + b * b_bytes)
+            if got != len(part):
+                raise CacheError(f"{self.path}: {got} of {len(part)} bytes of block {b} (truncated while in use?)")
         self._touch(index)
         return data
 
     def _touch(self, index: int) -> None:
         # Advisory under the shared lock: a lost update costs LRU order only.
-        clock = int(self.mut[CLOCK]) + 1
-        self.mut[CLOCK] = clock
-        struct.pack_into("<Q", self.mm, self.h.geometry["entries_offset"] + 32 * index + 24, clock)
-        self.mut[HITS] += 1
+        # Read and written with pread/pwrite, as read() (no SIGBUS).
+        clock_at, hits_at = MUTABLE_OFFSET + 8 * CLOCK, MUTABLE_OFFSET + 8 * HITS
+        clock = _U64.unpack(self._pread(8, clock_at))[0] + 1
+        self._pwrite(_U64.pack(clock), clock_at)
+        self._pwrite(_U64.pack(clock), self.h.geometry["entries_offset"] + 32 * index + 24)
+        self._pwrite(_U64.pack(_U64.unpack(self._pread(8, hits_at))[0] + 1), hits_at)
 
     def free_count(self) -> int:
         n = int(self.mut[FREE_COUNT])
@@ -647,8 +675,8 @@ class _Segment:
             struct.pack_into("<I", self.mm, off, 0)
 
     def set_position(self, slot: int, epoch: int, position: int) -> None:
-        off = self._consumer_offset(slot)
-        struct.pack_into("<QQQ", self.mm, off + 16, epoch, position, time.time_ns())
+        # Unlocked, after every lookup: pwrite, not the mapping (see _pread).
+        self._pwrite(struct.pack("<QQQ", epoch, position, time.time_ns()), self._consumer_offset(slot) + 16)
 
     def consumers(self) -> list:
         """(slot, params blob, epoch, position) of the live consumers, checked."""
@@ -667,7 +695,8 @@ class _Segment:
     def totals(self) -> dict:
         names = ("dirty", "free_blocks", "clock", "hits", "misses", "inserts", "evictions", "bypasses", "corrupt",
                  "rebuilds", "cached")  # fmt: skip
-        return dict(zip(names, (int(v) for v in self.mut)), blocks=self.h.n_blocks, block_bytes=self.h.block_bytes)
+        words = struct.unpack(f"<{N_MUTABLE}Q", self._pread(8 * N_MUTABLE, MUTABLE_OFFSET))  # unlocked: no mapping
+        return dict(zip(names, words), blocks=self.h.n_blocks, block_bytes=self.h.block_bytes)
 
 
 class _Locked:
@@ -705,6 +734,14 @@ def _check(fd: int, path: str, key: bytes, n_samples: int) -> Header:
         raise CacheError(f"{h.n_samples} samples, the pipeline has {n_samples}")
     if st.st_size != h.file_bytes:
         raise CacheError(f"{st.st_size} bytes, its header says {h.file_bytes} (truncated?)")
+    # The creator allocates every byte (posix_fallocate): a sparse file, or
+    # one larger than its file system, would SIGBUS at the first write to
+    # a hole the file system cannot fill (review 31, F4).
+    if st.st_blocks * 512 < h.file_bytes:
+        raise CacheError(f"{st.st_blocks * 512} of its {h.file_bytes} bytes allocated (a sparse file)")
+    fs = os.fstatvfs(fd)
+    if h.file_bytes > fs.f_blocks * fs.f_frsize:
+        raise CacheError(f"{h.file_bytes} bytes, larger than its file system ({fs.f_blocks * fs.f_frsize})")
     return h
 
 

@@ -530,3 +530,74 @@ def test_blocks_for_budget_is_the_most_that_fits(n_samples):
 def test_budget_for_holds_exactly_that_many_samples(shm, size):
     s = store(shm, budget=_cache_segment.budget_for(N, size, 10), policy="fill-once")
     assert [s.put(i, payload(i, size)) for i in range(11)] == [True] * 10 + [False]
+
+
+# ---- a same-uid peer that truncates or forges the file (review 31, F4) ----
+
+
+def _look_up_while_truncated(shm, seconds, q) -> None:
+    s = store(shm)
+    outcomes = {"hit": 0, "miss": 0, "error": 0}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for i in range(8):
+            try:
+                got = s.get(i)
+            except CacheError:
+                outcomes["error"] += 1
+                continue
+            if got is None:
+                outcomes["miss"] += 1
+            else:
+                assert bytes(got) == payload(i)  # never another sample's bytes
+                outcomes["hit"] += 1
+    q.put(outcomes)
+
+
+def _truncate_again_and_again(path, size, stop) -> None:
+    fd = os.open(path, os.O_RDWR)
+    while not stop.is_set():
+        os.ftruncate(fd, 4096)
+        os.ftruncate(fd, size)
+
+
+def test_a_lookup_survives_a_peer_truncating_the_segment_under_it(shm):
+    s = store(shm)
+    for i in range(8):
+        s.put(i, payload(i))
+    size = os.path.getsize(s.path)
+    q, stop = FORK.Queue(), FORK.Event()
+    reader = FORK.Process(target=_look_up_while_truncated, args=(shm, 4, q))
+    reader.start()
+    peer = FORK.Process(target=_truncate_again_and_again, args=(s.path, size, stop))
+    peer.start()
+    try:
+        reader.join(120)
+    finally:
+        stop.set()
+        peer.join(30)
+    assert reader.exitcode == 0, f"the reader died: exit status {reader.exitcode}"  # -7 was SIGBUS
+    outcomes = q.get(timeout=10)
+    assert outcomes["error"] + outcomes["miss"] > 0, outcomes
+
+
+def test_a_sparse_segment_is_refused(shm):
+    s = store(shm)
+    s.put(1, payload(1))
+    size = os.path.getsize(s.path)
+    s.close()
+    with open(s.path, "r+b") as f:  # the same header, but holes where the rest was
+        head = f.read(4096)
+        f.truncate(0)
+        f.seek(0)
+        f.write(head)
+        f.truncate(size)
+    fd = os.open(s.path, os.O_RDONLY)
+    try:
+        with pytest.raises(CacheError, match="sparse"):
+            _cache_segment._check(fd, s.path, b"k" * 16, N)
+    finally:
+        os.close(fd)
+    fresh = store(shm)
+    assert fresh.get(1) is None  # refused, and removed as nobody used it
+    assert fresh.put(1, payload(1)) and os.stat(fresh.path).st_blocks * 512 >= size
