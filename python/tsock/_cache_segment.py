@@ -106,6 +106,20 @@ def segment_path(key: bytes, directory: str = "/dev/shm") -> str:
     return os.path.join(directory, f"tsock-cache.{os.geteuid()}.{key.hex()}")
 
 
+FALLBACK_NAMES = 7
+
+
+def candidate_paths(key: bytes, directory: str = "/dev/shm") -> list:
+    """segment_path(), then the names tried when a file of another uid
+    sits at it (/dev/shm is writable by all: review 31, F7)."""
+    base = segment_path(key, directory)
+    return [base] + [f"{base}.{i}" for i in range(1, FALLBACK_NAMES + 1)]
+
+
+class NotOurs(CacheError):
+    """A file at a cache's name that this uid may not use or remove."""
+
+
 def default_budget(directory: str = "/dev/shm") -> int:
     """What cache_bytes="auto" may take in `directory`: a quarter of
     MemAvailable, at most half of the free space, and at most a quarter of
@@ -345,13 +359,21 @@ class _Segment:
     @classmethod
     def _open_once(cls, path: str, key: bytes, n_samples: int):
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.ELOOP):
+                raise NotOurs(f"{path}: {e.strerror}: a file of another uid (or a link) at the cache's name") from None
             raise CacheError(f"cannot open the cache segment {path}: {e}") from None
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise NotOurs(f"{path}: owned by uid {st.st_uid}, not a regular file of ours: left alone")
             return cls(fd, _check(fd, path, key, n_samples), path)
+        except NotOurs:
+            os.close(fd)
+            raise
         except CacheError as e:
             if _remove_if_unused(fd, path):
                 os.close(fd)
@@ -361,6 +383,18 @@ class _Segment:
         except BaseException:
             os.close(fd)
             raise
+
+    @classmethod
+    def locate(cls, key: bytes, directory: str, n_samples: int):
+        """(segment, path): the segment of `key` open, or None and the path
+        at which to create it: the first of candidate_paths() that is free
+        or ours; CacheError if files of other uids take all of them."""
+        for path in candidate_paths(key, directory):
+            try:
+                return cls.open(path, key, n_samples), path
+            except NotOurs:
+                continue
+        raise CacheError(f"files of other uids take every name of this cache ({path} and before): it is off")
 
     @classmethod
     def create(cls, path: str, key: bytes, n_samples: int, block_bytes: int, budget: int):
@@ -766,6 +800,8 @@ def _remove_if_unused(fd: int, path: str) -> bool:
         return True
     except FileNotFoundError:
         return True
+    except PermissionError as e:
+        raise NotOurs(f"{path}: {e.strerror}: not ours to remove, left alone") from None
     finally:
         _lock(fd, fcntl.F_UNLCK, USERS_BYTE, wait=True)
 
@@ -816,12 +852,15 @@ def _initialise(fd: int, header: bytes, n_blocks: int, size: int) -> None:
 
 def remove(key: bytes, directory: str = "/dev/shm") -> bool:
     """Removes the segment of `key` if nobody uses it; True if it did."""
-    path = segment_path(key, directory)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        return _remove_if_unused(fd, path)
-    finally:
-        os.close(fd)
+    for path in candidate_paths(key, directory):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue  # none, or not ours: the next name
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                return _remove_if_unused(fd, path)
+        finally:
+            os.close(fd)
+    return False

@@ -81,7 +81,7 @@ class CacheStore:
             # entries are the parent's.
             self._seg, self._pid, self._slots = None, os.getpid(), []
         if self._seg is None:
-            self._seg = _Segment.open(self.path, self.key, self.n_samples)
+            self._seg, self.path = _Segment.locate(self.key, self.directory, self.n_samples)
             if self._seg is None and create_for is not None:
                 block = block_size_for(create_for)
                 budget = self.budget

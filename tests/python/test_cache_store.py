@@ -601,3 +601,61 @@ def test_a_sparse_segment_is_refused(shm):
     fresh = store(shm)
     assert fresh.get(1) is None  # refused, and removed as nobody used it
     assert fresh.put(1, payload(1)) and os.stat(fresh.path).st_blocks * 512 >= size
+
+
+# ---- another uid's file at our name (review 31, F7) ----
+
+NOBODY = 65534
+
+
+def _as_nobody(shm, q) -> None:
+    import mmap  # noqa: F401 - imported before the uid changes: nobody may not read root's Python
+
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    s = CacheStore(b"k" * 16, N, budget=1 << 20, directory=shm)
+    try:
+        s.put(3, payload(3))
+        q.put(("ok", os.path.basename(s.path), bytes(s.get(3)) == payload(3)))
+    except Exception as e:  # noqa: BLE001 - the test wants its kind
+        q.put((type(e).__name__, str(e), None))
+
+
+def _squat(shm, names, mode) -> list:
+    base = f"tsock-cache.{NOBODY}.{(b'k' * 16).hex()}"
+    planted = []
+    for name in names:
+        path = os.path.join(shm, base + name)
+        with open(path, "wb") as f:
+            f.write(b"\0" * 8192)
+        os.chmod(path, mode)
+        os.chown(path, 4242, 4242)
+        planted.append(path)
+    return planted
+
+
+def _run_as_nobody(shm):
+    q = FORK.Queue()
+    p = FORK.Process(target=_as_nobody, args=(shm, q))
+    p.start()
+    (got,) = collect(q, [p])
+    p.join(30)
+    return got
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant another uid's file")
+@pytest.mark.parametrize("mode", [0o600, 0o666])
+def test_another_uids_file_at_our_name_is_passed_over(shm, mode):
+    os.chmod(shm, 0o1777)  # like /dev/shm
+    planted = _squat(shm, [""], mode)
+    kind, name, right = _run_as_nobody(shm)
+    assert (kind, right) == ("ok", True) and name.endswith(".1"), (kind, name)
+    assert all(os.stat(p).st_uid == 4242 for p in planted)  # left alone
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant another uid's file")
+def test_files_of_another_uid_at_every_name_are_a_clear_cache_error(shm):
+    os.chmod(shm, 0o1777)
+    _squat(shm, [""] + [f".{i}" for i in range(1, _cache_segment.FALLBACK_NAMES + 1)], 0o666)
+    kind, message, _ = _run_as_nobody(shm)
+    assert kind == "CacheError" and "other uids take every name" in message, (kind, message)
