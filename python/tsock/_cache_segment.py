@@ -328,7 +328,10 @@ class _Segment:
         self.fd, self.h, self.path = fd, header, path
         self.suspect = False  # a change met damage: rebuild at its end
         g = header.geometry
-        self.mm = mmap.mmap(fd, g["file_bytes"])
+        try:
+            self.mm = mmap.mmap(fd, g["file_bytes"])
+        except (ValueError, OSError) as e:  # ValueError: the file shrank below its size since the check
+            raise CacheError(f"cannot map {path}: {e}") from None
         nb = header.n_blocks
         self.mut = np.ndarray(N_MUTABLE, np.uint64, self.mm, MUTABLE_OFFSET)
         words = np.ndarray(header.n_samples, np.dtype((np.uint32, (8,))), self.mm, g["entries_offset"])
