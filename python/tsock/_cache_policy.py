@@ -1,7 +1,9 @@
 """Eviction policies of the decoded-sample cache, and a trace simulator.
 
 Pure code: no shared memory, no processes. The store (`_cache_store.py`)
-uses `KnownFuture` to rank its cached samples; the simulator replays an
+ranks its cached samples with `next_use` and `_farthest`, as `KnownFuture`
+and `choose_victims` do for the simulator (which keep their own orders; the
+store's come from `_cache_orders`); the simulator replays an
 access trace through a policy so that policies can be compared on the same
 trace (docs/CACHE.md, "Eviction"), and tests check them against an
 exhaustive search.
