@@ -20,9 +20,7 @@ import os
 import warnings
 
 from ._cache_codec import CorruptSample, Uncacheable, decode, encode
-from ._cache_policy import KnownFuture
 from ._cache_store import CacheStore
-from ._sampler import sample_sequence
 from .errors import CacheError
 
 MISS = object()
@@ -39,8 +37,7 @@ class SampleCache:
         self.key, self.params, self.budget, self.policy, self.directory = key, params, budget, policy, directory
         self.store = CacheStore(key, params["n"], budget=budget, policy=policy, directory=directory)
         self.counts = {"uncacheable": 0}
-        self._me = KnownFuture(params["n"])
-        self._me.set_consumer(0, lambda e: sample_sequence(params, e))
+        self._epoch = 0  # the epoch of the last lookup
         self._slot = None  # this process's consumer entry (-1: the table was full)
         self._slot_pid = None  # the process it belongs to: a forked worker registers its own
         self._off = False
@@ -96,9 +93,8 @@ class SampleCache:
         if self._slot < 0:
             return
         if epoch is not None:
-            self._me.at_index(0, epoch, index)
-        _, epoch, position, _ = self._me.consumers[0]
-        self.store.set_position(self._slot, epoch, position)
+            self._epoch = epoch
+        self.store.at(self._slot, self._epoch, index)  # O(1): no order is computed here
 
     def _disable(self, e: Exception):
         self._off = True

@@ -1,7 +1,9 @@
 """Eviction policies of the decoded-sample cache, and a trace simulator.
 
 Pure code: no shared memory, no processes. The store (`_cache_store.py`)
-uses `KnownFuture` to rank its cached samples; the simulator replays an
+ranks its cached samples with `next_use` and `_farthest`, as `KnownFuture`
+and `choose_victims` do for the simulator (which keep their own orders; the
+store's come from `_cache_orders`); the simulator replays an
 access trace through a policy so that policies can be compared on the same
 trace (docs/CACHE.md, "Eviction"), and tests check them against an
 exhaustive search.
@@ -320,13 +322,20 @@ class KnownFuture:
     def _one(self, cid, epoch: int, pos: int, indices: np.ndarray) -> np.ndarray:
         inv, length = self._inverse(cid, epoch)
         nxt, _ = self._inverse(cid, epoch + 1)
-        here, there = inv[indices].astype(np.int64), nxt[indices].astype(np.int64)
-        d = np.full(len(indices), INF)
-        later = here > pos
-        d[later] = here[later] - pos
-        wrap = ~later & (there >= 0)
-        d[wrap] = length - pos + there[wrap]
-        return d
+        return next_use(indices, pos, inv, length, nxt)
+
+
+def next_use(indices: np.ndarray, pos: int, inv, length: int, nxt) -> np.ndarray:
+    """Next-use distance (float, INF for none) of `indices` for one
+    consumer at position `pos` of an epoch whose inverse order is `inv`
+    (`length` samples long), `nxt` the next epoch's inverse order."""
+    here, there = inv[indices].astype(np.int64), nxt[indices].astype(np.int64)
+    d = np.full(len(indices), INF)
+    later = here > pos
+    d[later] = here[later] - pos
+    wrap = ~later & (there >= 0)
+    d[wrap] = length - pos + there[wrap]
+    return d
 
 
 class OnlineBelady:
@@ -388,11 +397,12 @@ def choose_victims(future: KnownFuture, cached, cached_sizes, last_use, key: int
     return cached[order]
 
 
-def _farthest(dist, last, sizes, room: int):
+def _farthest(dist, last, sizes, room: int, extra: int = 0):
     """Positions of the fewest entries, farthest first (then least recent),
-    whose sizes add up to `room`; None if all of them do not. Only the
-    entries at or beyond the k-th farthest distance are sorted (k doubling
-    until they make room): the full order of a large cache is not needed."""
+    whose sizes add up to `room`, followed by up to `extra` more in the
+    same order; None if all of them do not make room. Only the entries at
+    or beyond the k-th farthest distance are sorted (k growing until they
+    make room): the full order of a large cache is not needed."""
     n, k = len(dist), 64
     while True:
         if k >= n:
@@ -402,8 +412,8 @@ def _farthest(dist, last, sizes, room: int):
             cand = np.flatnonzero(dist >= threshold)  # every tie of the k-th too
         cand = cand[np.lexsort((last[cand], -dist[cand]))]  # the last key is the primary one
         m = int(np.searchsorted(np.cumsum(sizes[cand]), room)) + 1  # the first prefix with room
-        if m <= len(cand):
-            return cand[:m]
+        if m + extra <= len(cand) or (k >= n and m <= len(cand)):
+            return cand[: m + extra]
         if k >= n:
             return None
         k *= 4

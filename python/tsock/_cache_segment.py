@@ -28,7 +28,7 @@ import numpy as np
 from .errors import CacheError
 
 MAGIC = b"TSKCACHE"
-VERSION = 1
+VERSION = 2  # 2: a consumer entry holds the sample index it is at, not its position
 PAGE = 4096
 HEADER_BYTES = PAGE
 END = 0xFFFFFFFF  # the last block of a chain
@@ -46,7 +46,7 @@ MUTABLE_OFFSET = 192
 N_MUTABLE = 11
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _ENTRY = struct.Struct("<IIQQQ")  # state, member (place in the members list), length, first block, last use
-_CONSUMER = struct.Struct("<IIQQQQ")  # pid, params length, start time, epoch, position, updated_ns
+_CONSUMER = struct.Struct("<IIQQQQ")  # pid, params length, start time, epoch, index (the sample it is at), updated_ns
 
 _FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64 and aarch64
 _F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
@@ -249,6 +249,10 @@ def _start_time(pid: int) -> int | None:
     if fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])
+
+
+def _alive(pid: int, started: int) -> bool:
+    return _start_time(pid) == started
 
 
 class Header:
@@ -536,12 +540,26 @@ class _Segment:
             n = int(self.mut[FREE_COUNT])
         return n
 
-    def cached(self, sample: int | None = None, rng=None):
+    def cached(self, sample: int | None = None, rng=None, repair: bool = True):
         """(indices, blocks each, last use each) of the FULL entries, from
         the members list (no scan of the entry table); at most `sample` of
-        them, drawn at random, when there are more."""
+        them, drawn at random, when there are more. A members list that is
+        wrong is rebuilt (the exclusive lock held); with repair=False
+        (the shared lock held) the entries that are not FULL are left out
+        instead."""
         raw = np.ndarray((self.h.n_samples, 4), np.uint64, self.mm, self.h.geometry["entries_offset"])
-        for attempt in (0, 1):
+        if not repair:
+            count = min(int(self.mut[MEMBERS]), self.h.n_blocks)
+            if sample is not None and count > sample:
+                idx = np.sort(self.members[rng.integers(0, count, sample)].astype(np.int64))  # a private copy
+                idx = idx[np.concatenate(([True], idx[1:] != idx[:-1]))]  # drawn twice: once
+            else:
+                idx = self.members[:count].astype(np.int64)  # a private copy
+            idx = idx[idx < self.h.n_samples]
+            rows = raw[idx]  # a private copy
+            full = rows[:, 0] & np.uint64(0xFFFFFFFF) == FULL
+            idx, rows = idx[full], rows[full]
+        for attempt in (0, 1) if repair else ():
             count = int(self.mut[MEMBERS])
             live = min(count, self.h.n_blocks)
             if sample is not None and live > sample:
@@ -556,7 +574,7 @@ class _Segment:
             if ok or attempt:
                 break
             self.rebuild()
-        if not ok:
+        if repair and not ok:
             raise CacheError(f"{self.path}: the members list is still wrong after a rebuild")
         blocks = (rows[:, 1] + (self.h.block_bytes - 1)) // self.h.block_bytes
         blocks = np.minimum(blocks, self.h.n_blocks).astype(np.int64)  # a bad length counts as the arena
@@ -711,19 +729,24 @@ class _Segment:
         if _CONSUMER.unpack_from(self.mm, off)[0] == os.getpid():
             struct.pack_into("<I", self.mm, off, 0)
 
-    def set_position(self, slot: int, epoch: int, position: int) -> None:
-        # Unlocked, after every lookup: pwrite, not the mapping (see _pread).
-        self._pwrite(struct.pack("<QQQ", epoch, position, time.time_ns()), self._consumer_offset(slot) + 16)
+    def set_position(self, slot: int, epoch: int, index: int) -> None:
+        """Consumer `slot` is at sample `index` of epoch `epoch` (unlocked,
+        advisory, after every lookup): pwrite, not the mapping (see _pread)."""
+        self._pwrite(struct.pack("<QQQ", epoch, index, time.time_ns()), self._consumer_offset(slot) + 16)
 
-    def consumers(self) -> list:
-        """(slot, params blob, epoch, position) of the live consumers, checked."""
+    def consumers(self, alive=None) -> list:
+        """(slot, params blob, epoch, index) of the live consumers, checked;
+        alive(pid, start time) says whether a process lives (default: a
+        read of /proc/<pid>/stat)."""
+        if alive is None:
+            alive = _alive
         out = []
         for slot in range(CONSUMER_SLOTS):
             off = self._consumer_offset(slot)
             pid, length, started, epoch, position, _ = _CONSUMER.unpack_from(self.mm, off)
-            if pid == 0 or length > PARAMS_MAX or epoch >= 1 << 32 or position > self.h.n_samples * 4:
+            if pid == 0 or length > PARAMS_MAX or epoch >= 1 << 32 or position >= self.h.n_samples:
                 continue
-            if _start_time(pid) != started:
+            if not alive(pid, started):
                 continue
             blob = bytes(self.mm[off + _CONSUMER.size : off + _CONSUMER.size + length])
             out.append((slot, blob, epoch, position))

@@ -13,16 +13,21 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import weakref
 
 import numpy as np
 
-from ._cache_policy import KnownFuture, choose_victims
+from ._cache_orders import ORDERS
+from ._cache_policy import INF, _farthest, next_use
 from ._cache_segment import (
     _CORRUPT,
     BYPASSES,
+    FREE_COUNT,
     FULL,
+    MEMBERS,
     PARAMS_MAX,
+    _alive,
     _Segment,
     auto_budget,
     block_size_for,
@@ -32,6 +37,14 @@ from .errors import CacheError
 
 POLICIES = ("belady", "lru", "fill-once")
 RANKED = 4096  # cached samples ranked per eviction, at most
+# Belady ranks RANKED samples of the cache once per REFRESH misses and keeps
+# its POOL farthest; the misses between rank those again with FRESH newly
+# drawn ones (a cache of at most POOL_ALL samples is ranked whole each time).
+POOL, FRESH, REFRESH, POOL_ALL = 64, 64, 32, 256
+SPARE = 16  # candidates ranked beyond those that make room: others may evict some before the lock is taken
+PREFETCH_AT = 0.9  # a consumer this far into its epoch: the epoch after the next is computed in the background
+ALIVE_FOR = 1.0  # seconds a consumer process seen alive is taken to be (no /proc read per consumer per miss)
+_REPLAN = object()
 
 
 class CacheStore:
@@ -54,10 +67,12 @@ class CacheStore:
         self.path = segment_path(key, directory)
         self.counts = dict.fromkeys(("hits", "misses", "inserts", "evictions", "bypasses", "corrupt", "refused"), 0)
         self._thread_lock = threading.RLock()
-        self._future = KnownFuture(n_samples)
-        self._future_ids: dict = {}
+        self._params_of: dict = {}  # consumer params blob -> checked params (None: refused)
+        self._seen_alive: dict = {}  # (pid, start time) -> when /proc last said it lives
         self._bad: set = set()  # indices whose entry failed a check: dropped at the next change
         self._rng = np.random.default_rng()  # which cached samples are ranked, beyond RANKED: no effect on batches
+        self._pool = None  # Belady's kept candidates (indices, blocks, last uses), and misses since they were ranked
+        self._pool_age = 0
         self._seg = None
         self._pid = None
         self._slots: list = []  # consumer entries this process registered
@@ -123,16 +138,28 @@ class CacheStore:
 
     def put(self, index: int, data) -> bool:
         """Caches `data` (bytes-like) for `index`; False if the policy
-        declined it, it does not fit, or it was cached already."""
+        declined it, it does not fit, or it was cached already.
+
+        Belady ranks the cached samples before it takes the exclusive lock
+        (`_plan`, under the shared lock and none): under it, it only checks
+        that its candidates are still cached and evicts them."""
         data = np.frombuffer(data, dtype=np.uint8)
         with self._thread_lock:
             seg = self._segment(create_for=len(data))
-            with seg.locked(exclusive=True):
-                seg.repair(self._bad)
-                self._bad.clear()
-                return self._insert(seg, index, data)
+            need = -(-len(data) // seg.h.block_bytes)
+            plan = None
+            for attempt in (0, 1):
+                if self.policy == "belady" and 0 < need <= seg.h.n_blocks:
+                    plan = self._plan(seg, index, need, again=bool(attempt))
+                with seg.locked(exclusive=True):
+                    seg.repair(self._bad)
+                    self._bad.clear()
+                    got = self._insert(seg, index, data, plan, last_try=bool(attempt))
+                if got is not _REPLAN:
+                    return got
+            raise AssertionError("the second try has a plan")  # pragma: no cover
 
-    def _insert(self, seg, index: int, data) -> bool:
+    def _insert(self, seg, index: int, data, plan=None, last_try: bool = True):
         if seg.entry(index)[0] == FULL:
             return False
         need = -(-len(data) // seg.h.block_bytes)
@@ -141,7 +168,13 @@ class CacheStore:
             return False
         free = seg.free_count()
         if free < need:
-            victims = self._victims(seg, index, need, free)
+            if self.policy == "belady" and plan is None and not last_try:
+                return _REPLAN  # room was taken since the look before the lock: rank, then come back
+            victims = self._victims(seg, index, need, free, plan)
+            if victims is _REPLAN:
+                if not last_try:
+                    return _REPLAN
+                victims = None
             if victims is None:
                 self.counts["bypasses"] += 1
                 seg.bump(BYPASSES)
@@ -155,20 +188,42 @@ class CacheStore:
         self.counts["inserts"] += 1
         return True
 
-    def _victims(self, seg, index: int, need: int, free: int):
+    def _victims(self, seg, index: int, need: int, free: int, plan=None):
         if self.policy == "fill-once":
             return None
-        # Ranking every cached sample costs O(cached) per eviction: beyond
-        # RANKED, a random sample of them (the victim is then among the
-        # farthest 1/RANKED of the cache, on average).
-        cached, blocks, last = seg.cached(RANKED, self._rng)
         if self.policy == "lru":
+            # Ranking every cached sample costs O(cached) per eviction: beyond
+            # RANKED, a random sample of them (the victim is then among the
+            # least recent 1/RANKED of the cache, on average).
+            cached, blocks, last = seg.cached(RANKED, self._rng)
             order = np.argsort(last, kind="stable")
             room = free + np.cumsum(blocks[order])
             m = int(np.searchsorted(room, need)) + 1
             return cached[order[:m]] if m <= len(order) else None
-        self._refresh_future(seg)
-        return choose_victims(self._future, cached, blocks, last, index, need, free)
+        # Belady: the plan's candidates, farthest first, that are still
+        # cached (O(candidates) under the lock); bypass at the first one
+        # whose next use is not after the new sample's.
+        candidates, dist, d_new, pooled = plan
+        victims, taken = [], set()
+        for v, d in zip(candidates.tolist(), dist.tolist()):
+            if free >= need:
+                break
+            if d <= d_new:
+                return None
+            state, length, _, _ = seg.entry(v)
+            if state != FULL or v in taken or v == index:
+                continue  # evicted (or taken) since the ranking
+            victims.append(v)
+            taken.add(v)
+            free += min(-(-length // seg.h.block_bytes), seg.h.n_blocks)
+        if free < need:
+            # Too few left: others evicted the kept candidates (rank afresh)
+            # or the sample does not make room (bypass).
+            return _REPLAN if pooled else None
+        if self._pool is not None and victims:
+            keep = ~np.isin(self._pool[0], victims)
+            self._pool = tuple(a[keep] for a in self._pool)
+        return victims
 
     # ---- consumers: the known future ----
 
@@ -191,32 +246,95 @@ class CacheStore:
                 self._slots.append(slot)
             return slot
 
-    def set_position(self, slot: int, epoch: int, position: int) -> None:
-        """Advisory: consumer `slot` is at `position` of epoch `epoch`."""
+    def at(self, slot: int, epoch: int, index: int) -> None:
+        """Advisory: consumer `slot` is at sample `index` of epoch `epoch`
+        (O(1): the Belady evictors map it to a position in the order)."""
         seg = self._seg
-        if seg is not None and self._pid == os.getpid():
-            seg.set_position(slot, epoch, position)
+        if seg is not None and self._pid == os.getpid() and 0 <= index < self.n_samples:
+            seg.set_position(slot, epoch, index)
 
-    def _refresh_future(self, seg) -> None:
+    def _alive(self, pid: int, started: int) -> bool:
+        """Whether consumer process `pid` lives: /proc read at most once per
+        ALIVE_FOR seconds per process."""
+        now = time.monotonic()
+        seen = self._seen_alive.get((pid, started))
+        if seen is not None and now - seen < ALIVE_FOR:
+            return True
+        if not _alive(pid, started):
+            self._seen_alive.pop((pid, started), None)
+            return False
+        if len(self._seen_alive) > 1024:
+            self._seen_alive.clear()
+        self._seen_alive[(pid, started)] = now
+        return True
+
+    def _plan(self, seg, index: int, need: int, again: bool):
+        """Belady's ranking for inserting `index` (`need` blocks), made
+        without the exclusive lock: (candidates farthest first, their
+        distances, the new sample's distance, whether kept candidates were
+        used), or None when there was room at the look (and not `again`).
+
+        The consumer table and a sample of the cached entries are copied
+        under the shared lock; the orders are computed (once per order and
+        epoch in this process, `_cache_orders`) and the entries ranked
+        under none. A large cache is ranked RANKED samples at a time once
+        per REFRESH misses; the misses between rank the POOL farthest of
+        the last ranking with FRESH newly drawn samples (O(POOL + FRESH)
+        per consumer, not O(RANKED)). `again`: the kept ones were stale."""
+        with seg.locked(exclusive=False):
+            free = int(seg.mut[FREE_COUNT])
+            if not again and free >= need:
+                return None
+            table = seg.consumers(alive=self._alive)
+            large = int(seg.mut[MEMBERS]) > POOL_ALL and RANKED > POOL_ALL
+            pooled = large and not again and self._pool is not None and self._pool_age < REFRESH
+            cached, blocks, last = seg.cached(FRESH if pooled else RANKED, self._rng, repair=False)
+        if pooled:
+            cached, blocks, last = _merge(self._pool, (cached, blocks, last))
+        futures = self._futures(table)
+        dist = np.full(len(cached), INF)
+        d_new = INF
+        one = np.array([index], dtype=np.int64)
+        for pos, inv, length, nxt in futures:
+            np.minimum(dist, next_use(cached, pos, inv, length, nxt), out=dist)
+            d_new = min(d_new, float(next_use(one, pos, inv, length, nxt)[0]))
+        if large:
+            top = np.lexsort((last, -dist))[:POOL]
+            self._pool = (cached[top], blocks[top], last[top])
+            self._pool_age = self._pool_age + 1 if pooled else 0
+        else:
+            self._pool = None
+        order = _farthest(dist, last, blocks, max(need - free, 1), SPARE)
+        if order is None:
+            order = np.argsort(-dist, kind="stable")  # not enough room among them: every one, farthest first
+        return cached[order], dist[order], d_new, pooled
+
+    def _futures(self, table) -> list:
+        """(position, inverse order, its length, next epoch's inverse) of
+        each consumer in `table`, the orders computed outside any lock."""
         from ._sampler import sample_sequence
 
-        live = {}
-        for slot, blob, epoch, position in seg.consumers():
-            ident = (slot, blob)
-            live[ident] = (epoch, position)
-            if ident not in self._future_ids:
-                params = _params(blob, self.n_samples)
-                if params is None:
-                    continue
-                self._future.set_consumer(ident, lambda e, p=params: sample_sequence(p, e), order=blob)
-                self._future_ids[ident] = True
-        for ident in list(self._future_ids):
-            if ident not in live:
-                self._future.remove_consumer(ident)
-                del self._future_ids[ident]
-        for ident, (epoch, position) in live.items():
-            if ident in self._future_ids:
-                self._future.set_position(ident, epoch, position)
+        if len(self._params_of) > 256:
+            self._params_of.clear()
+        for _, blob, _, _ in table:
+            if blob not in self._params_of:
+                self._params_of[blob] = _params(blob, self.n_samples)
+        table = [c for c in table if self._params_of[c[1]] is not None]
+        ORDERS.set_live(self, {c[1] for c in table})  # before computing: what is not live is not kept
+        out, seen = [], set()
+        for _, blob, epoch, index in table:
+            if (blob, epoch, index) in seen:
+                continue
+            seen.add((blob, epoch, index))
+            params = self._params_of[blob]
+            fn = _sequence_fn(sample_sequence, params)
+            inv, length = ORDERS.get(blob, epoch, fn, self.n_samples)
+            nxt, _ = ORDERS.get(blob, epoch + 1, fn, self.n_samples)
+            pos = max(int(inv[index]), 0)
+            if pos >= PREFETCH_AT * length:
+                ORDERS.prefetch(blob, epoch + 2, fn, self.n_samples)
+            out.append((pos, inv, length, nxt))
+        return out
 
     # ---- housekeeping ----
 
@@ -264,6 +382,15 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+def _merge(a, b):
+    """The union of two (indices, blocks, last uses), b's rows where both have an index."""
+    idx, blocks, last = (np.concatenate((x, y)) for x, y in zip(b, a))
+    idx, first = np.unique(idx, return_index=True)
+    return idx, blocks[first], last[first]
+
+
+def _sequence_fn(sample_sequence, params: dict):
+    return lambda epoch: sample_sequence(params, epoch)
 
 
 def _params(blob: bytes, n: int):

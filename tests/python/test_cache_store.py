@@ -120,10 +120,10 @@ def test_the_stores_belady_makes_the_simulators_choices(shm):
     slot = s.register(order_params(seed=3))
     trace, who = [N - 1], [(0, 0)]
     for e in range(3):
-        for p, i in enumerate(_sampler.epoch_order(N, 3, e, True)):
+        for i in _sampler.epoch_order(N, 3, e, True):
             trace.append(int(i))
             who.append((0, e))
-            s.set_position(slot, e, p)
+            s.at(slot, e, int(i))
             if s.get(int(i)) is None:
                 s.put(int(i), payload(int(i), 4000))
     future = KnownFuture(N)
