@@ -382,6 +382,8 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _merge(a, b):
     """The union of two (indices, blocks, last uses), b's rows where both have an index."""
     idx, blocks, last = (np.concatenate((x, y)) for x, y in zip(b, a))
