@@ -533,6 +533,12 @@ class _Segment:
         self._pwrite(_U64.pack(clock), self.h.geometry["entries_offset"] + 32 * index + 24)
         self._pwrite(_U64.pack(_U64.unpack(self._pread(8, hits_at))[0] + 1), hits_at)
 
+    def count_miss(self, more: int = 1) -> None:
+        """Adds to the segment's misses (advisory, any lock: pread/pwrite,
+        as _touch counts hits)."""
+        at = MUTABLE_OFFSET + 8 * MISSES
+        self._pwrite(_U64.pack(_U64.unpack(self._pread(8, at))[0] + more), at)
+
     def free_count(self) -> int:
         n = int(self.mut[FREE_COUNT])
         if n > self.h.n_blocks:

@@ -70,6 +70,7 @@ class CacheStore:
         self._params_of: dict = {}  # consumer params blob -> checked params (None: refused)
         self._seen_alive: dict = {}  # (pid, start time) -> when /proc last said it lives
         self._bad: set = set()  # indices whose entry failed a check: dropped at the next change
+        self._unseen_misses = 0  # misses before this process had the segment: counted in it at the next put
         self._rng = np.random.default_rng()  # which cached samples are ranked, beyond RANKED: no effect on batches
         self._pool = None  # Belady's kept candidates (indices, blocks, last uses), and misses since they were ranked
         self._pool_age = 0
@@ -117,10 +118,15 @@ class CacheStore:
         with self._thread_lock:
             seg = self._segment()
             if seg is None:
+                # Counted in the segment once this process's insert made
+                # or opened it (put).
+                self._unseen_misses += 1
                 self.counts["misses"] += 1
                 return None
             with seg.locked(exclusive=False):
                 got = seg.read(index)
+                if got is None or got is _CORRUPT:
+                    seg.count_miss()
             if got is _CORRUPT:
                 self._bad.add(index)
                 self.counts["corrupt"] += 1
@@ -154,6 +160,9 @@ class CacheStore:
                 with seg.locked(exclusive=True):
                     seg.repair(self._bad)
                     self._bad.clear()
+                    if self._unseen_misses:
+                        seg.count_miss(self._unseen_misses)
+                        self._unseen_misses = 0
                     got = self._insert(seg, index, data, plan, last_try=bool(attempt))
                 if got is not _REPLAN:
                     return got
@@ -377,6 +386,7 @@ def _after_fork_in_child() -> None:
         store._thread_lock = threading.RLock()
         seg = store._seg
         store._seg, store._pid, store._slots = None, os.getpid(), []
+        store._unseen_misses = 0  # the parent counts its own
         if seg is not None:
             seg.forget_in_child()
 

@@ -47,6 +47,17 @@ PRODUCER = {
     ),
     "readers": ("tsock_producer_readers", "Consumers attached now.", "gauge"),
     "workers": ("tsock_pipeline_workers", "Worker processes of the producer's tsock.Pipeline.", "gauge"),
+    "cache_hits": (
+        "tsock_pipeline_cache_hits",
+        "Samples the decoded-sample cache of the producer's Pipeline served (its segment's count, every process).",
+        "gauge",
+    ),
+    "cache_misses": (
+        "tsock_pipeline_cache_misses",
+        "Samples looked up in that cache and computed (its segment's count, every process).",
+        "gauge",
+    ),
+    "cache_bytes": ("tsock_pipeline_cache_bytes", "Bytes of decoded samples that cache holds now.", "gauge"),
 }
 STAGE = "stage_s:"  # a producer's stats key STAGE + stage name: Pipeline.stage_seconds()
 SUMMED = {"blocked_s", "user_s", "batches", "published", "backpressure_s"}  # kept when the object goes
@@ -112,7 +123,22 @@ def _producer_stats(producer) -> dict:
     if isinstance(pipe, Pipeline):
         stats["workers"] = pipe.workers
         stats.update((STAGE + name, v) for name, v in pipe.stage_seconds().items())
+        stats.update(_cache_figures(pipe))
     return stats
+
+
+def _cache_figures(pipe: Pipeline) -> dict:
+    """Hits, misses and bytes held of the Pipeline's cache segment (the
+    segment's advisory totals: every process using it counts); none
+    without a cache, or while its segment cannot be read."""
+    try:
+        seg = (pipe.cache_stats() or {}).get("segment")
+    except Exception:  # noqa: BLE001 - a metrics read must not fail the scrape
+        return {}
+    if not seg:
+        return {}
+    used = max(0, seg["blocks"] - seg["free_blocks"]) * seg["block_bytes"]
+    return {"cache_hits": seg["hits"], "cache_misses": seg["misses"], "cache_bytes": used}
 
 
 def retire_producer(producer) -> None:
