@@ -4,25 +4,31 @@ key"): what decides the decoded samples is the source's and the stages'
 callable object's attributes) and the *code* of the functions that run,
 not their names. state_digest(obj) hashes a pickle of obj in which every
 Python function is replaced by its code (bytecode, constants, names),
-defaults, closure cells and, up to two calls deep, the globals it uses;
-every class by its name, its package's version and (two levels deep) its
-methods' code; every module by its name and version.
-
-The pickle is never stored or loaded: it is written into a hash, so its
-size costs time, not memory (more than MAX_BYTES is refused). An object
-that pickle cannot handle (an open file, a lock, a database handle)
-raises Unkeyable: the caller then asks the user for version=.
+defaults, closure cells, what it wraps (`__wrapped__`: functools.wraps,
+lru_cache) and, up to two calls deep, the globals it uses and the
+attributes it reads from a user module's globals (`helpers.scale(x)`);
+every class by its name, its package's version and (two levels deep) the
+code of its methods and, for a class of a user module, of every user
+class of its MRO with their other attributes (constants, a class-level
+transform); every module by its name and version. A user module is one
+outside the standard library and outside site-packages (or there, but
+without a `__version__`): installed packages with a version are named by
+it, their code is not followed.
 """
 
 from __future__ import annotations
 
+import dis
+import functools
 import hashlib
 import io
+import os
 import pickle
 import sys
 import types
 
 MAX_BYTES = 256 << 20  # a source whose pickle is larger: version= instead
+_MISSING = object()
 DEPTH = 2  # how many calls deep the globals a function uses are followed
 
 
@@ -61,6 +67,60 @@ def _package_version(module: str | None) -> str | None:
     return str(v) if isinstance(v, str) else None
 
 
+_SITE = ("site-packages", "dist-packages")
+_STDLIB = frozenset(sys.stdlib_module_names) | {"builtins"}
+
+
+def _user_module(name: str | None) -> bool:
+    """Whether the code of module `name` is followed: not the standard
+    library, not an installed package with a version (site-packages)."""
+    if not name:
+        return False
+    if name in ("__main__", "__mp_main__"):
+        return True
+    if name.partition(".")[0] in _STDLIB:
+        return False
+    f = getattr(sys.modules.get(name), "__file__", None)
+    if isinstance(f, str) and any(part in _SITE for part in f.split(os.sep)):
+        return _package_version(name) is None
+    return True
+
+
+def _type_name(v) -> str:
+    """What stands for a value pickle cannot handle: its type (and, for a
+    callable, its name)."""
+    return repr((type(v).__module__, type(v).__qualname__, getattr(v, "__qualname__", None)))
+
+
+def _attribute_chains(co: types.CodeType, out: set) -> set:
+    """The dotted reads that start at a global in co and the code nested in
+    it: ("helpers", "scale") for `helpers.scale(x)`."""
+    chain = None
+    for ins in dis.get_instructions(co):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            if chain is not None and len(chain) > 1:
+                out.add(tuple(chain))
+            chain = [ins.argval]
+        elif chain is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            chain.append(ins.argval)
+        elif chain is not None and ins.opname in ("PUSH_NULL", "CACHE", "EXTENDED_ARG"):
+            continue
+        else:
+            if chain is not None and len(chain) > 1:
+                out.add(tuple(chain))
+            chain = None
+    if chain is not None and len(chain) > 1:
+        out.add(tuple(chain))
+    for c in co.co_consts:
+        if isinstance(c, types.CodeType):
+            _attribute_chains(c, out)
+    return out
+
+
+_DESCRIPTORS = (types.MemberDescriptorType, types.GetSetDescriptorType, types.WrapperDescriptorType,
+                types.MethodDescriptorType, types.ClassMethodDescriptorType)  # fmt: skip
+
+
 def _code(co: types.CodeType) -> tuple:
     """A code object as plain data: what it does, not where it was written
     (no file name or line numbers); set constants sorted (their order
@@ -85,6 +145,14 @@ def _names(co: types.CodeType) -> set:
     return out
 
 
+def _by_reference(obj) -> bool:
+    """Whether pickle writes obj as a name (its code is then not in it)."""
+    try:
+        return isinstance(obj.__reduce_ex__(4), str)
+    except Exception:  # noqa: BLE001 - an object pickle cannot handle is reported by the pickle itself
+        return False
+
+
 class _KeyPickler(pickle.Pickler):
     def __init__(self, file, depth: int, ctx: dict):
         super().__init__(file, protocol=4)
@@ -103,6 +171,10 @@ class _KeyPickler(pickle.Pickler):
             return _ref, self._class(obj)
         if isinstance(obj, types.CodeType):
             return _ref, ("code", _code(obj))
+        d = getattr(obj, "__dict__", None)
+        if isinstance(d, dict) and "__wrapped__" in d and _by_reference(obj):
+            # A wrapper that pickles as its name (functools.lru_cache): what it wraps.
+            return _ref, ("wrapped", type(obj).__module__, type(obj).__qualname__, d["__wrapped__"])
         return NotImplemented
 
     def _sub(self, obj, depth: int) -> bytes:
@@ -125,32 +197,92 @@ class _KeyPickler(pickle.Pickler):
                 g = f.__globals__
                 for n in sorted(_names(f.__code__)):
                     if n in g and not n.startswith("__"):
-                        try:
-                            used[n] = self._sub(g[n], self.depth + 1)
-                        except _TooLarge:
-                            raise
-                        except Unkeyable:
-                            v = g[n]  # a global pickle cannot handle: its type (and, for a callable, name)
-                            used[n] = repr((type(v).__module__, type(v).__qualname__, getattr(v, "__qualname__", None)))
+                        used[n] = self._value(g[n])
+                for chain in sorted(_attribute_chains(f.__code__, set())):
+                    target = self._module_attribute(g, chain)
+                    if target is not None:
+                        used[".".join(target[0])] = self._value(target[1])
+            wrapped = vars(f).get("__wrapped__")  # functools.wraps: the function wrapped, too
             return (*name, _code(f.__code__), self._sub((f.__defaults__, f.__kwdefaults__), self.depth),
-                    tuple(cells), tuple(sorted(used.items())))  # fmt: skip
+                    tuple(cells), tuple(sorted(used.items())),
+                    None if wrapped is None else self._value(wrapped, 0))  # fmt: skip
         finally:
             self.ctx["active"].discard(id(f))
 
+    def _value(self, v, deeper: int = 1):
+        """The digest of a global or attribute one level deeper; a value
+        pickle cannot handle stands as its type's name."""
+        try:
+            return self._sub(v, self.depth + deeper)
+        except _TooLarge:
+            raise
+        except Unkeyable:
+            return _type_name(v)
+
+    @staticmethod
+    def _module_attribute(g: dict, chain: tuple):
+        """For a dotted read whose head is a user module among the globals
+        g: (the names up to the value read, that value); None otherwise."""
+        obj = g.get(chain[0])
+        if not isinstance(obj, types.ModuleType) or not _user_module(obj.__name__):
+            return None
+        for i, attr in enumerate(chain[1:], 1):
+            got = vars(obj).get(attr, _MISSING)
+            if got is _MISSING:
+                return None
+            if not isinstance(got, types.ModuleType):
+                return chain[: i + 1], got
+            if not _user_module(got.__name__):
+                return None  # a package with a version: named by it
+            obj = got
+        return None  # the chain ends at a module: nothing read from it
+
+    def _members(self, cls, attributes: bool) -> tuple:
+        """The code of cls's own methods (and, with attributes, the digests
+        of its other non-dunder attributes), one level deeper."""
+        out = []
+        for k, v in sorted(vars(cls).items()):
+            if isinstance(v, (staticmethod, classmethod)):
+                code = v.__func__
+            elif isinstance(v, property):
+                code = (v.fget, v.fset, v.fdel)
+            elif isinstance(v, functools.cached_property):
+                code = v.func
+            else:
+                code = v if isinstance(v, types.FunctionType) else None
+            if code is not None:
+                out.append((k, self._sub(code, self.depth + 1)))
+            elif attributes and not (k.startswith("__") and k.endswith("__")) and not isinstance(v, _DESCRIPTORS):
+                out.append((k, self._value(v)))
+        return tuple(out)
+
     def _class(self, cls) -> tuple:
         name = ("class", cls.__module__, cls.__qualname__, _package_version(cls.__module__))
-        if id(cls) in self.ctx["active"] or self.depth >= DEPTH or cls.__module__ == "builtins":
+        active = self.ctx["active"]
+        if id(cls) in active or self.depth >= DEPTH or cls.__module__ == "builtins":
             return name
-        self.ctx["active"].add(id(cls))
+        if not _user_module(cls.__module__):  # a package's class: its own methods
+            active.add(id(cls))
+            try:
+                return (*name, self._members(cls, False))
+            finally:
+                active.discard(id(cls))
+        # A user class: every class of its MRO (a base's __getitem__ is what
+        # runs), with their attributes (SCALE = 10, transform = T(10)).
+        mro = [k for k in cls.__mro__ if k is not object and k.__module__ != "builtins"]
+        added = {id(k) for k in mro} - active
+        active |= added
         try:
-            methods = []
-            for k, v in sorted(vars(cls).items()):
-                for part in (v, getattr(v, "__func__", None), getattr(v, "fget", None)):
-                    if isinstance(part, types.FunctionType):
-                        methods.append((k, self._sub(part, self.depth + 1)))
-            return (*name, tuple(methods))
+            parts = []
+            for k in mro:
+                base = ("class", k.__module__, k.__qualname__, _package_version(k.__module__))
+                if id(k) in added and _user_module(k.__module__):
+                    parts.append((*base, self._members(k, True)))
+                else:
+                    parts.append(base)  # a package's base: named by its version
+            return (*name, tuple(parts))
         finally:
-            self.ctx["active"].discard(id(cls))
+            active -= added
 
 
 def _digest(obj, depth: int, ctx: dict) -> bytes:

@@ -144,3 +144,160 @@ def test_an_edited_decode_does_not_get_the_samples_of_the_old_one(shm, tmp_path)
     assert run(10) == (key10, "[0, 10, 20, 30, 40, 50] 6")  # unchanged: the same key in a new process, warm
     key100, got = run(100)
     assert key100 != key10 and got == "[0, 100, 200, 300, 400, 500] 0"
+
+
+# Review 33, K1: what decides the samples besides the instance's state and
+# the functions' own globals. Each case builds pipeline A, reads a batch (the
+# cache fills), changes one thing and builds B while A is open (a second
+# trainer): B must get another key and its own samples.
+
+
+class Scaled:
+    SCALE = 10
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.full(2, i * self.SCALE, dtype=np.int64)
+
+
+class Base:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.full(2, i * 10, dtype=np.int64)
+
+
+class Child(Base):
+    pass
+
+
+def _getitem_100(self, i):
+    return np.full(2, i * 100, dtype=np.int64)
+
+
+class WithTransform:
+    transform = Scale(10)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return self.transform(np.full(2, i, dtype=np.int64))
+
+
+def _lru_decode(k):
+    @functools.lru_cache(maxsize=64)
+    def cached_decode(x):
+        return np.int64(x) * k
+
+    return cached_decode
+
+
+HELPERS = "def scale(x):\n    return x * {k}\n"
+r33helpers = None  # a user module, imported by the module-attribute case
+
+
+def decode_via_module(x):
+    return r33helpers.scale(x)
+
+
+def _module_case(tmp_path, monkeypatch):
+    import importlib
+
+    path = tmp_path / "r33helpers.py"
+    path.write_text(HELPERS.format(k=10))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "r33helpers", raising=False)
+    mod = importlib.import_module("r33helpers")
+    monkeypatch.setitem(globals(), "r33helpers", mod)
+
+    def edit():
+        path.write_text(HELPERS.format(k=100))
+        os.utime(path, (1, 1e9 + 5))
+        importlib.invalidate_caches()
+        importlib.reload(mod)
+
+    return (lambda: (Folder("/x"), decode_via_module)), edit, (lambda: (Folder("/x"), decode_via_module))
+
+
+def _cases(tmp_path, monkeypatch):
+    """name -> (make A's (source, decode), change, make B's)."""
+    lru = {"first": _lru_decode(10)}
+    return {
+        "class-attribute": (
+            lambda: (Scaled(), ident),
+            lambda: monkeypatch.setattr(Scaled, "SCALE", 100),
+            lambda: (Scaled(), ident),
+        ),
+        "inherited-method": (
+            lambda: (Child(), ident),
+            lambda: monkeypatch.setattr(Base, "__getitem__", _getitem_100),
+            lambda: (Child(), ident),
+        ),
+        "module-attribute": _module_case(tmp_path, monkeypatch),
+        "lru-cache": (
+            lambda: (list(range(8)), lru["first"]),
+            lambda: lru.update(second=_lru_decode(100)),
+            lambda: (list(range(8)), lru["second"]),
+        ),
+        "class-level-transform": (
+            lambda: (WithTransform(), ident),
+            lambda: monkeypatch.setattr(WithTransform, "transform", Scale(100)),
+            lambda: (WithTransform(), ident),
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["class-attribute", "inherited-method", "module-attribute", "lru-cache", "class-level-transform"]
+)
+def test_what_the_code_reads_beyond_the_state_is_in_the_key(shm, tmp_path, monkeypatch, case):
+    make_a, change, make_b = _cases(tmp_path, monkeypatch)[case]
+    a = pipe(shm, *make_a())
+    assert a.cache_key() == pipe(shm, *make_a()).cache_key()  # unchanged: the same key
+    first_batch(a)  # fills the cache
+    change()
+    source, decode = make_b()
+    b = pipe(shm, source, decode)
+    truth = [int(np.asarray(decode(source[i])).reshape(-1)[0]) for i in range(8)]
+    assert b.cache_key() != a.cache_key()
+    assert first_batch(b).reshape(8, -1)[:, 0].tolist() == truth
+    a.close(), b.close()
+
+
+CLASS_JOB = """
+import numpy as np, tsock
+class DS:
+    SCALE = {k}
+    def __len__(self): return 6
+    def __getitem__(self, i): return np.int64(i * self.SCALE)
+p = tsock.Pipeline(DS(), batch_size=6, shuffle=False, cache_bytes=1 << 22, cache_dir={shm!r}, cache_keep=True)
+print(p.cache_key().hex(), np.asarray(next(iter(p))).tolist(), p.cache_stats()["hits"])
+p.close()
+"""
+
+
+def _run_job(tmp_path, text, seed=None):
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent(text))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    if seed is not None:
+        env["PYTHONHASHSEED"] = str(seed)
+    out = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_an_edited_class_constant_does_not_get_the_samples_of_the_old_one(shm, tmp_path):
+    def run(k):
+        key, rest = _run_job(tmp_path, CLASS_JOB.format(k=k, shm=shm)).split(" ", 1)
+        return key, rest
+
+    key10, got = run(10)
+    assert got == "[0, 10, 20, 30, 40, 50] 0"
+    assert run(10) == (key10, "[0, 10, 20, 30, 40, 50] 6")  # the same key in a new process: warm
+    key100, got = run(100)
+    assert key100 != key10 and got == "[0, 100, 200, 300, 400, 500] 0"
