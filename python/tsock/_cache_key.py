@@ -14,6 +14,17 @@ transform); every module by its name and version. A user module is one
 outside the standard library and outside site-packages (or there, but
 without a `__version__`): installed packages with a version are named by
 it, their code is not followed.
+
+A set is hashed as its sorted elements (their digests where they are not
+all strings, bytes or numbers), a torch tensor as its dtype, shape,
+strides and bytes, so that the same state gives the same key in every
+process (a set pickles in string-hash order, which PYTHONHASHSEED
+randomises; torch.save writes a fresh serialization id).
+
+The pickle is never stored or loaded: it is written into a hash, so its
+size costs time, not memory (more than MAX_BYTES is refused). An object
+that pickle cannot handle (an open file, a lock, a database handle)
+raises Unkeyable: the caller then asks the user for version=.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import dis
 import functools
 import hashlib
 import io
+import math
 import os
 import pickle
 import sys
@@ -153,10 +165,29 @@ def _by_reference(obj) -> bool:
         return False
 
 
+def _tensor(torch, t) -> tuple | None:
+    """A torch tensor as its type, dtype, shape, strides, device type and
+    bytes (None where they cannot be read: sparse, quantized, meta)."""
+    try:
+        x = t.detach()
+        data = x.resolve_conj().resolve_neg().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return ("tensor", type(t).__module__, type(t).__qualname__, str(x.dtype), tuple(x.shape), tuple(x.stride()),
+                x.device.type, bool(t.requires_grad), data, dict(getattr(t, "__dict__", {})))  # fmt: skip
+    except Exception:  # noqa: BLE001 - torch raises many kinds for layouts it cannot view
+        return None
+
+
 class _KeyPickler(pickle.Pickler):
     def __init__(self, file, depth: int, ctx: dict):
         super().__init__(file, protocol=4)
         self.depth, self.ctx = depth, ctx
+
+    def persistent_id(self, obj):
+        # Sets are written by the C pickler without asking reducer_override;
+        # this is asked for every object first.
+        if type(obj) in (set, frozenset):
+            return ("set", type(obj).__name__, self._set_items(obj))
+        return None
 
     def reducer_override(self, obj):
         if obj is _ref:
@@ -171,11 +202,28 @@ class _KeyPickler(pickle.Pickler):
             return _ref, self._class(obj)
         if isinstance(obj, types.CodeType):
             return _ref, ("code", _code(obj))
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, getattr(torch, "Tensor", ())):
+            got = _tensor(torch, obj)
+            if got is not None:
+                return _ref, got
+            return NotImplemented
         d = getattr(obj, "__dict__", None)
         if isinstance(d, dict) and "__wrapped__" in d and _by_reference(obj):
             # A wrapper that pickles as its name (functools.lru_cache): what it wraps.
             return _ref, ("wrapped", type(obj).__module__, type(obj).__qualname__, d["__wrapped__"])
         return NotImplemented
+
+    def _set_items(self, items) -> tuple:
+        """A set's elements in an order that is the same in every process."""
+        kinds = {type(x) for x in items}
+        if (
+            kinds <= {str}
+            or kinds <= {bytes}
+            or (kinds <= {int, float, bool} and all(not isinstance(x, float) or not math.isnan(x) for x in items))
+        ):
+            return ("sorted", tuple(sorted(items)))
+        return ("digests", tuple(sorted(self._sub(x, self.depth) for x in items)))
 
     def _sub(self, obj, depth: int) -> bytes:
         return _digest(obj, depth, self.ctx)

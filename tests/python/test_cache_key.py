@@ -301,3 +301,50 @@ def test_an_edited_class_constant_does_not_get_the_samples_of_the_old_one(shm, t
     assert run(10) == (key10, "[0, 10, 20, 30, 40, 50] 6")  # the same key in a new process: warm
     key100, got = run(100)
     assert key100 != key10 and got == "[0, 100, 200, 300, 400, 500] 0"
+
+
+# Review 33, K2: state whose pickle differs between processes (a set in
+# string-hash order, a tensor through torch.save's serialization id) must
+# still give one key, or trainers never share the cache.
+
+STATE_JOB = """
+import numpy as np, tsock
+try:
+    import torch
+except ImportError:
+    torch = None
+class DS:
+    def __init__(self, k):
+        self.exts = {{".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".webp"}}
+        self.pairs = frozenset({{("a", 1), ("b", 2), ("c", 3)}})
+        self.mixed = {{"x", 1, None}}
+        self.array = np.arange(5, dtype=np.float32) * k
+        self.mean = None if torch is None else torch.tensor([0.485, 0.456, 0.406]) * k
+    def __len__(self): return 6
+    def __getitem__(self, i): return np.float32(i)
+def key(k):
+    return tsock.Pipeline(DS(k), batch_size=6, cache_bytes=1 << 22, cache_dir={shm!r}).cache_key().hex()
+print(key(1), key(1), key(2))
+"""
+
+
+def test_set_tensor_and_array_state_gives_one_key_in_every_process(shm, tmp_path):
+    runs = [_run_job(tmp_path, STATE_JOB.format(shm=shm), seed=seed).split() for seed in (1, 2, 3)]
+    for same, same_again, other in runs:
+        assert same == same_again  # two equal datasets in one process
+        assert other != same  # other array and tensor values
+    assert runs[0] == runs[1] == runs[2]  # other hash seeds
+
+
+def test_a_tensor_is_keyed_by_its_values_dtype_and_shape():
+    torch = pytest.importorskip("torch")
+    from tsock._cache_key import state_digest
+
+    t = torch.arange(6, dtype=torch.float32)
+    d = state_digest(t)
+    assert state_digest(torch.arange(6, dtype=torch.float32)) == d
+    assert state_digest(t.clone().add_(1)) != d
+    assert state_digest(t.to(torch.float64)) != d
+    assert state_digest(t.reshape(2, 3)) != d
+    assert state_digest(torch.arange(6, dtype=torch.bfloat16)) == state_digest(torch.arange(6, dtype=torch.bfloat16))
+    assert state_digest({"a", "b"}) == state_digest({"b", "a"}) != state_digest({"a", "c"})
