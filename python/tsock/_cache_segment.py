@@ -463,6 +463,11 @@ class _Segment:
     def locked(self, exclusive: bool):
         return _Locked(self, exclusive)
 
+    def _whole(self) -> bool:
+        """check_size's test, as a bool."""
+        st, want = os.fstat(self.fd), self.h.geometry["file_bytes"]
+        return st.st_size == want and st.st_blocks * 512 >= want
+
     def check_size(self) -> None:
         st = os.fstat(self.fd)
         want = self.h.geometry["file_bytes"]
@@ -494,9 +499,34 @@ class _Segment:
 
     def read(self, index: int):
         """The entry's bytes (private), None, or _CORRUPT. Everything is
-        read with pread, not from the mapping (see _pread)."""
+        read with pread, not from the mapping (see _pread). After the
+        blocks are copied the file is checked for holes (a peer that
+        truncates and re-extends it leaves them; check_size found none
+        when the lock was taken) and the entry and its chain's owner and
+        next words are read again: a change is _CORRUPT (a miss), not a
+        sample with zeroed blocks (review 33, W1)."""
         if not 0 <= index < self.h.n_samples:
             raise IndexError(f"sample {index} of a cache of {self.h.n_samples}")
+        chain = self._checked_chain(index)
+        if chain is None or chain is _CORRUPT:
+            return chain
+        length, blocks = chain
+        g, b_bytes = self.h.geometry, self.h.block_bytes
+        data = np.empty(length, dtype=np.uint8)
+        view = memoryview(data)
+        for j, b in enumerate(blocks):
+            part = view[j * b_bytes : min((j + 1) * b_bytes, length)]
+            got = os.preadv(self.fd, [part], g["arena_offset"] + b * b_bytes)
+            if got != len(part):
+                raise CacheError(f"{self.path}: {got} of {len(part)} bytes of block {b} (truncated while in use?)")
+        if not self._whole() or self._checked_chain(index) != chain:
+            return _CORRUPT
+        self._touch(index)
+        return data
+
+    def _checked_chain(self, index: int):
+        """(length, blocks) of a full entry whose chain checks (each block
+        owned by it, the last one's next END), None, or _CORRUPT."""
         g = self.h.geometry
         state, _, length, first, _ = _ENTRY.unpack(self._pread(_ENTRY.size, g["entries_offset"] + 32 * index))
         if state != FULL:
@@ -514,15 +544,7 @@ class _Segment:
             b = _U32.unpack(self._pread(4, g["next_offset"] + 4 * b))[0]
         if b != END:
             return _CORRUPT
-        data = np.empty(length, dtype=np.uint8)
-        view = memoryview(data)
-        for j, b in enumerate(blocks):
-            part = view[j * b_bytes : min((j + 1) * b_bytes, length)]
-            got = os.preadv(self.fd, [part], g["arena_offset"] + b * b_bytes)
-            if got != len(part):
-                raise CacheError(f"{self.path}: {got} of {len(part)} bytes of block {b} (truncated while in use?)")
-        self._touch(index)
-        return data
+        return length, blocks
 
     def _touch(self, index: int) -> None:
         # Advisory under the shared lock: a lost update costs LRU order only.
