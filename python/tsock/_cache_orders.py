@@ -12,9 +12,10 @@ consumer nears the end of an epoch the store asks for the epoch after the
 next in a background thread (`prefetch`), so that the first eviction of
 the next epoch finds it computed.
 
-Memory: at most KEPT epochs per order, and only for the orders some store
-of this process saw in its consumer table at its last look
-(`set_live`): 4 bytes a sample each (int32 below 2^31 samples).
+Memory: at most KEPT epochs per order, and only for the orders some open
+store of this process saw in its consumer table at its last look
+(`set_live`; a store's close() or collection drops its own): 4 bytes a
+sample each (int32 below 2^31 samples).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Orders:
         self._memo: OrderedDict = OrderedDict()  # (blob, epoch) -> (inverse, length)
         self._busy: dict = {}  # (blob, epoch) -> Event set when its computation ends
         self._live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> its orders (blobs)
+        self._closed: list = []  # weak references to stores closed since the last trim
         self.computed = 0  # inverse orders computed in this process (tests, costs)
 
     def _after_fork(self) -> None:
@@ -90,10 +92,38 @@ class Orders:
         """The orders `store` saw in its consumer table: the others are
         dropped unless another store of this process sees them."""
         with self._lock:
+            self._drain()
+            if store not in self._live:
+                # A store collected without close(): its orders go then
+                # (review 33, L1), or at the next call if the lock is held.
+                weakref.finalize(store, self._try_trim)
             self._live[store] = frozenset(blobs)
             self._trim()
 
+    def forget(self, store) -> None:
+        """`store` is closed: the orders only it used are dropped (now, or
+        at the next call if another thread holds the lock)."""
+        self._closed.append(weakref.ref(store))  # atomic: no lock needed
+        self._try_trim()
+
+    def _try_trim(self) -> None:
+        # Also run by the garbage collector (a store's finalizer, a
+        # pipeline's), maybe in a thread that holds the lock already: never
+        # wait for it.
+        if self._lock.acquire(blocking=False):
+            try:
+                self._trim()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        while self._closed:
+            store = self._closed.pop()()
+            if store is not None:
+                self._live.pop(store, None)
+
     def _trim(self) -> None:
+        self._drain()
         live = set().union(*self._live.values()) if len(self._live) else set()
         drop, seen = [], {}
         for key in reversed(self._memo):  # the most recently used first

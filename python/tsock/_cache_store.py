@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 import weakref
@@ -370,6 +371,7 @@ class CacheStore:
                     pass  # a truncated segment: nothing to give back in it
                 self._seg.close()
             self._seg, self._slots = None, []
+        ORDERS.forget(self)
 
 
 _STORES: weakref.WeakSet = weakref.WeakSet()
@@ -402,6 +404,15 @@ def _merge(a, b):
 
 
 def _sequence_fn(sample_sequence, params: dict):
+    if params["world_size"] and params["shuffle"] and "torch" not in sys.modules:
+        # Partition mode orders with torch.randperm: imported here, in the
+        # caller, not first in a prefetch thread (a fork while that thread
+        # holds torch's import lock leaves a child that hangs on its own
+        # import of torch: review 33, P1).
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            pass  # sample_sequence says what is missing
     return lambda epoch: sample_sequence(params, epoch)
 
 

@@ -10,15 +10,37 @@ of a call, which includes the ranking done before the lock."""
 from __future__ import annotations
 
 import fcntl
+import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+import tsock
 from tsock import _cache_orders, _cache_segment, _cache_store, _sampler
 from tsock._cache import SampleCache
 from tsock._cache_orders import ORDERS, inverse_of
 from tsock._cache_store import CacheStore
+
+
+@pytest.fixture(autouse=True)
+def fresh_orders(monkeypatch):
+    """A memo of this test's own: what earlier tests computed is not in it
+    (review 33, T: the counts below depended on it)."""
+    orders = _cache_orders.Orders()
+    for module in (_cache_orders, _cache_store, sys.modules[__name__]):
+        monkeypatch.setattr(module, "ORDERS", orders)
+    return orders
+
+
+def join_order_threads():
+    for t in threading.enumerate():
+        if t.name == "tsock-cache-order":
+            t.join(60)
+
 
 N = 100_000  # an O(n) order of this size takes ~10-20 ms here: 8 of them take far more than the bound
 BLOCK = 4000  # one 4 KiB block a sample
@@ -203,3 +225,59 @@ def test_an_inverse_order_is_the_first_position_of_each_index(kw):
     assert length == len(seq)
     want = [list(seq).index(j) if j in set(seq.tolist()) else -1 for j in range(n)]
     assert inv.tolist() == want
+
+
+# ---- the memo's lifetime (review 33, L1) ----
+
+
+def test_closing_or_dropping_every_store_empties_the_order_memo(shm):
+    a = full_store(shm, key=b"a" * 16)
+    b = full_store(shm, key=b"b" * 16)
+    for seed, s in ((5, a), (6, b)):
+        s.at(s.register(params(seed)), 0, 0)
+        s.put(N - 1, bytes(BLOCK))  # evicts: the orders of seed 5 (a) and 6 (b)
+    join_order_threads()
+    blobs = {blob for blob, _ in ORDERS.cached()}
+    assert len(blobs) == 2 and len(ORDERS.cached()) >= 4
+    a.close()
+    assert len({blob for blob, _ in ORDERS.cached()}) == 1  # b's: b is open
+    del b, s  # not closed: collected
+    gc.collect()
+    assert ORDERS.cached() == []
+
+
+def test_closing_every_pipeline_empties_the_order_memo(shm):
+    n = 400
+    pipes = [
+        tsock.Pipeline(list(range(n)), read=lambda i: np.full(1000, i, dtype=np.int32), batch_size=16,
+                       seed=seed, cache_bytes=n // 4 * 4096, cache_dir=shm, cache_keep=False)
+        for seed in (1, 2)
+    ]  # fmt: skip
+    for p in pipes:
+        for _ in p:
+            pass
+    join_order_threads()
+    assert ORDERS.cached() and ORDERS.computed > 0  # Belady evicted with the consumers' orders
+    for p in pipes:
+        p.close()
+    assert ORDERS.cached() == []
+
+
+# ---- torch is imported by the caller, not a prefetch thread (review 33, P1) ----
+
+PARTITION_JOB = """
+import sys
+from tsock._cache_store import _sequence_fn
+from tsock._sampler import sample_sequence
+p = dict(n=100, seed=1, shuffle=True, batch_size=4, drop_last=False, world_size=2, ranks=[0], sampler_drop_last=False)
+fn = _sequence_fn(sample_sequence, p)
+print("torch" in sys.modules)
+"""
+
+
+def test_a_partition_order_imports_torch_before_any_thread_computes_it():
+    pytest.importorskip("torch")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", PARTITION_JOB], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
