@@ -188,11 +188,29 @@ def list_caches(directory: str = "/dev/shm") -> list:
     return out
 
 
-def remove_caches(directory: str = "/dev/shm") -> list:
+def remove_caches(directory: str = "/dev/shm", keys=None, older_than: float | None = None) -> list:
     """Removes this uid's cache segments in `directory` that no process
-    uses; the paths removed."""
+    uses; the paths removed. Without keys or older_than that is every
+    unused cache of the uid on the node, other jobs' kept ones included
+    (on an account several jobs share, limit it): keys, cache keys (bytes,
+    as Pipeline.cache_key(), or their hex) to remove only those;
+    older_than, seconds: only those not modified for that long."""
+    wanted = None
+    if keys is not None:
+        wanted = {k.hex() if isinstance(k, (bytes, bytearray)) else str(k) for k in keys}
+    if older_than is not None and older_than < 0:
+        raise ValueError(f"older_than must be >= 0 seconds, got {older_than}")
     removed = []
+    now = time.time()
     for c in list_caches(directory):
+        if wanted is not None and c["key"].partition(".")[0] not in wanted:
+            continue
+        if older_than is not None:
+            try:
+                if now - os.stat(c["path"], follow_symlinks=False).st_mtime < older_than:
+                    continue
+            except OSError:
+                continue
         try:
             fd = os.open(c["path"], os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:

@@ -185,7 +185,8 @@ class Pipeline:
         decode) in a shared-memory cache of this many bytes on the node,
         shared by every process and pipeline that decodes the same data
         (docs/CACHE.md); "auto": a quarter of the available memory, at most
-        half of /dev/shm's free space; None (default): no cache. Only for
+        half of /dev/shm's free space and a quarter of its total size less
+        this uid's caches there; None (default): no cache. Only for
         pipelines whose loading stages are deterministic and draw no random
         numbers: a cached sample is the same in every epoch.
       cache_policy: "belady" (default: evict the sample whose next use, in
@@ -199,7 +200,8 @@ class Pipeline:
         other process uses it (for the next run, which finds it warm);
         default False: the last user's close (or exit) removes it.
         tsock.caches() lists the segments left, tsock.remove_caches()
-        removes those unused.
+        removes those unused (every unused one of this uid unless limited
+        with keys= or older_than=).
     """
 
     def __init__(
@@ -347,8 +349,10 @@ class Pipeline:
         them, not of the seed, augment or batching (pipelines that differ
         only there share the cache): the state of the source, read and
         decode (a digest of their pickle, with every Python function's
-        code, defaults, closure cells and, two calls deep, the globals it
-        uses: _cache_key.state_digest), the dataset's length, `version`
+        code, defaults, closure cells and, two calls deep, the globals and
+        user modules' attributes it uses, and every user class's MRO with
+        its methods and attributes: _cache_key.state_digest; docs/CACHE.md
+        says what it cannot see), the dataset's length, `version`
         and the cache's sample encoding. Where no digest can be made (the
         source or a stage holds something pickle cannot handle, or its
         pickle is over 256 MiB) the key is the names of the source's type

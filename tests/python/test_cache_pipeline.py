@@ -401,6 +401,25 @@ def test_a_segment_left_with_cache_keep_is_listed_and_removable(shm):
     assert tsock.remove_caches(shm) == [c["path"]] and os.listdir(shm) == []
 
 
+def test_remove_caches_can_be_limited_to_keys_or_age(shm):
+    """Review 33, D1: remove_caches() removes every unused cache of the uid
+    (others' kept ones too); keys= and older_than= limit it."""
+    kept = [cached(shm, version=str(v), cache_keep=True) for v in range(3)]
+    for p in kept:
+        hashes(p, 1)
+        p.close()
+    paths = {p.cache_key().hex(): c["path"] for p in kept for c in tsock.caches(shm) if c["key"] == p.cache_key().hex()}
+    assert len(paths) == 3
+    assert tsock.remove_caches(shm, keys=[kept[0].cache_key()]) == [paths[kept[0].cache_key().hex()]]
+    assert tsock.remove_caches(shm, keys=[kept[1].cache_key().hex()]) == [paths[kept[1].cache_key().hex()]]
+    assert tsock.remove_caches(shm, older_than=3600) == []  # written just now
+    old = paths[kept[2].cache_key().hex()]
+    os.utime(old, (1e9, 1e9))
+    assert tsock.remove_caches(shm, older_than=3600) == [old] and os.listdir(shm) == []
+    with pytest.raises(ValueError, match="older_than"):
+        tsock.remove_caches(shm, older_than=-1)
+
+
 def test_auto_counts_the_caches_present_against_a_quarter_of_the_file_system(shm, monkeypatch):
     real = os.statvfs(shm)
     mib = 1 << 20
