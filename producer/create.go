@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -89,9 +90,36 @@ func spaceError(name string, size, free, total uint64, err error) error {
 		why = fmt.Sprintf(" (%v)", err)
 	}
 	return ring.Errorf(ring.StatusNoMem,
-		"channel %q needs %d bytes (%s) in %s, which has %d bytes (%s) free of %d (%s)%s: "+
-			"lower Slots or SlotBytes, remove dead channels (tsock rm --all-dead), or enlarge %s (docker run --shm-size)",
-		name, size, mib(size), shmDir, free, mib(free), total, mib(total), why, shmDir)
+		"channel %q needs %d bytes (%s) in %s, which has %d bytes (%s) free of %d (%s)%s%s: "+
+			"lower Slots or SlotBytes, remove dead channels (tsock rm --all-dead) and unused caches "+
+			"(tsock rm --caches), or enlarge %s (docker run --shm-size)",
+		name, size, mib(size), shmDir, free, mib(free), total, mib(total), why, cachesNote(), shmDir)
+}
+
+// cachesNote says how much of shmDir the decoded-sample caches of
+// tsock.Pipeline take (files tsock-cache.*, every user's), "" if none: a
+// full /dev/shm is often theirs.
+func cachesNote() string {
+	ents, err := os.ReadDir(shmDir)
+	if err != nil {
+		return ""
+	}
+	n, bytes := 0, uint64(0)
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), "tsock-cache.") {
+			continue
+		}
+		if info, err := e.Info(); err == nil {
+			if st, ok := info.Sys().(*syscall.Stat_t); ok {
+				bytes += uint64(st.Blocks) * 512
+			}
+		}
+		n++
+	}
+	if n == 0 {
+		return ""
+	}
+	return fmt.Sprintf("; %d decoded-sample caches take %s of it", n, mib(bytes))
 }
 
 func mib(n uint64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }

@@ -2,6 +2,7 @@ package producer_test
 
 import (
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -220,8 +221,18 @@ func TestCreateReservesSpace(t *testing.T) {
 	require.Error(t, err)
 	assert.Equal(t, ring.StatusNoMem, ring.StatusOf(err))
 	assert.Contains(t, err.Error(), "free of 8388608")
+	assert.NotContains(t, err.Error(), "decoded-sample caches take")
 	t.Log(err)
 	noLeftovers(t, dir, name)
+
+	// A decoded-sample cache taking the room is named as the likely cause.
+	cache := filepath.Join(dir, "tsock-cache.0.testkey")
+	require.NoError(t, os.WriteFile(cache, make([]byte, 1<<20), 0o600))
+	_, err = producer.Create(name, o)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "1 decoded-sample caches take 1.0 MiB")
+	assert.Contains(t, err.Error(), "tsock rm --caches")
+	require.NoError(t, os.Remove(cache))
 
 	restore := producer.SkipFreeCheckForTest()
 	_, err = producer.Create(name, o)

@@ -26,7 +26,9 @@ READERS counts live readers; records left by dead readers that the
 producer has not reclaimed yet are shown as "+N dead".
 
 Leftover hidden temporary files of producers that died while creating a
-channel (/dev/shm/.tsock-tmp.PID.*) are listed after the table.
+channel (/dev/shm/.tsock-tmp.PID.*) are listed after the table, and then
+the decoded-sample caches of tsock.Pipeline(cache_bytes=...)
+(/dev/shm/tsock-cache.UID.KEY): owner, bytes, in use or not.
 
 Exit status: 0, or 1 if a named channel does not exist.`,
 		run:   runLs,
@@ -42,7 +44,7 @@ type lsOptions struct {
 
 func (o *lsOptions) flagSet(w io.Writer) *flag.FlagSet {
 	fs := newFlagSet("ls", w)
-	fs.BoolVar(&o.jsonOut, "json", false, "print JSON: {\"channels\": [...], \"temp_files\": [...]}")
+	fs.BoolVar(&o.jsonOut, "json", false, "print JSON: {\"channels\": [...], \"temp_files\": [...], \"caches\": [...]}")
 	fs.BoolVar(&o.readers, "readers", false, "also list each channel's reader records")
 	fs.StringVar(&o.match, "match", "*", "only channels whose name matches this glob")
 	return fs
@@ -52,6 +54,7 @@ func (o *lsOptions) flagSet(w io.Writer) *flag.FlagSet {
 type lsResult struct {
 	Channels  []channelInfo `json:"channels"`
 	TempFiles []tempFile    `json:"temp_files"`
+	Caches    []cacheFile   `json:"caches"`
 }
 
 func runLs(e *env, args []string) int {
@@ -70,7 +73,7 @@ func runLs(e *env, args []string) int {
 		}
 		names = all
 	}
-	res := lsResult{Channels: []channelInfo{}, TempFiles: []tempFile{}}
+	res := lsResult{Channels: []channelInfo{}, TempFiles: []tempFile{}, Caches: []cacheFile{}}
 	for _, n := range names {
 		ci, err := inspectChannel(n)
 		if err != nil {
@@ -85,6 +88,9 @@ func runLs(e *env, args []string) int {
 	}
 	if tmps, err := listTempFiles(shmDir); err == nil {
 		res.TempFiles = append(res.TempFiles, tmps...)
+	}
+	if caches, err := listCaches(shmDir); err == nil {
+		res.Caches = caches
 	}
 	if o.jsonOut {
 		if err := writeJSON(e.stdout, res); err != nil {
@@ -152,4 +158,5 @@ func printLs(w io.Writer, res lsResult, withReaders bool) {
 			fmt.Fprintf(w, "  %s (pid %d, %s)\n", t.Path, t.Pid, st)
 		}
 	}
+	printCaches(w, res.Caches)
 }

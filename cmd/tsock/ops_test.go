@@ -655,3 +655,70 @@ func TestRmIgnoresReadLockOnProducerByte(t *testing.T) {
 	require.NoError(t, err, "the name is free again")
 	require.NoError(t, p.Close())
 }
+
+// TestCaches lists a decoded-sample cache file in use (a process holds a
+// read lock on its users byte, as tsock.Pipeline's cache does) and one
+// unused; rm --caches removes only the unused one, and another user's
+// cache is listed but never removed.
+func TestCaches(t *testing.T) {
+	prefix := fmt.Sprintf("%s%d.gotest%d", cachePrefix, os.Geteuid(), os.Getpid())
+	mk := func(suffix string) string {
+		path := filepath.Join(shmDir, prefix+suffix)
+		require.NoError(t, os.WriteFile(path, make([]byte, 3*4096), 0o600))
+		t.Cleanup(func() { _ = os.Remove(path) })
+		return path
+	}
+	used, unused := mk("a"), mk("b")
+	user, err := os.Open(used)
+	require.NoError(t, err)
+	fl := unix.Flock_t{Type: unix.F_RDLCK, Start: cacheUsersByte, Len: 1}
+	require.NoError(t, unix.FcntlFlock(user.Fd(), unix.F_OFD_SETLK, &fl))
+
+	res, rc := lsJSON(t)
+	require.Equal(t, 0, rc)
+	byPath := map[string]cacheFile{}
+	for _, c := range res.Caches {
+		byPath[c.Path] = c
+	}
+	require.Contains(t, byPath, used)
+	require.Contains(t, byPath, unused)
+	assert.True(t, byPath[used].InUse)
+	assert.False(t, byPath[unused].InUse)
+	assert.Equal(t, os.Geteuid(), byPath[unused].UID)
+	assert.GreaterOrEqual(t, byPath[unused].Bytes, uint64(3*4096))
+
+	rc, out, errs := runInProcess(t, "rm", "--caches", "--match", prefix+"*", "--json")
+	var rm rmResult
+	require.NoError(t, json.Unmarshal([]byte(out), &rm), "rm output:\n%s\nstderr:\n%s", out, errs)
+	assert.Equal(t, exitFail, rc, "the cache in use is refused")
+	assert.Equal(t, []string{unused}, rm.Caches)
+	require.Len(t, rm.Refused, 1)
+	assert.Equal(t, used, rm.Refused[0].Name)
+	assert.Contains(t, rm.Refused[0].Reason, "in use")
+	assert.FileExists(t, used)
+	assert.NoFileExists(t, unused)
+
+	require.NoError(t, user.Close()) // its user is gone
+	rc, _, errs = runInProcess(t, "rm", "--caches", "--match", prefix+"*")
+	assert.Equal(t, exitOK, rc, errs)
+	assert.NoFileExists(t, used)
+
+	if os.Geteuid() != 0 {
+		t.Log("not root: another user's cache file is not planted")
+		return
+	}
+	theirs := mk("c")
+	require.NoError(t, os.Chown(theirs, 4242, 4242))
+	res, _ = lsJSON(t)
+	found := false
+	for _, c := range res.Caches {
+		if c.Path == theirs {
+			found = true
+			assert.Equal(t, 4242, c.UID)
+		}
+	}
+	assert.True(t, found, "another user's cache is listed")
+	rc, _, _ = runInProcess(t, "rm", "--caches", "--match", prefix+"*")
+	assert.Equal(t, exitOK, rc)
+	assert.FileExists(t, theirs, "another user's cache is theirs to remove")
+}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"syscall"
 
 	"github.com/tsock/tsock/ring"
@@ -36,6 +37,11 @@ reader holds and that showed no sign of life for 30 s; rm is for the rest
 
 --all-dead removes every dead or closed channel instead of named ones
 (those whose name matches --match, a glob, if given).
+
+--caches also removes this user's decoded-sample caches
+(/dev/shm/tsock-cache.UID.KEY, tsock.Pipeline(cache_bytes=...)) that no
+process uses (those whose file name matches --match, if given); one in
+use is left, and named on stderr.
 Exit status: 0 when everything asked for was removed, 1 when something
 was refused or missing, 2 for a bad command line.`,
 		run:   runRm,
@@ -48,14 +54,16 @@ type rmOptions struct {
 	match   string
 	force   bool
 	jsonOut bool
+	caches  bool
 }
 
 func (o *rmOptions) flagSet(w io.Writer) *flag.FlagSet {
 	fs := newFlagSet("rm", w)
 	fs.BoolVar(&o.allDead, "all-dead", false, "remove every channel whose producer is dead")
-	fs.StringVar(&o.match, "match", "*", "with --all-dead: only channels whose name matches this glob")
+	fs.StringVar(&o.match, "match", "*", "with --all-dead or --caches: only channels (cache files) whose name matches this glob")
 	fs.BoolVar(&o.force, "force", false, "also remove a file without a live producer that is not a valid segment")
 	fs.BoolVar(&o.jsonOut, "json", false, "print the result as JSON")
+	fs.BoolVar(&o.caches, "caches", false, "also remove this user's decoded-sample caches that no process uses")
 	return fs
 }
 
@@ -71,6 +79,7 @@ type rmResult struct {
 	Refused     []rmRefusal `json:"refused"`
 	TempRemoved []string    `json:"temp_removed"`
 	TempKept    []string    `json:"temp_kept"` // creator still alive
+	Caches      []string    `json:"caches_removed"`
 }
 
 func runRm(e *env, args []string) int {
@@ -80,15 +89,16 @@ func runRm(e *env, args []string) int {
 	if !ok {
 		return st
 	}
-	if len(names) == 0 && !o.allDead {
-		fmt.Fprintf(e.stderr, "usage: tsock rm [--force] [--json] NAME... | tsock rm --all-dead\n")
+	if len(names) == 0 && !o.allDead && !o.caches {
+		fmt.Fprintf(e.stderr, "usage: tsock rm [--force] [--json] [--caches] NAME... | tsock rm --all-dead | tsock rm --caches\n")
 		return exitUsage
 	}
 	if len(names) > 0 && o.allDead {
 		fmt.Fprintf(e.stderr, "tsock rm: give channel names or --all-dead, not both\n")
 		return exitUsage
 	}
-	res := rmResult{Removed: []string{}, Refused: []rmRefusal{}, TempRemoved: []string{}, TempKept: []string{}}
+	res := rmResult{Removed: []string{}, Refused: []rmRefusal{}, TempRemoved: []string{}, TempKept: []string{},
+		Caches: []string{}}
 	if o.allDead {
 		all, err := listChannels(o.match)
 		if err != nil {
@@ -136,6 +146,9 @@ func runRm(e *env, args []string) int {
 		if !o.jsonOut {
 			fmt.Fprintf(e.stdout, "removed %s (temporary file of dead pid %d)\n", t.Path, t.Pid)
 		}
+	}
+	if o.caches {
+		removeCaches(e, &res, o.match, o.jsonOut)
 	}
 	if o.jsonOut {
 		_ = writeJSON(e.stdout, res)
@@ -248,4 +261,32 @@ func mustStat(f *os.File) os.FileInfo {
 		return nil
 	}
 	return st
+}
+
+// removeCaches removes this user's unused decoded-sample caches (rm --caches).
+func removeCaches(e *env, res *rmResult, match string, quiet bool) {
+	caches, err := listCaches(shmDir)
+	if err != nil {
+		fmt.Fprintf(e.stderr, "tsock rm: %v\n", err)
+		return
+	}
+	for _, c := range caches {
+		if c.UID != os.Geteuid() {
+			continue // another user's: theirs to remove
+		}
+		if ok, _ := filepath.Match(match, filepath.Base(c.Path)); !ok {
+			continue
+		}
+		if err := removeCache(c.Path); err != nil {
+			res.Refused = append(res.Refused, rmRefusal{Name: c.Path, Reason: err.Error()})
+			if !quiet {
+				fmt.Fprintf(e.stderr, "tsock rm: %s: %v\n", c.Path, err)
+			}
+			continue
+		}
+		res.Caches = append(res.Caches, c.Path)
+		if !quiet {
+			fmt.Fprintf(e.stdout, "removed %s (decoded-sample cache, %s)\n", c.Path, humanBytes(c.Bytes))
+		}
+	}
 }

@@ -17,6 +17,8 @@ through TSOCK_LIBRARY_DIR, the package's _lib folder, or the repository's
 build folder (see tsock._capi).
 """
 
+from ._cache_segment import list_caches as caches
+from ._cache_segment import remove_caches
 from ._collate import default_collate
 from ._dlpack import DLPackTensor
 from ._shared import SharedLoader, SharedProducer, shared, shared_producers
@@ -42,6 +44,8 @@ from .pipeline import BatchInfo, Pipeline, Position
 from .producer import Producer
 
 __all__ = [
+    "caches",
+    "remove_caches",
     "Producer",
     "Consumer",
     "Pipeline",

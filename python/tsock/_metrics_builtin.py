@@ -17,6 +17,7 @@ import weakref
 
 from . import _metrics_export
 from ._metrics_registry import MAX_SERIES, counter, gauge
+from ._stats_note import cache_figures
 from .errors import TsockError
 from .pipeline import Pipeline
 
@@ -47,6 +48,17 @@ PRODUCER = {
     ),
     "readers": ("tsock_producer_readers", "Consumers attached now.", "gauge"),
     "workers": ("tsock_pipeline_workers", "Worker processes of the producer's tsock.Pipeline.", "gauge"),
+    "cache_hits": (
+        "tsock_pipeline_cache_hits",
+        "Samples the decoded-sample cache of the producer's Pipeline served (its segment's count, every process).",
+        "gauge",
+    ),
+    "cache_misses": (
+        "tsock_pipeline_cache_misses",
+        "Samples looked up in that cache and computed (its segment's count, every process).",
+        "gauge",
+    ),
+    "cache_bytes": ("tsock_pipeline_cache_bytes", "Bytes of decoded samples that cache holds now.", "gauge"),
 }
 STAGE = "stage_s:"  # a producer's stats key STAGE + stage name: Pipeline.stage_seconds()
 SUMMED = {"blocked_s", "user_s", "batches", "published", "backpressure_s"}  # kept when the object goes
@@ -114,7 +126,14 @@ def _producer_stats(producer) -> dict:
         # (pipe.workers is the string "auto" there).
         stats["workers"] = pipe.pool_size()["workers"] if pipe.autosize else pipe.workers
         stats.update((STAGE + name, v) for name, v in pipe.stage_seconds().items())
+        stats.update(_cache_figures(pipe))
     return stats
+
+
+def _cache_figures(pipe: Pipeline) -> dict:
+    """The Pipeline cache's hits, misses and bytes held (_stats_note's
+    figures, which tsock stat shows too), under the metrics' names."""
+    return {f"cache_{k}": v for k, v in cache_figures(pipe).items()}
 
 
 def retire_producer(producer) -> None:

@@ -95,3 +95,22 @@ def partition(n: int, world_size: int, seed: int, epoch: int, shuffle: bool, dro
     padded = np.resize(order, total) if total else order[:0]
     # Rank r takes positions r, r + w, r + 2w, ...: column r of rows of w.
     return np.ascontiguousarray(padded.reshape(per_rank, world_size).T)
+
+
+def sample_sequence(p: dict, epoch: int) -> np.ndarray:
+    """The indices a Pipeline computes in epoch `epoch`, in order, from its
+    order parameters `p` (Pipeline.order_params(): n, seed, shuffle,
+    batch_size, drop_last, world_size (0: whole dataset), ranks,
+    sampler_drop_last). Partition mode: step by step, the step's batch of
+    each rank of `ranks` in turn, as the Pipeline publishes them."""
+    n, bs = p["n"], p["batch_size"]
+    if not p["world_size"]:
+        order = epoch_order(n, p["seed"], epoch, p["shuffle"])
+        return order[: len(order) // bs * bs] if p["drop_last"] else order
+    rows = partition(n, p["world_size"], p["seed"], epoch, p["shuffle"], p["sampler_drop_last"])[p["ranks"]]
+    per_rank = rows.shape[1]
+    steps = per_rank // bs if p["drop_last"] else math.ceil(per_rank / bs)
+    full = min(steps, per_rank // bs)
+    head = rows[:, : full * bs].reshape(len(p["ranks"]), full, bs).transpose(1, 0, 2).reshape(-1)
+    tail = rows[:, full * bs : steps * bs].reshape(-1)  # the last, short step, rank after rank
+    return np.concatenate([head, tail])

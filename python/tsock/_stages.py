@@ -27,8 +27,8 @@ MASK128 = (1 << 128) - 1
 
 # Seeding points: each sample's generators are seeded from (seed, epoch,
 # index) before it is loaded and again before augment, from different keys,
-# so augment sees the same state whether or not the loading stages ran (a
-# future decoded-sample cache skips them).
+# so augment sees the same state whether or not the loading stages ran (the
+# decoded-sample cache, _cache.py, skips them).
 LOAD, AUGMENT = 0, 1
 
 #: The stages, in order; Stages.ns times each (tsock.metrics' stage seconds).
@@ -94,8 +94,9 @@ class Stages:
     """source[i] -> read -> decode -> augment(sample, rng) for each index of a
     batch, then collate."""
 
-    def __init__(self, source, read, decode, augment, collate, seed: int):
+    def __init__(self, source, read, decode, augment, collate, seed: int, cache=None):
         self.source = source
+        self.cache = cache  # a _cache.SampleCache of the decoded samples, or None
         self.read = read
         self.decode = decode
         self.augment = augment
@@ -134,15 +135,29 @@ class Stages:
         """One sample of epoch `epoch`: the stages on source[index]."""
         index = int(index)
         seed_globals(_seed_words(self.seed, epoch, index, LOAD))
+        x = self.decoded(epoch, index)
+        if self.augment is not None:
+            words = _seed_words(self.seed, epoch, index, AUGMENT)
+            seed_globals(words)
+            x = self._stage("augment", index, epoch, self.augment, x, self.rng(words))
+        return x
+
+    def decoded(self, epoch: int, index: int):
+        """source[index], read, decode: from the cache when it has the
+        sample, else computed (and offered to the cache)."""
+        if self.cache is not None:
+            from ._cache import MISS
+
+            x = self.cache.lookup(epoch, index)
+            if x is not MISS:
+                return x
         x = self._stage("source", index, epoch, self.source.__getitem__, index)
         if self.read is not None:
             x = self._stage("read", index, epoch, self.read, x)
         if self.decode is not None:
             x = self._stage("decode", index, epoch, self.decode, x)
-        if self.augment is not None:
-            words = _seed_words(self.seed, epoch, index, AUGMENT)
-            seed_globals(words)
-            x = self._stage("augment", index, epoch, self.augment, x, self.rng(words))
+        if self.cache is not None:
+            self.cache.insert(index, x)
         return x
 
     def batch(self, epoch: int, indices, threads: int | None = None):

@@ -94,6 +94,12 @@ class PartitionMismatch(TsockError, ValueError):
         super().__init__(message, _capi.EINVAL)
 
 
+class CacheError(TsockError):
+    """The decoded-sample cache cannot be used: its segment is foreign,
+    truncated or of another version and in use, or the budget does not fit
+    in /dev/shm. A Pipeline reports it once and computes every sample."""
+
+
 _BY_STATUS = {
     _capi.EPRODUCER_GONE: ProducerGone,
     _capi.ENOENT: ChannelNotFound,

@@ -195,6 +195,27 @@ class Pipeline:
       version: a string of yours that goes into the fingerprint (say, the
         dataset's version): pipelines that differ only in what the
         fingerprint cannot see should differ in it.
+      cache_bytes: keep decoded samples (the output of source[i], read and
+        decode) in a shared-memory cache of this many bytes on the node,
+        shared by every process and pipeline that decodes the same data
+        (docs/CACHE.md); "auto": a quarter of the available memory, at most
+        half of /dev/shm's free space and a quarter of its total size less
+        this uid's caches there; None (default): no cache. Only for
+        pipelines whose loading stages are deterministic and draw no random
+        numbers: a cached sample is the same in every epoch.
+      cache_policy: "belady" (default: evict the sample whose next use, in
+        the known orders of every pipeline using the cache, is farthest),
+        "lru" or "fill-once".
+        The cache's key follows the state and code of the source, read and
+        decode (cache_key()); a source or stage that pickle cannot handle
+        needs version= (ValueError otherwise).
+      cache_dir: where the cache's segment lives (a tmpfs; default /dev/shm).
+      cache_keep: keep the segment after this pipeline's close when no
+        other process uses it (for the next run, which finds it warm);
+        default False: the last user's close (or exit) removes it.
+        tsock.caches() lists the segments left, tsock.remove_caches()
+        removes those unused (every unused one of this uid unless limited
+        with keys= or older_than=).
     """
 
     def __init__(
@@ -219,6 +240,10 @@ class Pipeline:
         ranks=None,
         sampler_drop_last: bool = False,
         version: str = "",
+        cache_bytes=None,
+        cache_policy: str = "belady",
+        cache_dir: str = "/dev/shm",
+        cache_keep: bool = False,
     ):
         try:
             n = len(source)
@@ -295,11 +320,14 @@ class Pipeline:
         self._stream_len = per_stream
         self._stages = Stages(source, read, decode, augment, collate, self.seed)
         self.fingerprint = self._fingerprint()
+        self._cache_key = None
+        self._stages.cache = self._make_cache(cache_bytes, cache_policy, cache_dir)
         self._orders: OrderedDict = OrderedDict()
         #: the epoch the next `for batch in pipeline` iterates
         self.epoch = 0
         self._pool_box: list = []  # the WorkerPool once started (a list, for the finalizer)
-        self._finalizer = weakref.finalize(self, _close_pool, self._pool_box)
+        self._cache_keep = bool(cache_keep)
+        self._finalizer = weakref.finalize(self, _close_all, self._pool_box, self._stages.cache, self._cache_keep)
 
     # ---- what it is ----
 
@@ -331,6 +359,103 @@ class Pipeline:
             "sampler_drop_last": self.sampler_drop_last if self.world_size else None,
             "version": self.version,
         }
+
+    def order_params(self) -> dict:
+        """What the order of every epoch is computed from (the sample
+        sequence of _sampler.sample_sequence): the cache's consumer table
+        holds it so that other processes know this pipeline's future."""
+        return {
+            "n": self._n,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "world_size": self.world_size,
+            "ranks": list(self.ranks),
+            "sampler_drop_last": self.sampler_drop_last,
+        }
+
+    def cache_key(self) -> bytes:
+        """16 bytes naming the decoded samples: blake2b of what decides
+        them, not of the seed, augment or batching (pipelines that differ
+        only there share the cache): the state of the source, read and
+        decode (a digest of their pickle, with every Python function's
+        code, defaults, closure cells and, two calls deep, the globals and
+        user modules' attributes it uses, and every user class's MRO with
+        its methods and attributes: _cache_key.state_digest; docs/CACHE.md
+        says what it cannot see), the dataset's length, `version`
+        and the cache's sample encoding. Where no digest can be made (the
+        source or a stage holds something pickle cannot handle, or its
+        pickle is over 256 MiB) the key is the names of the source's type
+        and the stages plus `version`, which must then be given (a string
+        you change whenever their data or code changes): ValueError
+        otherwise."""
+        if self._cache_key is None:
+            self._cache_key = self._make_cache_key()
+        return self._cache_key
+
+    def _make_cache_key(self) -> bytes:
+        from ._cache_codec import VERSION
+        from ._cache_key import Unkeyable, state_digest
+
+        s = self._stages
+        try:
+            state = state_digest((s.source, s.read, s.decode)).hex()
+        except Unkeyable as e:
+            if not self.version:
+                raise ValueError(
+                    f"cache_bytes: the cache key cannot be made from the state of the source, read and decode ({e}): "
+                    "pass version=, a string you change whenever their data or code changes, to name the "
+                    "decoded samples instead"
+                ) from None
+            state = None
+        d = self.description()
+        text = json.dumps(
+            {
+                "tsock_cache": VERSION,
+                "source": d["source"],
+                "read": d["stages"]["read"],
+                "decode": d["stages"]["decode"],
+                "state": state,
+                "version": self.version,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_BYTES, person=b"tsock-cache").digest()
+
+    def _make_cache(self, cache_bytes, policy: str, directory: str):
+        if cache_bytes is None:
+            return None
+        from ._cache import SampleCache
+        from ._cache_store import POLICIES
+
+        if cache_bytes != "auto":
+            cache_bytes = _int("cache_bytes", cache_bytes, 1)
+        if policy not in POLICIES:
+            raise ValueError(f"cache_policy must be one of {POLICIES}, got {policy!r}")
+        budget = None if cache_bytes == "auto" else cache_bytes
+        return SampleCache(self.cache_key(), self.order_params(), budget, policy, directory)
+
+    def cache_stats(self) -> dict | None:
+        """The cache's counts in this process (with workers=0: every
+        sample's; with workers, the segment's totals are what tells) and
+        its segment's advisory totals over every process; None without a
+        cache."""
+        cache = self._stages.cache
+        return None if cache is None else cache.stats()
+
+    def remove_cache(self) -> bool:
+        """Removes this pipeline's cache segment from /dev/shm if no process
+        uses it (this one lets go of it first); True if it did. close()
+        does the same unless cache_keep."""
+        cache = self._stages.cache
+        if cache is None:
+            return False
+        from ._cache_segment import remove
+
+        cache.close()
+        return remove(self.cache_key(), cache.directory)
 
     def _fingerprint(self) -> bytes:
         text = json.dumps(self.description(), sort_keys=True, separators=(",", ":"))
@@ -520,8 +645,11 @@ class Pipeline:
             self._pool().start()
 
     def close(self) -> None:
-        """Stops the worker processes (a later iteration starts new ones)."""
-        _close_pool(self._pool_box)
+        """Stops the worker processes (a later iteration starts new ones)
+        and lets go of the cache's segment, which is removed if no other
+        process uses it, unless cache_keep (a later iteration makes a new
+        one)."""
+        _close_all(self._pool_box, self._stages.cache, self._cache_keep)
 
     def __enter__(self):
         return self
@@ -543,6 +671,21 @@ def _cpus() -> int:
 def _close_pool(box: list) -> None:
     if box:
         box[0].close()
+
+
+def _close_all(box: list, cache, keep: bool) -> None:
+    """The workers stopped, then the cache let go of (and removed when no
+    other process uses it, unless keep)."""
+    _close_pool(box)
+    if cache is not None:
+        cache.close()
+        if not keep:
+            from ._cache_segment import remove
+
+            try:
+                remove(cache.key, cache.directory)
+            except OSError:
+                pass  # the directory went: nothing to remove
 
 
 def _summary(e) -> str:

@@ -118,3 +118,14 @@ def spawn():
         if p.poll() is None:
             p.kill()
         p.wait()
+
+
+@pytest.fixture
+def shm():
+    """A directory of /dev/shm for a test's cache segments, removed after it."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="tsock-cache-test-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -315,3 +315,24 @@ def test_an_auto_pipeline_exports_its_pool_size(channel):
     pipe.close()
     assert size >= 1
     assert series(text, "tsock_pipeline_workers", channel=channel) == [size]
+
+
+def test_the_producer_exports_its_pipelines_cache(channel):
+    # Two epochs over 16 samples with room for all: the first computes
+    # every sample, the second is served from the cache.
+    pytest.importorskip("prometheus_client")
+    pipe = h.make_pipeline(0, n=16, decode=h.sleepy, cache_bytes=1 << 20, version=f"metrics-{channel}")
+    try:
+        with tsock.Producer(pipe, channel, slots=8, wait_readers=1) as p:
+            runner = threading.Thread(target=p.run, kwargs={"epochs": 2})
+            runner.start()
+            with tsock.Consumer(channel, timeout=60) as c:
+                assert len(list(c)) == 4 and len(list(c)) == 4
+                runner.join(60)
+                text = metrics.text()
+    finally:
+        pipe.close()
+    assert series(text, "tsock_pipeline_cache_misses", channel=channel) == [16]
+    assert series(text, "tsock_pipeline_cache_hits", channel=channel) == [16]
+    (held,) = series(text, "tsock_pipeline_cache_bytes", channel=channel)
+    assert held >= 16 * 8, "16 samples of at least 8 bytes each are held"

@@ -1,0 +1,437 @@
+"""The decoded-sample cache as one process uses it (docs/CACHE.md):
+CacheStore opens (or creates) the segment of a cache key, looks samples up
+and inserts them, choosing victims by its policy; the segment itself is
+`_cache_segment.py`.
+
+Every process opens the file itself: a forked child opens it again (the
+locks are open-file-description locks, which a descriptor inherited across
+fork would share with its parent), and registers its own consumer entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from ._cache_orders import ORDERS
+from ._cache_policy import INF, _farthest, next_use
+from ._cache_segment import (
+    _CORRUPT,
+    BYPASSES,
+    FREE_COUNT,
+    FULL,
+    MEMBERS,
+    PARAMS_MAX,
+    _alive,
+    _Segment,
+    auto_budget,
+    block_size_for,
+    segment_path,
+)
+from .errors import CacheError
+
+POLICIES = ("belady", "lru", "fill-once")
+RANKED = 4096  # cached samples ranked per eviction, at most
+# Belady ranks RANKED samples of the cache once per REFRESH misses and keeps
+# its POOL farthest; the misses between rank those again with FRESH newly
+# drawn ones (a cache of at most POOL_ALL samples is ranked whole each time).
+POOL, FRESH, REFRESH, POOL_ALL = 64, 64, 32, 256
+SPARE = 16  # candidates ranked beyond those that make room: others may evict some before the lock is taken
+PREFETCH_AT = 0.9  # a consumer this far into its epoch: the epoch after the next is computed in the background
+ALIVE_FOR = 1.0  # seconds a consumer process seen alive is taken to be (no /proc read per consumer per miss)
+_REPLAN = object()
+
+
+class CacheStore:
+    """One process's handle on the segment of a cache key.
+
+    get(index) -> the sample's bytes (a private numpy uint8 array) or None;
+    put(index, data) inserts, evicting by the policy. The segment is
+    created at the first put that finds none (its block size from that
+    sample), within `budget` bytes (default: default_budget()).
+    """
+
+    def __init__(self, key: bytes, n_samples: int, *, budget: int | None = None, policy: str = "belady",
+                 directory: str = "/dev/shm"):  # fmt: skip
+        if len(key) != 16:
+            raise ValueError("a cache key is 16 bytes")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.key, self.n_samples, self.budget, self.policy = key, n_samples, budget, policy
+        self.directory = directory
+        self.path = segment_path(key, directory)
+        self.counts = dict.fromkeys(("hits", "misses", "inserts", "evictions", "bypasses", "corrupt", "refused"), 0)
+        self._thread_lock = threading.RLock()
+        self._params_of: dict = {}  # consumer params blob -> checked params (None: refused)
+        self._seen_alive: dict = {}  # (pid, start time) -> when /proc last said it lives
+        self._bad: set = set()  # indices whose entry failed a check: dropped at the next change
+        self._unseen_misses = 0  # misses before this process had the segment: counted in it at the next put
+        self._rng = np.random.default_rng()  # which cached samples are ranked, beyond RANKED: no effect on batches
+        self._pool = None  # Belady's kept candidates (indices, blocks, last uses), and misses since they were ranked
+        self._pool_age = 0
+        self._seg = None
+        self._pid = None
+        self._slots: list = []  # consumer entries this process registered
+        _STORES.add(self)
+
+    # ---- pickling (spawned workers), fork ----
+
+    def __getstate__(self):
+        state = {k: self.__dict__[k] for k in ("key", "n_samples", "budget", "policy", "directory", "path")}
+        return state
+
+    def __setstate__(self, state):
+        self.__init__(state["key"], state["n_samples"], budget=state["budget"], policy=state["policy"],
+                      directory=state["directory"])  # fmt: skip
+
+    def _segment(self, create_for: int | None = None):
+        """The open segment (opened again in a forked child), None if there
+        is none yet and create_for (a sample's size) is None."""
+        if self._pid != os.getpid():
+            # The parent's descriptor shares the parent's locks; its consumer
+            # entries are the parent's.
+            self._seg, self._pid, self._slots = None, os.getpid(), []
+        if self._seg is None:
+            self._seg, self.path = _Segment.locate(self.key, self.directory, self.n_samples)
+            if self._seg is None and create_for is not None:
+                block = block_size_for(create_for)
+                budget = self.budget
+                if budget is None:
+                    budget = auto_budget(self.n_samples, create_for, block, self.directory)
+                self._seg = _Segment.create(self.path, self.key, self.n_samples, block, budget)
+        return self._seg
+
+    @property
+    def opened(self) -> bool:
+        """Whether this process has the segment open."""
+        return self._seg is not None and self._pid == os.getpid()
+
+    # ---- lookups and inserts ----
+
+    def get(self, index: int):
+        """The bytes cached for `index` (private), or None."""
+        with self._thread_lock:
+            seg = self._segment()
+            if seg is None:
+                # Counted in the segment once this process's insert made
+                # or opened it (put).
+                self._unseen_misses += 1
+                self.counts["misses"] += 1
+                return None
+            with seg.locked(exclusive=False):
+                got = seg.read(index)
+                if got is None or got is _CORRUPT:
+                    seg.count_miss()
+            if got is _CORRUPT:
+                self._bad.add(index)
+                self.counts["corrupt"] += 1
+                got = None
+            self.counts["hits" if got is not None else "misses"] += 1
+            return got
+
+    def forget(self, index: int) -> None:
+        """The bytes get() returned for `index` were bad: counted as a miss,
+        and the entry is dropped at the next change."""
+        self._bad.add(index)
+        self.counts["hits"] -= 1
+        self.counts["misses"] += 1
+        self.counts["corrupt"] += 1
+
+    def put(self, index: int, data) -> bool:
+        """Caches `data` (bytes-like) for `index`; False if the policy
+        declined it, it does not fit, or it was cached already.
+
+        Belady ranks the cached samples before it takes the exclusive lock
+        (`_plan`, under the shared lock and none): under it, it only checks
+        that its candidates are still cached and evicts them."""
+        data = np.frombuffer(data, dtype=np.uint8)
+        with self._thread_lock:
+            seg = self._segment(create_for=len(data))
+            need = -(-len(data) // seg.h.block_bytes)
+            plan = None
+            for attempt in (0, 1):
+                if self.policy == "belady" and 0 < need <= seg.h.n_blocks:
+                    plan = self._plan(seg, index, need, again=bool(attempt))
+                with seg.locked(exclusive=True):
+                    seg.repair(self._bad)
+                    self._bad.clear()
+                    if self._unseen_misses:
+                        seg.count_miss(self._unseen_misses)
+                        self._unseen_misses = 0
+                    got = self._insert(seg, index, data, plan, last_try=bool(attempt))
+                if got is not _REPLAN:
+                    return got
+            raise AssertionError("the second try has a plan")  # pragma: no cover
+
+    def _insert(self, seg, index: int, data, plan=None, last_try: bool = True):
+        if seg.entry(index)[0] == FULL:
+            return False
+        need = -(-len(data) // seg.h.block_bytes)
+        if need > seg.h.n_blocks or not len(data):
+            self.counts["refused"] += 1
+            return False
+        free = seg.free_count()
+        if free < need:
+            if self.policy == "belady" and plan is None and not last_try:
+                return _REPLAN  # room was taken since the look before the lock: rank, then come back
+            victims = self._victims(seg, index, need, free, plan)
+            if victims is _REPLAN:
+                if not last_try:
+                    return _REPLAN
+                victims = None
+            if victims is None:
+                self.counts["bypasses"] += 1
+                seg.bump(BYPASSES)
+                return False
+            seg.evict(victims)
+            self.counts["evictions"] += len(victims)
+            if seg.free_count() < need:  # a victim's chain was damaged: its blocks come back at the rebuild
+                self.counts["refused"] += 1
+                return False
+        seg.insert(index, data, need)
+        self.counts["inserts"] += 1
+        return True
+
+    def _victims(self, seg, index: int, need: int, free: int, plan=None):
+        if self.policy == "fill-once":
+            return None
+        if self.policy == "lru":
+            # Ranking every cached sample costs O(cached) per eviction: beyond
+            # RANKED, a random sample of them (the victim is then among the
+            # least recent 1/RANKED of the cache, on average).
+            cached, blocks, last = seg.cached(RANKED, self._rng)
+            order = np.argsort(last, kind="stable")
+            room = free + np.cumsum(blocks[order])
+            m = int(np.searchsorted(room, need)) + 1
+            return cached[order[:m]] if m <= len(order) else None
+        # Belady: the plan's candidates, farthest first, that are still
+        # cached (O(candidates) under the lock); bypass at the first one
+        # whose next use is not after the new sample's.
+        candidates, dist, d_new, pooled = plan
+        victims, taken = [], set()
+        for v, d in zip(candidates.tolist(), dist.tolist()):
+            if free >= need:
+                break
+            if d <= d_new:
+                return None
+            state, length, _, _ = seg.entry(v)
+            if state != FULL or v in taken or v == index:
+                continue  # evicted (or taken) since the ranking
+            victims.append(v)
+            taken.add(v)
+            free += min(-(-length // seg.h.block_bytes), seg.h.n_blocks)
+        if free < need:
+            # Too few left: others evicted the kept candidates (rank afresh)
+            # or the sample does not make room (bypass).
+            return _REPLAN if pooled else None
+        if self._pool is not None and victims:
+            keep = ~np.isin(self._pool[0], victims)
+            self._pool = tuple(a[keep] for a in self._pool)
+        return victims
+
+    # ---- consumers: the known future ----
+
+    def register(self, params: dict) -> int | None:
+        """Adds this process's order to the consumer table (params: the
+        Pipeline's order parameters, see _sampler.sample_sequence); the
+        slot, or None if the table is full, the JSON too long, or there is
+        no segment yet (the first insert makes it: its block size comes
+        from that sample)."""
+        blob = json.dumps(params, sort_keys=True, separators=(",", ":")).encode()
+        if len(blob) > PARAMS_MAX:
+            return None
+        with self._thread_lock:
+            seg = self._segment()
+            if seg is None:
+                return None
+            with seg.locked(exclusive=True):
+                slot = seg.register(blob)
+            if slot is not None:
+                self._slots.append(slot)
+            return slot
+
+    def at(self, slot: int, epoch: int, index: int) -> None:
+        """Advisory: consumer `slot` is at sample `index` of epoch `epoch`
+        (O(1): the Belady evictors map it to a position in the order)."""
+        seg = self._seg
+        if seg is not None and self._pid == os.getpid() and 0 <= index < self.n_samples:
+            seg.set_position(slot, epoch, index)
+
+    def _alive(self, pid: int, started: int) -> bool:
+        """Whether consumer process `pid` lives: /proc read at most once per
+        ALIVE_FOR seconds per process."""
+        now = time.monotonic()
+        seen = self._seen_alive.get((pid, started))
+        if seen is not None and now - seen < ALIVE_FOR:
+            return True
+        if not _alive(pid, started):
+            self._seen_alive.pop((pid, started), None)
+            return False
+        if len(self._seen_alive) > 1024:
+            self._seen_alive.clear()
+        self._seen_alive[(pid, started)] = now
+        return True
+
+    def _plan(self, seg, index: int, need: int, again: bool):
+        """Belady's ranking for inserting `index` (`need` blocks), made
+        without the exclusive lock: (candidates farthest first, their
+        distances, the new sample's distance, whether kept candidates were
+        used), or None when there was room at the look (and not `again`).
+
+        The consumer table and a sample of the cached entries are copied
+        under the shared lock; the orders are computed (once per order and
+        epoch in this process, `_cache_orders`) and the entries ranked
+        under none. A large cache is ranked RANKED samples at a time once
+        per REFRESH misses; the misses between rank the POOL farthest of
+        the last ranking with FRESH newly drawn samples (O(POOL + FRESH)
+        per consumer, not O(RANKED)). `again`: the kept ones were stale."""
+        with seg.locked(exclusive=False):
+            free = int(seg.mut[FREE_COUNT])
+            if not again and free >= need:
+                return None
+            table = seg.consumers(alive=self._alive)
+            large = int(seg.mut[MEMBERS]) > POOL_ALL and RANKED > POOL_ALL
+            pooled = large and not again and self._pool is not None and self._pool_age < REFRESH
+            cached, blocks, last = seg.cached(FRESH if pooled else RANKED, self._rng, repair=False)
+        if pooled:
+            cached, blocks, last = _merge(self._pool, (cached, blocks, last))
+        futures = self._futures(table)
+        dist = np.full(len(cached), INF)
+        d_new = INF
+        one = np.array([index], dtype=np.int64)
+        for pos, inv, length, nxt in futures:
+            np.minimum(dist, next_use(cached, pos, inv, length, nxt), out=dist)
+            d_new = min(d_new, float(next_use(one, pos, inv, length, nxt)[0]))
+        if large:
+            top = np.lexsort((last, -dist))[:POOL]
+            self._pool = (cached[top], blocks[top], last[top])
+            self._pool_age = self._pool_age + 1 if pooled else 0
+        else:
+            self._pool = None
+        order = _farthest(dist, last, blocks, max(need - free, 1), SPARE)
+        if order is None:
+            order = np.argsort(-dist, kind="stable")  # not enough room among them: every one, farthest first
+        return cached[order], dist[order], d_new, pooled
+
+    def _futures(self, table) -> list:
+        """(position, inverse order, its length, next epoch's inverse) of
+        each consumer in `table`, the orders computed outside any lock."""
+        from ._sampler import sample_sequence
+
+        if len(self._params_of) > 256:
+            self._params_of.clear()
+        for _, blob, _, _ in table:
+            if blob not in self._params_of:
+                self._params_of[blob] = _params(blob, self.n_samples)
+        table = [c for c in table if self._params_of[c[1]] is not None]
+        ORDERS.set_live(self, {c[1] for c in table})  # before computing: what is not live is not kept
+        out, seen = [], set()
+        for _, blob, epoch, index in table:
+            if (blob, epoch, index) in seen:
+                continue
+            seen.add((blob, epoch, index))
+            params = self._params_of[blob]
+            fn = _sequence_fn(sample_sequence, params)
+            inv, length = ORDERS.get(blob, epoch, fn, self.n_samples)
+            nxt, _ = ORDERS.get(blob, epoch + 1, fn, self.n_samples)
+            pos = max(int(inv[index]), 0)
+            if pos >= PREFETCH_AT * length:
+                ORDERS.prefetch(blob, epoch + 2, fn, self.n_samples)
+            out.append((pos, inv, length, nxt))
+        return out
+
+    # ---- housekeeping ----
+
+    def stats(self, open_segment: bool = False) -> dict:
+        """This process's counts, and under "segment" the segment's advisory
+        totals when it is open (or opened here, with open_segment)."""
+        out = dict(self.counts)
+        with self._thread_lock:
+            seg = self._segment() if open_segment else (self._seg if self.opened else None)
+            if seg is not None:
+                out["segment"] = seg.totals()
+        return out
+
+    def close(self) -> None:
+        """Lets go of the segment (it stays for the next user), and of this
+        process's consumer entries."""
+        with self._thread_lock:
+            if self.opened:
+                try:
+                    with self._seg.locked(exclusive=True):
+                        for slot in self._slots:
+                            self._seg.unregister(slot)
+                except CacheError:
+                    pass  # a truncated segment: nothing to give back in it
+                self._seg.close()
+            self._seg, self._slots = None, []
+        ORDERS.forget(self)
+
+
+_STORES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child, every store gets a fresh thread lock (another
+    thread of the parent may have held the old one at the fork: the child
+    would wait on it forever) and lets go of the parent's segment: its
+    descriptor and mapping are closed (the parent's locks stay, held by
+    the parent's descriptor of the same open file description), and the
+    child opens the file again on first use."""
+    for store in list(_STORES):
+        store._thread_lock = threading.RLock()
+        seg = store._seg
+        store._seg, store._pid, store._slots = None, os.getpid(), []
+        store._unseen_misses = 0  # the parent counts its own
+        if seg is not None:
+            seg.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _merge(a, b):
+    """The union of two (indices, blocks, last uses), b's rows where both have an index."""
+    idx, blocks, last = (np.concatenate((x, y)) for x, y in zip(b, a))
+    idx, first = np.unique(idx, return_index=True)
+    return idx, blocks[first], last[first]
+
+
+def _sequence_fn(sample_sequence, params: dict):
+    if params["world_size"] and params["shuffle"] and "torch" not in sys.modules:
+        # Partition mode orders with torch.randperm: imported here, in the
+        # caller, not first in a prefetch thread (a fork while that thread
+        # holds torch's import lock leaves a child that hangs on its own
+        # import of torch: review 33, P1).
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            pass  # sample_sequence says what is missing
+    return lambda epoch: sample_sequence(params, epoch)
+
+
+def _params(blob: bytes, n: int):
+    """A consumer's order parameters, checked, or None."""
+    try:
+        p = json.loads(blob)
+    except ValueError:
+        return None
+    ints = ("n", "seed", "batch_size", "world_size")
+    if not isinstance(p, dict) or any(type(p.get(k)) is not int or p[k] < 0 for k in ints):
+        return None
+    if p["n"] != n or p["batch_size"] < 1 or p["world_size"] > 65535 or p["seed"] >= 1 << 63:
+        return None
+    if any(type(p.get(k)) is not bool for k in ("shuffle", "drop_last", "sampler_drop_last")):
+        return None
+    ranks = p.get("ranks")
+    if not isinstance(ranks, list) or not ranks or any(type(r) is not int for r in ranks):
+        return None
+    if any(not 0 <= r < max(p["world_size"], 1) for r in ranks):
+        return None
+    return p
