@@ -50,15 +50,26 @@ SOURCES = ("decode", "io")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-NOTES = """How to read it. The DataLoader baseline decodes every sample K times (each trainer its own order) and
-is CPU-bound on the 2 CPUs; sharing decodes it once, and the cache skips `read` and `decode` for a hit. What
-neither removes: the trainers' own work (here a sum of each batch, K times), the producer's copy of each batch
-into the ring, a cache lookup per sample (a `pread` of the sample, docs/CACHE.md "Measured") and the Pipeline's
-per-sample Python (seeding, collate). On 2 CPUs those costs are paid from the same CPUs as decoding, so the
-speed-up of sharing is below K and the cache's below 1 / (1 - hit rate) on top of it. The I/O-bound source's
-reads sleep: there the limit is W readers' latency, not the CPUs, until the cache removes the reads. One run of
-each system on a VM shared with other jobs and two CPU hogs: runs of a few seconds move by 20-50% from one run to
-the next (compare the hit rates and the CPU per sample, which move less, and read close ratios as equal)."""
+NOTES = """How to read it. The DataLoader baseline decodes every sample K times (each trainer its own order)
+and is CPU-bound on the 2 CPUs; sharing decodes it once, and the cache skips `read` and `decode` for a hit. What
+neither removes: the trainers' own work (a sum of each batch, K times), the producer's copy of each batch into the
+ring, a cache lookup per sample (a `pread` of the sample, docs/CACHE.md "Measured"), the Pipeline's per-sample
+Python (seeding, collate) and, with Belady, its ranking at every miss once the cache is full (docs/CACHE.md
+"Costs": 0.4-0.7 ms a miss there, about what a 160x160 JPEG decode costs here, so at 25% Belady can cost more
+CPU than its hits save; LRU evicts without ranking). On 2 CPUs all of it comes from the same CPUs as decoding, so
+sharing gains less than K and the cache less than 1 / (1 - hit rate) on top of it: CoorDL's 5.7x (K = 4, 50%
+cache, against a DataLoader each) is not reached on this machine; the ratio is in the Targets table.
+
+With one shared pipeline every sample is computed once an epoch in one order, so the hit rate is at most the
+cached fraction × (E - 1) / E whatever the policy: Belady and fill-once both reach it (they tie: a fresh
+permutation each epoch leaves nothing better to keep), LRU falls far below it (it evicts what the next epoch
+needs first). Belady's edge over fill-once is with pipelines of their own sharing one cache (the right-hand plot).
+A measured Belady rate a little above the simulated optimum is not an error: the workers prefetch across an epoch
+boundary (W × prefetch batches in flight), so the real trace interleaves two epochs, which the simulated one
+(the order, epoch after epoch) does not. The I/O-bound source's reads sleep: there the limit is W readers'
+latency, not the CPUs, until the cache removes the reads. One run of each system on a VM shared with other jobs
+and two CPU hogs: runs of a few seconds move by 20-50% from one run to the next (compare the hit rates and the
+CPU per sample, which move less, and read ratios within that as equal)."""
 
 
 def systems(sizes) -> list[str]:
