@@ -286,9 +286,10 @@ def target_notes(res: dict) -> str:
         share = f"sharing alone {ts['samples_per_s'] / d['samples_per_s']:.2f}x, " if ts else ""
         out.append(
             f"- **Cache, {b['samples_per_s'] / d['samples_per_s']:.2f}x a DataLoader per trainer ({share}hit rate "
-            f"{b.get('hit_rate', 0):.2f}).** With one shared pipeline the hit rate is at most about 50% × (E - 1) / E = "
-            f"{0.5 * (c['epochs'] - 1) / c['epochs']:.2f} (a little more as the workers overlap epochs), so the cache can at best cut the decoding by that "
-            "fraction on top of sharing; the trainers' reads, the producer's copies, the lookups, the Pipeline's "
+            f"{b.get('hit_rate', 0):.2f}).** With one shared pipeline the hit rate is at most about 50% × "
+            f"(E - 1) / E = {0.5 * (c['epochs'] - 1) / c['epochs']:.2f} (a little more as the workers overlap "
+            "epochs), so the cache can at best cut the decoding by that fraction on top of sharing; the trainers' "
+            "reads, the producer's copies, the lookups, the Pipeline's "
             "per-sample Python and Belady's ranking per miss are paid from the same 2 CPUs as decoding (and the two "
             "CPU hogs take their share). CoorDL's figure comes from a server with many cores per job; here it would "
             "take decoding costlier against those fixed costs (larger images) and a cheaper miss path."
