@@ -9,7 +9,9 @@ processes), python (bench/python_consumer.py), e2e (bench/e2e.py), pipeline
 (bench/pipeline.py: tsock.Pipeline against a DataLoader), autosize
 (bench/autosize.py: Pipeline(workers="auto") against hand-set worker counts;
 not in --quick), resume
-(bench/resume.py: tsock's state against torchdata's StatefulDataLoader). Every
+(bench/resume.py: tsock's state against torchdata's StatefulDataLoader), cache
+(bench/cache_sweep.py: K trainers with the decoded-sample cache against a
+DataLoader each, sharing without it and LRU; hit rates by policy). Every
 figure is a ratio against a baseline measured in the same run. Needs `make
 build` and the environment of `make bench-env`.
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-SECTIONS = ("transport", "python", "e2e", "pipeline", "autosize", "resume", "gpu")
+SECTIONS = ("transport", "python", "e2e", "pipeline", "autosize", "resume", "cache", "gpu")
 
 
 def _cmd(*args: str) -> str:
@@ -171,6 +173,12 @@ def resume_section(quick: bool) -> dict:
     return resume.measure(resume.parse(["--quick"] if quick else []))
 
 
+def cache_section(quick: bool) -> dict:
+    import cache_sweep
+
+    return cache_sweep.measure(cache_sweep.parse(["--quick"] if quick else []))
+
+
 def gpu_section(quick: bool) -> dict:
     """bench/gpu.py where there is a GPU; else why not, for the document."""
     import gpu
@@ -195,6 +203,7 @@ def measure(a, only: list[str]) -> dict:
             ("pipeline", lambda: pipeline_section(a.quick)),
             ("autosize", lambda: autosize_section(a.quick)),
             ("resume", lambda: resume_section(a.quick)),
+            ("cache", lambda: cache_section(a.quick)),
             ("gpu", lambda: gpu_section(a.quick)),
         ):
             if section in only:
@@ -302,6 +311,10 @@ def main(argv=None) -> int:
         import pipeline
 
         res["pipeline"]["notes"] = pipeline.NOTES
+    if "cache" in res:
+        import cache_sweep
+
+        res["cache"]["notes"] = cache_sweep.NOTES
     images = report.plots(res, out / "bench")
     command = res.get("command") or "make bench" + (" BENCH_ARGS=--quick" if res["quick"] else "")
     (out / "BENCHMARKS.md").write_text(report.markdown(res, images, command))

@@ -52,12 +52,13 @@ def test_quick_benchmark_writes_the_document(tmp_path):
         "## End to end",
         "## Pipeline against a DataLoader",
         "## Resume against StatefulDataLoader",
+        "## Decoded-sample cache in a sweep of K trainers",
         "## Scaling",
     ):
         assert heading in doc
     assert "FAILED" not in doc, doc
     assert "WRONG BATCH" not in doc, doc  # a resume gave another batch than the uninterrupted run's
-    for png in ("latency.png", "throughput.png", "e2e.png", "scaling.png"):
+    for png in ("latency.png", "throughput.png", "e2e.png", "scaling.png", "cache.png"):
         assert (tmp_path / "bench" / png).stat().st_size > 1000
     res = json.loads((tmp_path / "bench" / "results.json").read_text())
     # The ZMQ baseline runs on the libzmq of pyzmq's wheel: no system headers needed.
@@ -75,6 +76,7 @@ def test_quick_benchmark_writes_the_document(tmp_path):
     assert {r["system"] for r in pl["systems"]} == {"dataloader", "dataloader-fresh", "tsock"}
     assert all(r["batches_per_s"] > 0 and r["cpu_ms_per_sample"] > 0 for r in pl["systems"])
     assert "tsock.Pipeline, batches/s" in doc
+    check_cache_section(res["cache"], doc)
     # every figure comes with its baseline from the same run
     assert all(r["list_s"] > 0 for r in res["python"]["rows"])
     assert all(r["step_s"] > 0 and r["lifetime_ratio"] > 0 for r in res["python"]["rows"])
@@ -82,6 +84,49 @@ def test_quick_benchmark_writes_the_document(tmp_path):
     assert all(m["memcpy_gb_per_s"] > 0 for m in t["memcpy"])
     # No GPU here: the GPU section says why instead of figures.
     assert "skipped" in res["gpu"] and "## GPU" in doc and "Not run:" in doc
+
+
+def check_cache_section(c: dict, doc: str) -> None:
+    """The cache section of a quick run: every system ran on both sources,
+    every trainer got every sample of every epoch, the figures are sane
+    and come with the same run's DataLoader baseline, and the simulated hit
+    rates are ordered as the policies guarantee."""
+    assert not c["failures"], c["failures"]
+    want = {"dataloader", "tsock", "tsock+belady@50", "tsock+lru@50"}
+    assert {(r["source"], r["system"]) for r in c["runs"]} == {(s, x) for s in ("decode", "io") for x in want}
+    for r in c["runs"]:
+        assert r["samples"] == c["k"] * c["epochs"] * c["images"], r
+        assert r["samples_per_s"] > 0 and r["cpu_ms_per_sample"] > 0 and r["speedup"] > 0, r
+        if "+" in r["system"]:
+            assert 0 <= r["hit_rate"] <= 1 and r["cache"]["inserts"] > 0, r
+        else:
+            assert "hit_rate" not in r, r
+    h = c["hit_rates"]
+    for trace in ("shared", "own"):
+        rates = h[trace]
+        assert all(len(rates[p]) == len(h["fractions"]) for p in ("belady", "lru", "fill-once", "optimum"))
+        for i in range(len(h["fractions"])):
+            # MIN is optimal for samples of one size; the store's Belady knows the orders
+            assert all(rates[p][i] <= rates["optimum"][i] + 1e-9 for p in ("belady", "lru", "fill-once"))
+            assert rates["belady"][i] >= rates["fill-once"][i] - 1e-9
+    assert "| tsock+belady@50 |" in doc and "| own | optimum |" in doc
+    assert "≥ 5.7× the throughput of a DataLoader per trainer" in doc  # the target row
+
+
+def test_cache_section_renders_a_failure():
+    # A system that failed is listed with why, and its row is left out.
+    sys.path.insert(0, str(ROOT / "bench"))
+    from report.cache import cache_md
+
+    c = {"k": 4, "epochs": 5, "images": 8, "side": 16, "file_bytes": 1 << 20, "decoded_bytes": 1 << 20}
+    c |= {"batch": 32, "workers": 4, "io_model": {"latency_ms": 2, "bandwidth_mb_s": 100}}
+    c |= {"systems": ["dataloader", "tsock"], "failures": {"decode/tsock": "RuntimeError: boom\nline | two"}}
+    run = {"source": "decode", "system": "dataloader", "samples_per_s": 100.0, "speedup": 1.0, "cpu_ratio": 1.0}
+    run |= {"later_samples_per_s": 120.0, "cpu_ms_per_sample": 2.0, "first_epoch_s": 1.0, "wall_s": 5.0}
+    md = "\n".join(cache_md(c | {"runs": [run]}, False))
+    assert "| dataloader | 100 | 1.00x | 120 | 2.000 | 1.00x |  | 1.00 | 5.00 |" in md, md
+    assert "| tsock |" not in md
+    assert "- decode/tsock: FAILED: RuntimeError: boom line | two" in md
 
 
 def test_gpu_section_renders_runs():

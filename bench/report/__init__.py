@@ -4,6 +4,7 @@ document's frame here, one module a section."""
 from __future__ import annotations
 
 from .autosize import autosize_md
+from .cache import cache_md
 from .common import table
 from .e2e import e2e_md
 from .gpu import gpu_md
@@ -15,7 +16,7 @@ from .scaling import scaling_md
 from .targets import headline, target_notes, targets
 from .transport import transport_md
 
-__all__ = ["gpu_md", "markdown", "plots", "targets"]
+__all__ = ["cache_md", "gpu_md", "markdown", "plots", "targets"]
 
 
 def markdown(res: dict, images: list[str], command: str) -> str:
@@ -72,6 +73,8 @@ def markdown(res: dict, images: list[str], command: str) -> str:
         L += autosize_md(res["autosize"])
     if res.get("resume"):
         L += resume_md(res["resume"])
+    if res.get("cache"):
+        L += cache_md(res["cache"], "cache.png" in images)
     if t and (t.get("scaling") or t.get("shm") or t.get("flat")):
         L += scaling_md(t, "scaling.png" in images)
     if res.get("gpu"):

@@ -88,4 +88,31 @@ def plots(res: dict, outdir: Path) -> list[str]:
         ax.plot([max(r["readers"], 0.5) for r in sc], [r["cpu_us_median"] for r in sc], "o-")
         ax.set(xscale="symlog", xlabel="sleeping readers", ylabel="producer CPU µs per publish", title="producer cost")
         save(fig, "scaling.png")
+    c = res.get("cache")
+    if c and c.get("hit_rates"):
+        h = c["hit_rates"]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        pct = [100 * f for f in h["fractions"]]
+        titles = {
+            "shared": "one shared pipeline (the sweep above)",
+            "own": f"{h['k']} pipelines of their own, one cache",
+        }
+        styles = (("optimum", "k-", "offline optimum"), ("belady", "o--", "Belady (store)"))
+        styles += (("lru", "s:", "LRU"), ("fill-once", "^-.", "fill-once"))
+        for ax, trace in zip(axes, ("shared", "own")):
+            for policy, mk, label in styles:
+                ax.plot(pct, h[trace][policy], mk, label=label, lw=1.5 if policy == "optimum" else 1)
+            ax.set(xlabel="cache, % of the decoded dataset", title=titles[trace], ylim=(0, 1))
+        for policy, mk in (("belady", "D"), ("lru", "x")):
+            pts = [
+                (float(r["system"].split("@")[1]), r["hit_rate"])
+                for r in c["runs"]
+                if r["system"].startswith(f"tsock+{policy}@") and "hit_rate" in r
+            ]
+            if pts:
+                axes[0].plot(*zip(*pts), mk, ms=8, mfc="none", label=f"{policy}, measured (both sources)")
+        axes[0].set_ylabel(f"hit rate over {h['epochs']} epochs")
+        for ax in axes:
+            ax.legend(fontsize=8)
+        save(fig, "cache.png")
     return names
