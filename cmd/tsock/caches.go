@@ -34,8 +34,11 @@ type cacheFile struct {
 	Error string `json:"error,omitempty"`
 }
 
-// cacheUID is the uid in a cache file's name, or -1 if the name is not a
-// cache's.
+// cacheUID is the uid in a cache file's name (tsock-cache.UID.KEY, KEY 32
+// lowercase hex digits, then maybe .N), or -1 if the name is not a
+// cache's. Anyone can create files in /dev/shm: a name that is not exactly
+// a cache's is not listed, so no byte of it reaches a terminal (review 35,
+// E1: escape sequences and newlines did).
 func cacheUID(name string) int {
 	rest, ok := strings.CutPrefix(name, cachePrefix)
 	if !ok {
@@ -43,7 +46,14 @@ func cacheUID(name string) int {
 	}
 	uidText, key, ok := strings.Cut(rest, ".")
 	uid, err := strconv.Atoi(uidText)
-	if !ok || err != nil || uid < 0 || key == "" {
+	if !ok || err != nil || uid < 0 || uidText != strconv.Itoa(uid) {
+		return -1
+	}
+	key, fallback, hasFallback := strings.Cut(key, ".")
+	if len(key) != 32 || strings.Trim(key, "0123456789abcdef") != "" {
+		return -1
+	}
+	if hasFallback && (len(fallback) != 1 || fallback < "1" || fallback > "7") {
 		return -1
 	}
 	return uid

@@ -661,9 +661,10 @@ func TestRmIgnoresReadLockOnProducerByte(t *testing.T) {
 // unused; rm --caches removes only the unused one, and another user's
 // cache is listed but never removed.
 func TestCaches(t *testing.T) {
-	prefix := fmt.Sprintf("%s%d.gotest%d", cachePrefix, os.Geteuid(), os.Getpid())
+	prefix := fmt.Sprintf("%s%d.%08x", cachePrefix, os.Geteuid(), os.Getpid())
+	key := func(suffix string) string { return fmt.Sprintf("%024x", suffix[0]) } // 32 hex digits in all
 	mk := func(suffix string) string {
-		path := filepath.Join(shmDir, prefix+suffix)
+		path := filepath.Join(shmDir, prefix+key(suffix))
 		require.NoError(t, os.WriteFile(path, make([]byte, 3*4096), 0o600))
 		t.Cleanup(func() { _ = os.Remove(path) })
 		return path
@@ -702,6 +703,21 @@ func TestCaches(t *testing.T) {
 	rc, _, errs = runInProcess(t, "rm", "--caches", "--match", prefix+"*")
 	assert.Equal(t, exitOK, rc, errs)
 	assert.NoFileExists(t, used)
+
+	// A name that is not exactly a cache's is not listed: anyone may create
+	// files in /dev/shm, and their names would reach the terminal.
+	forged := filepath.Join(shmDir, prefix+"\x1b]0;owned\x07")
+	require.NoError(t, os.WriteFile(forged, nil, 0o600))
+	t.Cleanup(func() { _ = os.Remove(forged) })
+	res, _ = lsJSON(t)
+	for _, c := range res.Caches {
+		assert.NotEqual(t, forged, c.Path, "a forged name is listed")
+	}
+	for _, bad := range []string{"tsock-cache.0.abc", "tsock-cache.00.0123456789abcdef0123456789abcdef",
+		"tsock-cache.0.0123456789abcdef0123456789abcdef.9", "tsock-cache.0.0123456789ABCDEF0123456789abcdef"} {
+		assert.Equal(t, -1, cacheUID(bad), bad)
+	}
+	assert.Equal(t, 0, cacheUID("tsock-cache.0.0123456789abcdef0123456789abcdef.3"))
 
 	if os.Geteuid() != 0 {
 		t.Log("not root: another user's cache file is not planted")
