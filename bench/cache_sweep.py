@@ -41,6 +41,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
+from proctree import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 32
@@ -299,28 +300,10 @@ def host(a: Namespace) -> None:
 # ---- the runner ----
 
 
-def _descendants(root: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def tree_cpu(root: int) -> float:
     """CPU seconds of every live process below root, with the children each has reaped."""
     total = 0
-    for pid in _descendants(root):
+    for pid in descendants(root):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -378,7 +361,7 @@ def run_config(a: Namespace, source: str, system: str, tmp: Path) -> dict:
             raise RuntimeError(f"exit status {proc.returncode}: {err[-2000:]}")
     finally:
         if proc.poll() is None:  # a failure: the host and every process it started
-            for pid in [proc.pid] + _descendants(proc.pid):
+            for pid in [proc.pid] + descendants(proc.pid):
                 try:
                     os.kill(pid, 9)
                 except OSError:

@@ -27,6 +27,8 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
+from proctree import descendants
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "python"
 SYSTEMS = ("own", "tsock", "tensorsocket")
@@ -149,25 +151,6 @@ def producer(a: Namespace) -> None:
 # ---- the runner --------------------------------------------------------------------------------------------
 
 
-def _tree(root: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        for c in kids.get(p, []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _mem(pid: int) -> tuple[int, int]:
     rss = pss = 0
     try:
@@ -192,7 +175,7 @@ class MemSampler(threading.Thread):
     def run(self):
         me = os.getpid()
         while not self.stop.wait(self.period):
-            tot = [_mem(p) for p in _tree(me)]
+            tot = [_mem(p) for p in descendants(me)]
             self.rss = max(self.rss, sum(t[0] for t in tot))
             self.pss = max(self.pss, sum(t[1] for t in tot))
 

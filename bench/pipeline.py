@@ -35,6 +35,8 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
+from proctree import children
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "python"
 SYSTEMS = ("dataloader", "dataloader-fresh", "tsock")
@@ -55,24 +57,11 @@ jobs (see the load average above), moves by 10-20% between runs of the same syst
 equal."""
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
 def tree_cpu() -> float:
     """CPU seconds of this process, its live descendants and its reaped children."""
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     total = s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-    kids, todo = _children(), [os.getpid()]
+    kids, todo = children(), [os.getpid()]
     while todo:
         for pid in kids.get(todo.pop(), []):
             todo.append(pid)

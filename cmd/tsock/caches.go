@@ -82,17 +82,28 @@ func listCaches(dir string) ([]cacheFile, error) {
 	return out, nil
 }
 
+// openCache opens a cache file without following a link or blocking on
+// a FIFO, and stats what it opened.
+func openCache(path string, flag int) (*os.File, syscall.Stat_t, error) {
+	var st syscall.Stat_t
+	f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, st, err
+	}
+	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return nil, st, err
+	}
+	return f, st, nil
+}
+
 // inspect fills in the size and whether a process uses the cache.
 func (c *cacheFile) inspect() error {
-	f, err := os.OpenFile(c.Path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	f, st, err := openCache(c.Path, os.O_RDONLY)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	var st syscall.Stat_t
-	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
-		return err
-	}
 	c.UID = int(st.Uid) // the owner, whatever the name says
 	c.Bytes = uint64(st.Blocks) * 512
 	c.InUse, err = ring.ByteLocked(f, cacheUsersByte)
@@ -104,15 +115,11 @@ func (c *cacheFile) inspect() error {
 // process cannot open it in between (it takes a read lock there first),
 // and the path must still name the file that was locked.
 func removeCache(path string) error {
-	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	f, st, err := openCache(path, os.O_RDWR)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	var st syscall.Stat_t
-	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
-		return err
-	}
 	if int(st.Uid) != os.Geteuid() {
 		return fmt.Errorf("owned by uid %d: only its owner removes it", st.Uid)
 	}
