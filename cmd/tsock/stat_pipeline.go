@@ -88,7 +88,11 @@ func pipelineBetween(a, b *pipelineNote, seconds float64) *pipelineSample {
 	}
 	s := &pipelineSample{Workers: b.Workers, IOThreads: b.IOThreads, StageBusy: map[string]float64{}}
 	for k, v := range b.StageS {
-		s.StageBusy[k] = math.Max(0, v-a.StageS[k]) / seconds
+		busy := math.Max(0, v-a.StageS[k]) / seconds
+		if math.IsInf(busy, 0) || math.IsNaN(busy) {
+			continue // huge untrusted values over a tiny interval: JSON has no Inf
+		}
+		s.StageBusy[k] = busy
 	}
 	if b.Cache != nil {
 		s.CacheBytes = &b.Cache.Bytes

@@ -1,7 +1,9 @@
 package main
 
 import (
+	"encoding/json"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -72,6 +74,10 @@ func TestPipelineBetween(t *testing.T) {
 	hs := pipelineBetween(a, &huge, 2)
 	require.NotNil(t, hs.CacheHitRate)
 	assert.InDelta(t, 0.5, *hs.CacheHitRate, 1e-6, "counts whose sum wraps")
+	inf := pipelineBetween(a, &pipelineNote{Pid: 7, StageS: map[string]float64{"decode": math.MaxFloat64}}, 1e-300)
+	require.NotNil(t, inf)
+	_, err := json.Marshal(inf)
+	require.NoError(t, err, "an interval's figures always encode")
 	assert.Equal(t, 3, s.Workers)
 	assert.InDelta(t, 2.0, s.StageBusy["decode"], 1e-9)
 	assert.InDelta(t, 0.25, s.StageBusy["read"], 1e-9)

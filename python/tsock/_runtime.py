@@ -242,14 +242,17 @@ def remove_if_ours(path: str) -> None:
             os.unlink(path)
 
 
+TMP_SEP = "+"  # no channel name has it: PATH+PID is never another channel's file (review 36, L3)
+
+
 def write_whole(path: str, data: bytes, mode: int) -> None:
-    """Writes `path` whole: to PATH.PID, created afresh, then renamed over
+    """Writes `path` whole: to PATH+PID, created afresh, then renamed over
     it (a reader sees the old file or the new one). O_EXCL|O_NONBLOCK: never
     into a file, FIFO or link someone put at the temporary's name (/dev/shm
     is world-writable and pids are public: opening a planted FIFO blocked
     the producer, review 35 A1); one of ours left by an earlier process of
     this pid is replaced. OSError if it cannot."""
-    tmp = f"{path}.{os.getpid()}"
+    tmp = f"{path}{TMP_SEP}{os.getpid()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, mode)

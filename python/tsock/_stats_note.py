@@ -4,7 +4,7 @@ They live in the producer's Python process (stage times, worker pool,
 decoded-sample cache), not in the channel's segment, so a Producer fed by a
 tsock.Pipeline writes them at most once a second, while it publishes, to a
 hidden file beside the segment: /dev/shm/.tsock-stats.NAME, JSON, replaced
-whole (written to NAME.PID, then renamed) and removed at close.
+whole (written to NAME+PID, then renamed) and removed at close.
 cmd/tsock/stat_pipeline.go reads it as untrusted input: only a regular file
 of the segment's owner, at most 64 KiB, written by the channel's producer
 pid, with sane values. Writing it never fails the producer."""
@@ -78,8 +78,8 @@ def sweep() -> None:
             data = _read(full)
             try:
                 pid = json.loads(data).get("pid")
-            except ValueError:  # half-written: a temporary NAME.PID whose writer was killed
-                tail = n.rsplit(".", 1)[-1]
+            except ValueError:  # half-written: a temporary NAME+PID whose writer was killed
+                tail = n.rpartition(_runtime.TMP_SEP)[2] if _runtime.TMP_SEP in n else ""
                 pid = int(tail) if tail.isdigit() else None
             # Not a pid of this namespace, and no producer holds the
             # channel (containers sharing /dev/shm see each other's pids
@@ -128,14 +128,19 @@ class StatsNote:
     def __init__(self, name: str, pipe):
         self.name, self.pipe = name, pipe
         self._next = 0.0
-        self._written = False
         self._closed = False
-        # tick (the publishing thread) against remove (close, from any thread):
-        # a note written after its removal would be left behind.
-        self._lock = threading.Lock()
+        # tick (the publishing thread) against remove (close, from any
+        # thread): a note written after its removal would be left behind.
+        # Re-entrant: close() from a signal handler that interrupted a write
+        # on this thread must not wait for it (review 36, M1).
+        self._lock = threading.RLock()
+        # What the finalizer needs (not self): the inode of the note this
+        # object wrote last, None once removed; a finalizer run late must
+        # not remove a newer producer's note of the channel (review 36, L2).
+        self._mine = {"ino": None}
         sweep()
         # A producer never closed (the process ends) removes it too.
-        weakref.finalize(self, _remove_ours, path(name))
+        weakref.finalize(self, _remove_ours, path(name), self._mine)
 
     def tick(self) -> None:
         """Writes the figures if INTERVAL_S has passed since the last time."""
@@ -148,13 +153,16 @@ class StatsNote:
             with self._lock:
                 if not self._closed:
                     self._write(fig)
+                    if self._closed:  # by a signal handler during the write
+                        _remove_ours(path(self.name), self._mine)
         except Exception:  # noqa: BLE001 - a full /dev/shm, another uid's file: no figures, same batches
             self._next = now + 60 * INTERVAL_S
 
     def _write(self, fig: dict) -> None:
         data = json.dumps({"pid": os.getpid(), **fig}, separators=(",", ":")).encode()
-        _runtime.write_whole(path(self.name), data, 0o644)
-        self._written = True
+        final = path(self.name)
+        _runtime.write_whole(final, data, 0o644)
+        self._mine["ino"] = os.lstat(final).st_ino
 
     def remove(self) -> None:
         """Removes the figures this process wrote, and writes no more (a
@@ -162,13 +170,15 @@ class StatsNote:
         channel's producer's, and the next producer sweeps them)."""
         with self._lock:
             self._closed = True
-            if self._written:
-                self._written = False
-                _remove_ours(path(self.name))
+            _remove_ours(path(self.name), self._mine)
 
 
-def _remove_ours(final: str) -> None:
-    """Removes the note at `final` if this process wrote it."""
+def _remove_ours(final: str, mine: dict) -> None:
+    """Removes the note at `final` if it is the one `mine` records writing
+    (same inode, this pid), and forgets it."""
+    ino, mine["ino"] = mine["ino"], None
+    if ino is None:
+        return
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        if json.loads(_read(final)).get("pid") == os.getpid():
+        if os.lstat(final).st_ino == ino and json.loads(_read(final)).get("pid") == os.getpid():
             os.unlink(final)

@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 import traceback
+import weakref
 from collections import deque
 from multiprocessing import connection
 from multiprocessing.reduction import recv_handle, send_handle
@@ -211,11 +212,25 @@ class _Worker:
         self.retiring = False  # given no more tasks; stopped once its tasks are in
 
 
+# Every mapping of a worker's staging buffer this process holds, whatever
+# pool it came from and whether or not a pool still lists it (a retired
+# worker's batches still held, another pipeline's): what a fork of a new
+# worker must leave out (review 36, L1).
+_PARENT_MAPS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _parent_map(fd: int, size: int) -> mmap.mmap:
+    """The parent's mapping of a worker's staging buffer."""
+    mm = mmap.mmap(fd, size)
+    _PARENT_MAPS.add(mm)
+    return mm
+
+
 @contextlib.contextmanager
-def _kept_from_forks(maps):
+def _kept_from_forks():
     """While a worker is forked: the parent's mappings of the workers'
-    staging buffers (`maps`) out of the child (MADV_DONTFORK), back to
-    normal after. A worker added at run time (workers="auto") would
+    staging buffers out of the child (MADV_DONTFORK), back to normal
+    after. A worker added at run time (workers="auto") would
     otherwise inherit the other workers' buffers and keep them, retired
     ones too, allocated as long as it lives (review 34, A1); for good, it
     would also take them from every later fork of the process, where a
@@ -224,7 +239,7 @@ def _kept_from_forks(maps):
     marked = []
     try:
         if dontfork is not None and dofork is not None:
-            for _, mm in list(maps):
+            for mm in list(_PARENT_MAPS):
                 with contextlib.suppress(ValueError, OSError):  # closed meanwhile
                     mm.madvise(dontfork)
                     marked.append(mm)
@@ -317,7 +332,10 @@ class WorkerPool:
                 daemon=True,
             )
             try:
-                with _kept_from_forks(self.maps.values()):
+                # Only a fork copies the parent's mappings (spawn and
+                # forkserver start afresh).
+                forking = ctx.get_start_method() == "fork"
+                with _kept_from_forks() if forking else contextlib.nullcontext():
                     p.start()
             finally:
                 theirs.close()
@@ -547,7 +565,7 @@ class WorkerPool:
             if has_fd:
                 fd = recv_handle(conn)
                 try:
-                    self.maps[(wid, slot)] = (gen, mmap.mmap(fd, size))
+                    self.maps[(wid, slot)] = (gen, _parent_map(fd, size))
                 finally:
                     os.close(fd)
             if task_stream != stream:

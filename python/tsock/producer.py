@@ -237,7 +237,7 @@ def resume_note_path(name: str, directory: str | None = None) -> str:
 def _remove_dead_temporaries(name: str) -> None:
     """Removes this user's temporary notes of `name` whose writer is gone
     (killed between creating and renaming one)."""
-    prefix = os.path.basename(resume_note_path(name)) + "."
+    prefix = os.path.basename(resume_note_path(name)) + _runtime.TMP_SEP
     try:
         entries = os.listdir(RESUME_DIR)
     except OSError:

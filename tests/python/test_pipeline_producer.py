@@ -278,12 +278,14 @@ def _replaced(channel, pipe, deadline) -> bool:
 
 def test_temporary_notes_of_dead_writers_are_removed(channel, spawn):
     # A producer killed between writing its temporary note and renaming it
-    # leaves NOTE.PID; the next note written for the channel removes it (not
-    # the temporary note of a live process).
+    # leaves NOTE+PID; the next note written for the channel removes it (not
+    # the temporary note of a live process, nor the note of a channel whose
+    # name ends in .PID: review 36, L3).
     dead = spawn("pass")
     dead.wait()
-    stale, live = f"{resume_note_path(channel)}.{dead.pid}", f"{resume_note_path(channel)}.{os.getppid()}"
-    for path in (stale, live):
+    note = resume_note_path(channel)
+    stale, live, other = f"{note}+{dead.pid}", f"{note}+{os.getppid()}", f"{note}.{dead.pid}"
+    for path in (stale, live, other):
         with open(path, "w"):
             pass
     try:
@@ -291,9 +293,11 @@ def test_temporary_notes_of_dead_writers_are_removed(channel, spawn):
         with tsock.Producer(pipe, channel) as p:
             p.run(epochs=1, start=(0, 3))
         assert not os.path.exists(stale) and os.path.exists(live)
+        assert os.path.exists(other), "channel NAME.PID's note is not a temporary of NAME's"
         assert not os.path.exists(resume_note_path(channel))
     finally:
         os.unlink(live)
+        os.unlink(other)
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 
@@ -68,11 +69,13 @@ def test_figures_of_killed_producers_are_swept(tmp_path, monkeypatch):
         os._exit(0)
     os.waitpid(dead, 0)
     (tmp_path / ".tsock-stats.gone").write_text(json.dumps({"pid": dead}))
-    (tmp_path / f".tsock-stats.gone.{dead}").write_text("{")  # a temporary, its writer killed
+    (tmp_path / f".tsock-stats.gone+{dead}").write_text("{")  # a temporary, its writer killed
+    (tmp_path / f".tsock-stats.run.{dead}").write_text("{")  # channel run.PID's, half-written by no one we know
     (tmp_path / ".tsock-stats.live").write_text(json.dumps({"pid": os.getpid()}))
     (tmp_path / ".tsock-stats.broken").write_text("not json")
     _stats_note.sweep()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".tsock-stats.broken", ".tsock-stats.live"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".tsock-stats.broken", ".tsock-stats.live", f".tsock-stats.run.{dead}"]
 
 
 def test_a_fifo_planted_at_the_temporary_name_does_not_block_the_producer(tmp_path, monkeypatch):
@@ -80,15 +83,17 @@ def test_a_fifo_planted_at_the_temporary_name_does_not_block_the_producer(tmp_pa
     # at NAME.PID (review 35, A1: the open blocked the publishing thread).
     monkeypatch.setattr(_stats_note, "DIRECTORY", str(tmp_path))
     final = _stats_note.path("fifo")
-    os.mkfifo(f"{final}.{os.getpid()}")
+    planted = f"{final}+{os.getpid()}"
+    os.mkfifo(planted)
     if os.geteuid() == 0:
-        os.chown(f"{final}.{os.getpid()}", 65534, 65534)  # another user's: not ours to remove
+        os.chown(planted, 65534, 65534)  # another user's: not ours to remove
     note = _stats_note.StatsNote("fifo", h.make_pipeline(0, n=8))
     t = threading.Thread(target=note.tick, daemon=True)
     t.start()
     t.join(10)
     assert not t.is_alive(), "tick blocked on the FIFO"
-    assert not os.path.exists(final)
+    if os.geteuid() == 0:  # another user's FIFO is left, and no note written through it
+        assert not os.path.exists(final) and stat.S_ISFIFO(os.lstat(planted).st_mode)
 
 
 def test_a_live_producers_note_is_not_swept_though_its_pid_is_not_ours(channel, tmp_path, monkeypatch):
@@ -116,3 +121,41 @@ def test_a_note_written_after_close_is_not_left(tmp_path, monkeypatch):
     note.remove()
     note.tick()  # the publishing thread, after a close from another thread
     assert not os.path.exists(_stats_note.path("late"))
+
+
+def test_a_close_from_a_signal_handler_during_a_write_neither_hangs_nor_leaves_the_note(tmp_path, monkeypatch):
+    # close() in a handler that interrupted tick's write on the same thread
+    # (review 36, M1: a plain lock waited for itself for ever).
+    monkeypatch.setattr(_stats_note, "DIRECTORY", str(tmp_path))
+    monkeypatch.setattr(_stats_note, "INTERVAL_S", 0.0)
+    note = _stats_note.StatsNote("sig", h.make_pipeline(0, n=8))
+    real = _stats_note._runtime.write_whole
+
+    def write_then_handler(*args):
+        real(*args)
+        note.remove()  # what a SIGTERM handler calling producer.close() does here
+
+    monkeypatch.setattr(_stats_note._runtime, "write_whole", write_then_handler)
+    t = threading.Thread(target=note.tick, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "tick waited for itself"
+    assert not os.path.exists(_stats_note.path("sig"))
+
+
+def test_a_late_finalizer_leaves_a_newer_producers_note(tmp_path, monkeypatch):
+    # A closed producer's note object collected late must not remove the
+    # note a newer producer of the channel wrote since (review 36, L2).
+    import gc
+
+    monkeypatch.setattr(_stats_note, "DIRECTORY", str(tmp_path))
+    monkeypatch.setattr(_stats_note, "INTERVAL_S", 0.0)
+    old = _stats_note.StatsNote("same", h.make_pipeline(0, n=8))
+    old.tick()
+    new = _stats_note.StatsNote("same", h.make_pipeline(0, n=8))
+    new.tick()  # replaces the file: another inode
+    del old
+    gc.collect()
+    assert os.path.exists(_stats_note.path("same")), "the old one's finalizer removed the new note"
+    new.remove()
+    assert not os.path.exists(_stats_note.path("same"))
