@@ -41,6 +41,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
+from e2e import Out  # JSON lines to the runner's result file
 from proctree import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,16 +184,6 @@ def cache_budget(a: Namespace, paths: list[str], pct: int) -> int:
 
 
 # ---- the processes ----
-
-
-class Out:
-    """JSON lines to the runner's result file."""
-
-    def __init__(self, path: str):
-        self.f = open(path, "a", buffering=1)
-
-    def __call__(self, **kw):
-        self.f.write(json.dumps(kw) + "\n")
 
 
 def trainer(a: Namespace) -> None:
