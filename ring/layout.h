@@ -186,7 +186,10 @@ typedef struct tsock_roster_entry {
   uint32_t placement;      /* TSOCK_PLACEMENT_* as the reader wrote it (any value) */
   int32_t cuda_ordinal;
   uint8_t gpu_uuid[TSOCK_CUDA_UUID_BYTES];
-  uint8_t pad[32];
+  uint64_t attach_ns;      /* CLOCK_MONOTONIC when the producer admitted the reader
+                              (written by the producer, with its identity); 0: not
+                              known (a producer from before the field: it was padding) */
+  uint8_t pad[24];
 } tsock_roster_entry;
 
 /* How often the producer mirrors records into the roster. */
@@ -336,6 +339,7 @@ TSOCK_STATIC_ASSERT(offsetof(tsock_header, stat_backpressure_ns) == 384, "stats 
 TSOCK_STATIC_ASSERT(offsetof(tsock_header, join_key) == 640, "join line");
 TSOCK_STATIC_ASSERT(sizeof(tsock_roster_entry) == 128, "roster entry");
 TSOCK_STATIC_ASSERT(offsetof(tsock_roster_entry, wait_ns) == 64, "roster entry line 1");
+TSOCK_STATIC_ASSERT(offsetof(tsock_roster_entry, attach_ns) == 96, "attach_ns in line 1");
 TSOCK_STATIC_ASSERT(sizeof(tsock_reader_record) == 256, "reader record");
 TSOCK_STATIC_ASSERT(sizeof(tsock_reader_record) <= TSOCK_RECORD_FILE_BYTES, "record fits its file");
 TSOCK_STATIC_ASSERT(offsetof(tsock_reader_record, cursor) == 0, "cursor");

@@ -216,6 +216,10 @@ type Identity struct {
 	Uid, Gid  uint32
 	StartTime uint64 // /proc/<pid>/stat field 22; 0 unknown
 	StartMode uint32
+	// AttachNs is CLOCK_MONOTONIC (MonotonicNs) when the producer admitted
+	// the reader: the start of the time its wait_ns counts against; 0 not
+	// known (a segment of a producer from before the field).
+	AttachNs uint64
 }
 
 // Progress is what a reader writes in its record: how far it got and
@@ -248,6 +252,7 @@ func (s *Segment) SetIdentity(i uint32, id Identity) {
 	atomic.StoreUint32(u32(&e.gid), id.Gid)
 	atomic.StoreUint64(u64(&e.start_time), id.StartTime)
 	atomic.StoreUint32(u32(&e.start_mode), id.StartMode)
+	atomic.StoreUint64(u64(&e.attach_ns), id.AttachNs)
 }
 
 // Mirror copies a reader's progress into entry i, for tools.
@@ -274,6 +279,7 @@ func (s *Segment) Snapshot(i uint32) RecordSnapshot {
 			Gid:       atomic.LoadUint32(u32(&e.gid)),
 			StartTime: atomic.LoadUint64(u64(&e.start_time)),
 			StartMode: atomic.LoadUint32(u32(&e.start_mode)),
+			AttachNs:  atomic.LoadUint64(u64(&e.attach_ns)),
 		},
 		Progress: Progress{
 			Cursor:      atomic.LoadUint64(u64(&e.cursor)),

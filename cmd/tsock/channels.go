@@ -57,6 +57,7 @@ type readerInfo struct {
 	CUDAIndex *int32 `json:"cuda_ordinal,omitempty"` // that device in the reader's own numbering
 
 	startTime uint64
+	attachNs  uint64 // CLOCK_MONOTONIC of its admission, from the producer; 0 unknown
 }
 
 // gpuPoolInfo is a channel's device pool.
@@ -185,7 +186,8 @@ func readerFromRecord(r ring.RecordLive, published, slots uint64, rosterTrue boo
 		alive = r.State == ring.ReaderActive || r.State == ring.ReaderEvicted
 	}
 	ri := readerInfo{Index: r.Index, Pid: r.Pid, State: ring.StateName(r.State), Alive: alive,
-		Cursor: r.Cursor, Acquired: r.Acquired, Batches: r.Batches, WaitNs: r.WaitNs, startTime: r.StartTime}
+		Cursor: r.Cursor, Acquired: r.Acquired, Batches: r.Batches, WaitNs: r.WaitNs, startTime: r.StartTime,
+		attachNs: r.AttachNs}
 	if r.Cursor < published {
 		ri.Lag = min(published-r.Cursor, slots)
 	}

@@ -162,8 +162,10 @@ func TestStat(t *testing.T) {
 	// Throttled producer, fast reader: most of the time is spent waiting.
 	assert.Greater(t, fr.Stall, 0.3, "fast reader's stall")
 	assert.LessOrEqual(t, fr.Stall, 1.0)
-	// Averaged since stat first saw it: three intervals of 300 ms.
-	assert.Greater(t, fr.WatchedS, 0.5, "time since stat first saw the reader")
+	// Averaged since the reader attached (the producer's roster says
+	// when): before stat's three intervals of 300 ms.
+	assert.True(t, fr.SinceAttach, "the roster has the attach time")
+	assert.Greater(t, fr.WatchedS, 0.8, "time since the reader attached")
 	assert.Greater(t, fr.StallAvg, 0.3, "fast reader's average stall")
 	assert.LessOrEqual(t, fr.StallAvg, 1.0)
 

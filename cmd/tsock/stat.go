@@ -25,8 +25,9 @@ the producer's publish rate and the share of time it was back-pressured
 (waiting for the slowest reader), and for each reader its lag (batches
 published but not yet released), its read rate and its data stall: the
 share of the interval it spent waiting for data, and that share averaged
-over the time since stat first saw the reader (AVG STALL; the roster has
-no attach time). The stall comes from the wait time each reader accounts
+over the time since the reader attached (AVG STALL, over OVER seconds; the
+producer writes the attach time in the roster; for a segment of a producer
+from before that field, since stat first saw the reader). The stall comes from the wait time each reader accounts
 in its record when a wait ends, a value the reader writes (untrusted,
 clamped to 0-100%); a reader that is caught up and saw nothing published
 during the whole interval is shown as stalled 100% (it is still waiting).
@@ -67,10 +68,12 @@ type statReader struct {
 	BatchRate float64 `json:"batch_rate"` // batches acquired per second
 	Stall     float64 `json:"stall"`      // share of the interval spent waiting for data, 0..1
 	New       bool    `json:"new"`        // joined during the interval (rates cover part of it)
-	// StallAvg is the share of the time since this stat first saw the
-	// reader (WatchedS seconds) that it spent waiting for data, 0..1.
-	StallAvg float64 `json:"stall_avg"`
-	WatchedS float64 `json:"watched_s"`
+	// StallAvg is the share of the WatchedS seconds since the reader
+	// attached (SinceAttach) or, where the roster has no attach time, since
+	// this stat first saw it, that it spent waiting for data, 0..1.
+	StallAvg    float64 `json:"stall_avg"`
+	WatchedS    float64 `json:"watched_s"`
+	SinceAttach bool    `json:"since_attach"`
 }
 
 // watched is a reader as stat first saw it: when, and its wait time then.
@@ -79,9 +82,10 @@ type watched struct {
 	waitNs uint64
 }
 
-// watchReaders adds the readers of snapshot b not seen before to w (and
-// those whose reader-written wait time went back: counted afresh), drops
-// those gone, and fills in each sample reader's average stall since.
+// watchReaders fills in each sample reader's average stall: since its
+// attach time where the roster has one, else since w first saw it. It adds
+// the readers of snapshot b not seen before to w (and those whose
+// reader-written wait time went back: counted afresh) and drops those gone.
 func watchReaders(w map[readerKey]watched, b statSnap, s *statSample) {
 	for k := range w {
 		if _, ok := b.readers[k]; !ok {
@@ -90,6 +94,13 @@ func watchReaders(w map[readerKey]watched, b statSnap, s *statSample) {
 	}
 	for i := range s.Readers {
 		r := &s.Readers[i]
+		if r.attachNs != 0 && r.attachNs < b.mono {
+			// The wait time a reader accounts starts at 0 in the record
+			// the producer made for it at this attach.
+			r.WatchedS, r.SinceAttach = float64(b.mono-r.attachNs)/1e9, true
+			r.StallAvg = clamp01(float64(r.WaitNs) / 1e9 / r.WatchedS)
+			continue
+		}
 		k := readerKey{r.Index, r.Pid, r.startTime}
 		first, ok := w[k]
 		if !ok || first.waitNs > r.WaitNs {
@@ -126,6 +137,7 @@ type statSample struct {
 // statSnap is one read of the segment.
 type statSnap struct {
 	at        time.Time
+	mono      uint64 // ring.MonotonicNs() at `at`: the clock of the roster's attach_ns
 	published uint64
 	backNs    uint64
 	readers   map[readerKey]readerInfo
@@ -145,7 +157,7 @@ type readerKey struct {
 func takeSnap(name string, seg *ring.Segment) statSnap {
 	ci := channelInfo{Name: name, Path: ring.ChannelPath(name)}
 	fillChannelInfo(&ci, seg)
-	s := statSnap{at: time.Now(), published: ci.Published, info: ci, stats: seg.Stats(),
+	s := statSnap{at: time.Now(), mono: ring.MonotonicNs(), published: ci.Published, info: ci, stats: seg.Stats(),
 		readers: map[readerKey]readerInfo{}}
 	s.backNs = s.stats.BackpressureNs
 	if st, ok := mustStat(seg.File).Sys().(*syscall.Stat_t); ok {
@@ -251,7 +263,8 @@ func runStat(e *env, args []string) int {
 
 	if !o.jsonOut {
 		fmt.Fprintln(e.stdout, "STALL*: share of the interval a reader waited for data; AVG STALL*: of the time OVER since")
-		fmt.Fprintln(e.stdout, "stat first saw it. * from the wait time each reader reports (untrusted, clamped to 0-100%).")
+		fmt.Fprintln(e.stdout, "it attached (~: since stat first saw it, the segment has no attach time). * from the wait")
+		fmt.Fprintln(e.stdout, "time each reader reports (untrusted, clamped to 0-100%).")
 	}
 	prev := takeSnap(name, seg)
 	watch := map[readerKey]watched{}
@@ -321,8 +334,12 @@ func printStat(w io.Writer, s statSample) {
 		if !r.Alive {
 			state += " (dead)"
 		}
-		fmt.Fprintf(tw, "  %d\t%d\t%s\t%d\t%d\t%.0f\t%.1f%%\t%.1f%%\t%.0fs\n", r.Index, r.Pid, state, r.Lag, r.Batches,
-			r.BatchRate, 100*r.Stall, 100*r.StallAvg, r.WatchedS)
+		over := "~"
+		if r.SinceAttach {
+			over = ""
+		}
+		fmt.Fprintf(tw, "  %d\t%d\t%s\t%d\t%d\t%.0f\t%.1f%%\t%.1f%%\t%s%.0fs\n", r.Index, r.Pid, state, r.Lag, r.Batches,
+			r.BatchRate, 100*r.Stall, 100*r.StallAvg, over, r.WatchedS)
 	}
 	_ = tw.Flush()
 }

@@ -41,3 +41,41 @@ func TestWatchReaders(t *testing.T) {
 	watchReaders(w, statSnap{at: t0.Add(7 * time.Second)}, &statSample{})
 	assert.Empty(t, w, "a reader gone is forgotten")
 }
+
+// TestWatchReadersSinceAttach: with the producer's attach time in the
+// roster, the average stall is the reader's whole wait over the time since
+// it attached, from the first sample on; an attach time stat's clock has
+// not reached (a foreign or broken segment) falls back to watching.
+func TestWatchReadersSinceAttach(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	snap := func(mono, attachNs, waitNs uint64) statSnap {
+		s := snapWith(t0, waitNs)
+		s.mono = mono
+		r := s.info.ReaderList[0]
+		r.attachNs = attachNs
+		s.info.ReaderList[0] = r
+		s.readers[readerKey{3, 42, 7}] = r
+		return s
+	}
+	w := map[readerKey]watched{}
+	b := snap(50e9, 40e9, 2.5e9)
+	s := statSample{Readers: readerLines(b)}
+	watchReaders(w, b, &s)
+	r := s.Readers[0]
+	assert.True(t, r.SinceAttach)
+	assert.InDelta(t, 10.0, r.WatchedS, 1e-9, "attached 10 s ago")
+	assert.InDelta(t, 0.25, r.StallAvg, 1e-9, "2.5 s of wait in 10 s")
+	assert.Empty(t, w, "nothing to watch: the roster says when")
+
+	b = snap(50e9, 40e9, 30e9)
+	s = statSample{Readers: readerLines(b)}
+	watchReaders(w, b, &s)
+	assert.Equal(t, 1.0, s.Readers[0].StallAvg, "more wait than time is clamped")
+
+	b = snap(50e9, 60e9, 1e9)
+	s = statSample{Readers: readerLines(b)}
+	watchReaders(w, b, &s)
+	assert.False(t, s.Readers[0].SinceAttach, "an attach time in the future is not believed")
+	assert.Equal(t, 0.0, s.Readers[0].WatchedS)
+	assert.Len(t, w, 1, "watched from now on instead")
+}

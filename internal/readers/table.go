@@ -581,6 +581,7 @@ func (t *Table) install(rec *ring.Record, id ring.Identity) (ring.JoinReplyMsg, 
 	rec.SetStart(start)
 	e := &t.entries[i]
 	e.gen++
+	id.AttachNs = ring.MonotonicNs()
 	e.state, e.rec, e.id = ring.ReaderActive, rec, id
 	t.active = append(t.active, i)
 	claim := ring.MakeClaim(e.gen, ring.ReaderActive)
