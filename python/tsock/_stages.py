@@ -33,6 +33,7 @@ LOAD, AUGMENT = 0, 1
 
 #: The stages, in order; Stages.ns times each (tsock.metrics' stage seconds).
 STAGE_NAMES = ("source", "read", "decode", "augment", "collate")
+_MISS = object()  # Stages._lookup: the sample is not in the cache (or there is none)
 
 #: Modules whose global generator is seeded per sample when they are imported
 #: (random and numpy always are).
@@ -145,12 +146,9 @@ class Stages:
     def decoded(self, epoch: int, index: int):
         """source[index], read, decode: from the cache when it has the
         sample, else computed (and offered to the cache)."""
-        if self.cache is not None:
-            from ._cache import MISS
-
-            x = self.cache.lookup(epoch, index)
-            if x is not MISS:
-                return x
+        x = self._lookup(epoch, index)
+        if x is not _MISS:
+            return x
         x = self._stage("source", index, epoch, self.source.__getitem__, index)
         if self.read is not None:
             x = self._stage("read", index, epoch, self.read, x)
@@ -159,6 +157,16 @@ class Stages:
         if self.cache is not None:
             self.cache.insert(index, x)
         return x
+
+    def _lookup(self, epoch: int, index: int):
+        """The cache's decoded sample `index` (epoch: the position in the
+        known order it is asked at), or _MISS (no cache, or not in it)."""
+        if self.cache is None:
+            return _MISS
+        from ._cache import MISS
+
+        x = self.cache.lookup(epoch, index)
+        return _MISS if x is MISS else x
 
     def batch(self, epoch: int, indices, threads: int | None = None):
         """The batch of these indices of epoch `epoch`. threads: run `read`
@@ -171,34 +179,41 @@ class Stages:
 
     def threaded(self, epoch: int, indices, threads: int) -> list:
         """The samples of a batch with their `read` stage on `threads` I/O
-        threads (reads that wait for a file system release the GIL):
-        source[i] for each sample in turn, the reads all at once, then decode
-        and augment of each sample in turn as its read is done. The global
-        generators are seeded before source[i] and again before decode (the
-        reads ran meanwhile), so the samples are the same whatever `threads`,
-        and the same as sample()'s when source[i] and read draw nothing
-        from the global generators (read is I/O: it must not)."""
+        threads (reads that wait for a file system release the GIL): the
+        cache's samples first, source[i] for each other sample in turn, the
+        reads all at once, then decode and augment of each sample in turn
+        as its read is done. The global generators are seeded before
+        source[i] and again before decode (the reads ran meanwhile), so the
+        samples are the same whatever `threads`, and the same as sample()'s
+        when source[i] and read draw nothing from the global generators
+        (read is I/O: it must not)."""
         indices = [int(i) for i in indices]
-        items = []
-        for i in indices:
-            seed_globals(_seed_words(self.seed, epoch, i, LOAD))
-            items.append(self._stage("source", i, epoch, self.source.__getitem__, i))
+        cached = [self._lookup(epoch, i) for i in indices]
+        items = {}
+        for k, i in enumerate(indices):
+            if cached[k] is _MISS:
+                seed_globals(_seed_words(self.seed, epoch, i, LOAD))
+                items[k] = self._stage("source", i, epoch, self.source.__getitem__, i)
         io = self._io
         if io is None or io[0] != threads:
             if io is not None:
                 io[1].shutdown(wait=False)
             io = self._io = (threads, ThreadPoolExecutor(threads, thread_name_prefix="tsock-read"))
-        futures = [io[1].submit(_timed, self.read, x) for x in items]
+        futures = {k: io[1].submit(_timed, self.read, x) for k, x in items.items()}
         try:
             samples = []
-            for i, f in zip(indices, futures):
-                ok, x, ns = f.result()
-                self.ns["read"] += ns
-                if not ok:
-                    raise StageError("read", i, epoch) from x
-                seed_globals(_seed_words(self.seed, epoch, i, LOAD))
-                if self.decode is not None:
-                    x = self._stage("decode", i, epoch, self.decode, x)
+            for k, i in enumerate(indices):
+                x = cached[k]
+                if k in futures:
+                    ok, x, ns = futures[k].result()
+                    self.ns["read"] += ns
+                    if not ok:
+                        raise StageError("read", i, epoch) from x
+                    seed_globals(_seed_words(self.seed, epoch, i, LOAD))
+                    if self.decode is not None:
+                        x = self._stage("decode", i, epoch, self.decode, x)
+                    if self.cache is not None:
+                        self.cache.insert(i, x)
                 if self.augment is not None:
                     words = _seed_words(self.seed, epoch, i, AUGMENT)
                     seed_globals(words)
@@ -206,7 +221,7 @@ class Stages:
                 samples.append(x)
             return samples
         finally:
-            for f in futures:
+            for f in futures.values():
                 f.cancel()
 
     def _stage(self, name: str, index, epoch: int, fn, *args):

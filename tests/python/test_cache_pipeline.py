@@ -92,6 +92,22 @@ def test_with_spawned_workers_the_cache_travels_with_the_stages(shm):
     pipe.close()
 
 
+@pytest.mark.parametrize("workers", [1, "auto"])
+def test_reads_on_io_threads_use_the_cache_too(shm, workers):
+    # The threaded read path (io_threads) had its own copy of the stages and
+    # skipped the cache: no segment, every sample decoded every epoch.
+    kw = {"read": identity_read, "workers": workers, "io_threads": 3 if workers == 1 else "auto"}
+    pipe = cached(shm, **kw)
+    assert hashes(pipe) == reference(read=identity_read)
+    seg = pipe.cache_stats()["segment"]
+    assert seg["inserts"] == N and seg["hits"] >= 2 * N - 8, seg
+    pipe.close()
+
+
+def identity_read(x):
+    return x
+
+
 # ---- sharing ----
 
 
