@@ -352,6 +352,15 @@ class WorkerPool:
         if not self.live:
             return  # start() makes them
         active = [w for w in self.live.values() if not w.retiring]
+        # A worker still computing the tasks it had when it was retired (a
+        # shrink taken back) takes tasks again rather than a new one
+        # starting beside it: no more processes compute than asked, and no
+        # fork (review 34, A4).
+        for w in sorted((w for w in self.live.values() if w.retiring), key=lambda w: -w.busy):
+            if len(active) >= workers:
+                break
+            w.retiring = False
+            active.append(w)
         if len(active) < workers:
             self._spawn(workers - len(active))
         for w in sorted(active, key=lambda w: (w.busy, -w.id))[: max(0, len(active) - workers)]:

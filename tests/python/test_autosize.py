@@ -151,11 +151,14 @@ def test_resize_during_an_epoch_keeps_the_batches_and_leaves_nothing():
                 pool.resize(1)  # shrink with tasks in flight: the retired finish theirs
                 assert len(pool.procs) == 1 and any(busy.values()), busy
             elif k == 25:
+                # Workers retired at k == 15 and still draining compute
+                # again; only the rest are new processes.
+                revived = min(2, sum(w.retiring for w in pool.live.values()))
                 pool.resize(3)
             counts.append(len(pool.procs))
         assert seen == ref
         assert max(counts) == 4 and 1 in counts and counts[-1] == 3
-        assert len(pids) >= 6, "new processes were started, retired ones stopped"
+        assert len(pids) == 4 + 2 - revived, "new processes were started, retired ones stopped"
         retired = pids - {w.pid for w in pool.procs}
         assert h.wait_gone(retired) == [], "retired workers exit"
         assert len(pool.live) == 3
@@ -350,3 +353,25 @@ def test_a_child_forked_later_still_reads_the_batches_it_holds():
                 os._exit(0 if h.batch_hash(batch) == want else 3)
             _, status = os.waitpid(pid, 0)
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
+
+
+def test_a_retired_worker_still_computing_comes_back_instead_of_a_new_one():
+    # A shrink taken back: the worker retired a moment ago still has tasks
+    # in flight; growing again makes it compute again instead of forking a
+    # third process beside it (over the budget while it drains: review 34, A4).
+    with h.make_pipeline(2, n=200, batch_size=4, prefetch=4, decode=h.sleepy) as p:
+        it = p.stream()
+        for _ in range(3):
+            next(it)
+        pool = p._pool_box[0]
+        before = {w.id: w.proc.pid for w in pool.live.values()}
+        busy = [w for w in pool.live.values() if w.busy]
+        assert busy, "a worker has tasks in flight"
+        pool.resize(1)
+        retiring = [w for w in pool.live.values() if w.retiring]
+        assert len(retiring) == 1 and retiring[0].busy, "the idlest still has its tasks"
+        pool.resize(2)
+        assert {w.id: w.proc.pid for w in pool.live.values()} == before, "no new process"
+        assert not any(w.retiring for w in pool.live.values())
+        got = [next(it)[0].index for _ in range(20)]
+        assert got == list(range(3, 23)), "every batch, in order"
