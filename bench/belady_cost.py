@@ -12,10 +12,11 @@ cached entries read under the shared lock, and the ranking).
 
 Each (revision, K) runs in a fresh child process with that revision's
 python/tsock on its path (extracted with `git archive`; the C library is
-this tree's build), the two revisions alternating, ROUNDS times each: the
-figures are the medians over the rounds' medians, and the ratio is the old
-over the new. The decisions of both (which misses inserted, which samples
-each evicted) must be the same: the script fails if they differ.
+this tree's build), the two revisions alternating, ROUNDS times each (a
+large cache's random draws seeded alike): the figures are the medians
+over the rounds' medians, and the ratio is the old over the new. The
+decisions of both (which misses inserted, which samples each evicted)
+must be the same: the script fails if they differ.
 
     python bench/belady_cost.py [--rev REV] [--n 512] [--cached 256] [--epochs 5] [--k 1,4] [--rounds 3]
 """
@@ -58,6 +59,7 @@ def child(a) -> None:
     try:
         budget = _cache_segment.geometry(n, 4096, a.cached)["file_bytes"]
         s = CacheStore(bytes([k]) * 16, n, budget=budget, directory=folder)
+        s._rng = np.random.default_rng(0)  # which samples a large cache ranks: the same draws in both revisions
         s.put(0, bytes(4000))
         p = dict(n=n, shuffle=True, batch_size=32, drop_last=False, world_size=0, ranks=[0], sampler_drop_last=False)
         slots = [s.register(dict(p, seed=c)) for c in range(k)]
