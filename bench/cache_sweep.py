@@ -57,8 +57,9 @@ and is CPU-bound on the 2 CPUs; sharing decodes it once, and the cache skips `re
 neither removes: the trainers' own work (a sum of each batch, K times), the producer's copy of each batch into the
 ring, a cache lookup per sample (a `pread` of the sample, docs/CACHE.md "Measured"), the Pipeline's per-sample
 Python (seeding, collate) and, with Belady, its ranking at every miss once the cache is full (docs/CACHE.md
-"Costs": 0.4-0.7 ms a miss there, about what a 160x160 JPEG decode costs here, so at 25% Belady can cost more
-CPU than its hits save; LRU evicts without ranking). On 2 CPUs all of it comes from the same CPUs as decoding, so
+"Costs": 0.4-0.7 ms a miss when this was first measured, about what a 160x160 JPEG decode costs here, so at 25%
+Belady could cost more CPU than its hits saved; 0.17-0.23 ms since, bench/belady_cost.py; LRU evicts without
+ranking). On 2 CPUs all of it comes from the same CPUs as decoding, so
 sharing gains less than K and the cache less than 1 / (1 - hit rate) on top of it: CoorDL's 5.7x (K = 4, 50%
 cache, against a DataLoader each) is not reached on this machine; the ratio is in the Targets table.
 

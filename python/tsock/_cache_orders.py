@@ -39,6 +39,7 @@ class Orders:
         self._busy: dict = {}  # (blob, epoch) -> Event set when its computation ends
         self._live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> its orders (blobs)
         self._closed: list = []  # weak references to stores closed since the last trim
+        self._trimmed_at = -1  # how many stores _live held after the last trim (fewer: one was collected since)
         self.computed = 0  # inverse orders computed in this process (tests, costs)
 
     def _after_fork(self) -> None:
@@ -91,13 +92,16 @@ class Orders:
     def set_live(self, store, blobs) -> None:
         """The orders `store` saw in its consumer table: the others are
         dropped unless another store of this process sees them."""
+        blobs = frozenset(blobs)
         with self._lock:
+            if not self._closed and len(self._live) == self._trimmed_at and self._live.get(store) == blobs:
+                return  # as at the last trim, which left nothing to drop (misses repeat this call)
             self._drain()
             if store not in self._live:
                 # A store collected without close(): its orders go then
                 # (review 33, L1), or at the next call if the lock is held.
                 weakref.finalize(store, self._try_trim)
-            self._live[store] = frozenset(blobs)
+            self._live[store] = blobs
             self._trim()
 
     def forget(self, store) -> None:
@@ -133,6 +137,7 @@ class Orders:
                 drop.append(key)
         for key in drop:
             del self._memo[key]
+        self._trimmed_at = len(self._live)
 
     def cached(self) -> list:
         """The (blob, epoch) keys held, least recently used first."""

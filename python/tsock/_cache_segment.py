@@ -363,6 +363,8 @@ class _Segment:
         self.free = np.ndarray(nb, np.uint32, self.mm, g["free_offset"])
         self.members = np.ndarray(nb, np.uint32, self.mm, g["members_offset"])  # the FULL entries, unordered
         self.arena = np.ndarray((nb, header.block_bytes), np.uint8, self.mm, g["arena_offset"])
+        self._rows = np.ndarray((header.n_samples, 4), np.uint64, self.mm, g["entries_offset"])  # entries, as words
+        self._pids = np.ndarray(CONSUMER_SLOTS, np.uint32, self.mm, g["consumers_offset"], (CONSUMER_BYTES,))
         _lock(fd, fcntl.F_RDLCK, USERS_BYTE, wait=True)
         st = os.fstat(fd)
         self.ident = (st.st_dev, st.st_ino)
@@ -457,7 +459,7 @@ class _Segment:
 
     def close(self) -> None:
         """Unmaps the file and closes it (which releases this descriptor's locks)."""
-        for view in ("mut", "state", "member", "next", "owner", "free", "members", "arena"):
+        for view in ("mut", "state", "member", "next", "owner", "free", "members", "arena", "_rows", "_pids"):
             setattr(self, view, None)
         try:
             self.mm.close()
@@ -593,7 +595,7 @@ class _Segment:
         wrong is rebuilt (the exclusive lock held); with repair=False
         (the shared lock held) the entries that are not FULL are left out
         instead."""
-        raw = np.ndarray((self.h.n_samples, 4), np.uint64, self.mm, self.h.geometry["entries_offset"])
+        raw = self._rows
         if not repair:
             count = min(int(self.mut[MEMBERS]), self.h.n_blocks)
             if sample is not None and count > sample:
@@ -601,10 +603,12 @@ class _Segment:
                 idx = idx[np.concatenate(([True], idx[1:] != idx[:-1]))]  # drawn twice: once
             else:
                 idx = self.members[:count].astype(np.int64)  # a private copy
-            idx = idx[idx < self.h.n_samples]
+            if idx.max(initial=0) >= self.h.n_samples:
+                idx = idx[idx < self.h.n_samples]
             rows = raw[idx]  # a private copy
             full = rows[:, 0] & np.uint64(0xFFFFFFFF) == FULL
-            idx, rows = idx[full], rows[full]
+            if not full.all():
+                idx, rows = idx[full], rows[full]
         for attempt in (0, 1) if repair else ():
             count = int(self.mut[MEMBERS])
             live = min(count, self.h.n_blocks)
@@ -787,7 +791,7 @@ class _Segment:
         if alive is None:
             alive = _alive
         out = []
-        for slot in range(CONSUMER_SLOTS):
+        for slot in np.flatnonzero(self._pids).tolist():  # one look at every slot's pid: the used slots
             off = self._consumer_offset(slot)
             pid, length, started, epoch, position, _ = _CONSUMER.unpack_from(self.mm, off)
             if pid == 0 or length > PARAMS_MAX or epoch >= 1 << 32 or position >= self.h.n_samples:

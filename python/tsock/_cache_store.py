@@ -20,7 +20,7 @@ import weakref
 import numpy as np
 
 from ._cache_orders import ORDERS
-from ._cache_policy import INF, _farthest, next_use
+from ._cache_policy import _farthest, distance, distances
 from ._cache_segment import (
     _CORRUPT,
     BYPASSES,
@@ -301,20 +301,36 @@ class CacheStore:
             cached, blocks, last = seg.cached(FRESH if pooled else RANKED, self._rng, repair=False)
         if pooled:
             cached, blocks, last = _merge(self._pool, (cached, blocks, last))
-        futures = self._futures(table)
-        dist = np.full(len(cached), INF)
-        d_new = INF
-        one = np.array([index], dtype=np.int64)
-        for pos, inv, length, nxt in futures:
-            np.minimum(dist, next_use(cached, pos, inv, length, nxt), out=dist)
-            d_new = min(d_new, float(next_use(one, pos, inv, length, nxt)[0]))
+        return self._rank(self._futures(table), cached, blocks, last, index, max(need - free, 1), large, pooled)
+
+    def _rank(self, futures, cached, blocks, last, index: int, room: int, large: bool, pooled: bool):
+        """_plan's ranking of `cached` (with their blocks and last uses) for
+        inserting `index`, `room` blocks short, under no lock: the plan, and
+        the kept candidates (`large`) updated.
+
+        Per miss: one gather of each consumer's two inverse orders and a few
+        array operations for all of them (`distances`), the new sample's
+        distance in Python scalars; if no cached sample's next use is after
+        the new one's, the plan bypasses at its first candidate without
+        sorting any (`_victims` bypasses at the first candidate whose
+        distance is not above the new sample's, and the farthest is first:
+        the same decision); otherwise only the candidates at or beyond the
+        room + SPARE farthest are sorted (`_farthest`), or the large
+        cache's ranking, sorted whole for its kept ones, is used as it is."""
+        dist = distances(cached, futures)
+        d_new = distance(index, futures)
+        order = None
         if large:
-            top = np.lexsort((last, -dist))[:POOL]
+            order = np.lexsort((last, -dist))
+            top = order[:POOL]
             self._pool = (cached[top], blocks[top], last[top])
             self._pool_age = self._pool_age + 1 if pooled else 0
         else:
             self._pool = None
-        order = _farthest(dist, last, blocks, max(need - free, 1), SPARE)
+        if len(dist) and dist.max() <= d_new:  # bypass (or no eviction needed, if room was made meanwhile)
+            first = [int(order[0]) if order is not None else int(np.argmax(dist))]
+            return cached[first], dist[first], d_new, pooled
+        order = _farthest(dist, last, blocks, room, SPARE, order=order)
         if order is None:
             order = np.argsort(-dist, kind="stable")  # not enough room among them: every one, farthest first
         return cached[order], dist[order], d_new, pooled
