@@ -135,8 +135,21 @@ def _memfd_maps() -> int:
 
 
 def test_resize_during_an_epoch_keeps_the_batches_and_leaves_nothing():
-    ref = [h.batch_hash(b) for b in h.make_pipeline(0, n=160, batch_size=4, decode=slow_decode).batches(0)]
-    with h.make_pipeline(2, n=160, batch_size=4, decode=slow_decode) as p:
+    ref_pipe = h.make_pipeline(0, n=160, batch_size=4, decode=slow_decode)
+    ref = [h.batch_hash(b) for b in ref_pipe.batches(0)]
+    # The samples of batches 16 on wait for `opened`, set once the pool has
+    # shrunk at batch 15: the tasks for them are surely in flight then, on
+    # every worker (how many a worker had done was up to the scheduler: a
+    # parent held off its CPU long enough found every worker idle).
+    later = {int(i) for k in range(16, len(ref_pipe)) for i in ref_pipe.info(0, k).indices}
+    opened = multiprocessing.get_context("fork").Event()
+
+    def gated_decode(x):
+        if x[1] in later:
+            opened.wait(60)
+        return slow_decode(x)
+
+    with h.make_pipeline(2, n=160, batch_size=4, decode=gated_decode, start_method="fork") as p:
         p.start()
         pool = p._pool_box[0]
         seen, pids, counts = [], set(), []
@@ -149,7 +162,10 @@ def test_resize_during_an_epoch_keeps_the_batches_and_leaves_nothing():
             elif k == 15:
                 busy = {w.id: w.busy for w in pool.live.values()}
                 pool.resize(1)  # shrink with tasks in flight: the retired finish theirs
-                assert len(pool.procs) == 1 and any(busy.values()), busy
+                retiring = [w for w in pool.live.values() if w.retiring]
+                opened.set()
+                assert len(pool.procs) == 1 and all(busy.values()), busy
+                assert len(retiring) == 3, "retired with tasks in flight, they are stopped once those are in"
             elif k == 25:
                 # Workers retired at k == 15 and still draining compute
                 # again; only the rest are new processes.

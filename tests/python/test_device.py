@@ -8,6 +8,7 @@ producer's copies, fences that keep a slot from the producer while a slow
 GPU or a MIG instance falls back to the host path, or raises NoDevicePath
 with device_path="require"."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -116,7 +117,10 @@ name = sys.argv[1]
 def _run(tmp_path, consumer_code, n, slots, consumer_env=None, killed=False, consumer_args=()):
     env = child_env()
     env["TSOCK_LIBCUDA"] = str(FAKE)
-    name = f"pt-dev-{tmp_path.name}"[:60]
+    # The pid too: tmp_path's name is the test's, the same in every pytest
+    # run, and two runs at once (another job beside this one) took
+    # each other's channel ("has a live producer") and removed it below.
+    name = f"pt-dev-{os.getpid()}-{tmp_path.name}"[:60]
     producer = subprocess.Popen(
         [sys.executable, "-c", PRODUCER, name, str(n), str(slots)],
         env=env,

@@ -37,10 +37,13 @@ if __name__ == "__main__":
 PLAIN = """
 import atexit, sys, subprocess, threading, time
 
-# Registered first, so it runs last, after the finalizers that detach: the
-# waiting thread wakes in the meantime (it crashed here, not always before
-# the process was gone).
-atexit.register(time.sleep, 0.3)
+# Registered first, so it runs last, after the finalizers that detach: it
+# waits for the reading thread, woken by the detach, to end (it crashed
+# here, not always before the process was gone). It joins the thread
+# rather than sleep a while: a thread not scheduled within the sleep on a
+# loaded machine was cut off at exit, before it printed "reader ended".
+readers = []
+atexit.register(lambda: [t.join(30) for t in readers])
 import tsock
 
 name, lifetime, output, where, producer_code = sys.argv[1:6]
@@ -62,7 +65,8 @@ def read():
     finally:  # woken by the exit's detach: ends quietly (no traceback)
         print("reader ended", flush=True)
 
-threading.Thread(target=read, daemon=True).start()
+readers.append(threading.Thread(target=read, daemon=True))
+readers[0].start()
 assert got.wait(30), "no batch"
 time.sleep(0.5)  # the reader is back in acquire, waiting for the next batch
 print("exiting", flush=True)
@@ -101,7 +105,8 @@ def test_exit_with_a_daemon_thread_blocked_on_a_producer_process(spawn, channel)
 SHARED = """
 import atexit, sys, threading, time
 
-atexit.register(time.sleep, 0.3)  # runs after the finalizers (see PLAIN)
+readers = []
+atexit.register(lambda: [t.join(30) for t in readers])  # runs after the finalizers (see PLAIN)
 import shared_helpers as h
 import tsock
 
@@ -117,7 +122,8 @@ def read():
     finally:
         print("reader ended", flush=True)
 
-threading.Thread(target=read, daemon=True).start()
+readers.append(threading.Thread(target=read, daemon=True))
+readers[0].start()
 assert got.wait(60), "no batch"
 time.sleep(0.5)  # the reader is back in acquire, waiting for the next batch
 print("exiting", flush=True)
