@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from ._cache_codec import CorruptSample, Uncacheable, decode, encode
+from ._cache_codec import CorruptSample, Uncacheable, decode, prepare
 from ._cache_store import CacheStore
 from .errors import CacheError
 
@@ -70,7 +70,7 @@ class SampleCache:
         if self._off:
             return
         try:
-            data = encode(sample)
+            data = prepare(sample)  # copied by put() only if the policy keeps it
         except Uncacheable:
             self.counts["uncacheable"] += 1
             return

@@ -200,20 +200,56 @@ def _is_torch_tensor(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def encode(sample) -> bytearray:
-    """The sample's bytes (raises Uncacheable)."""
+class Encoded:
+    """A sample's encoding, sized but not yet copied: the store decides
+    whether to keep it (a bypass costs no copy) and writes it straight
+    into its blocks."""
+
+    __slots__ = ("_enc", "_start", "nbytes")
+
+    def __init__(self, enc: _Encoder):
+        self._enc = enc
+        self._start = -(-(_HEAD.size + len(enc.skel)) // ALIGN) * ALIGN
+        self.nbytes = self._start + enc.data_bytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def into(self, out) -> None:
+        """Writes the nbytes of the encoding into `out` (a writable buffer of
+        nbytes, maybe not zeroed: every byte is written, padding included)."""
+        view = np.frombuffer(out, dtype=np.uint8)
+        if len(view) != self.nbytes:
+            raise ValueError(f"{len(view)} bytes for an encoding of {self.nbytes}")
+        skel, start = self._enc.skel, self._start
+        _HEAD.pack_into(view, 0, MAGIC, len(skel))
+        view[_HEAD.size : _HEAD.size + len(skel)] = np.frombuffer(skel, dtype=np.uint8)
+        at = _HEAD.size + len(skel)
+        for a, offset in self._enc.arrays:
+            view[at : start + offset] = 0  # alignment padding
+            if a.nbytes:
+                view[start + offset : start + offset + a.nbytes] = a.reshape(-1).view(np.uint8)  # C-contiguous: a view
+            at = start + offset + a.nbytes
+        view[at:] = 0
+
+    def tobytes(self) -> bytearray:
+        out = bytearray(self.nbytes)
+        self.into(out)
+        return out
+
+
+def prepare(sample) -> Encoded:
+    """The sample's encoding, not yet copied (raises Uncacheable). It
+    holds references to the sample's arrays: write it out before they
+    change (before augment runs)."""
     enc = _Encoder()
     enc.walk(sample, 0)
-    start = -(-(_HEAD.size + len(enc.skel)) // ALIGN) * ALIGN
-    out = bytearray(start + enc.data_bytes)
-    _HEAD.pack_into(out, 0, MAGIC, len(enc.skel))
-    out[_HEAD.size : _HEAD.size + len(enc.skel)] = enc.skel
-    view = np.frombuffer(out, dtype=np.uint8)
-    for a, offset in enc.arrays:
-        if a.nbytes:
-            flat = a.reshape(-1).view(np.uint8)  # C-contiguous: a view
-            view[start + offset : start + offset + a.nbytes] = flat
-    return out
+    return Encoded(enc)
+
+
+def encode(sample) -> bytearray:
+    """The sample's bytes (raises Uncacheable)."""
+    return prepare(sample).tobytes()
 
 
 # ---- decode ----

@@ -524,29 +524,32 @@ class _Segment:
         truncates and re-extends it leaves them; check_size found none
         when the lock was taken) and the entry and its chain's owner and
         next words are read again: a change is _CORRUPT (a miss), not a
-        sample with zeroed blocks (review 33, W1)."""
+        sample with zeroed blocks (review 33, W1). A run of consecutive
+        blocks is copied with one call (inserts lay chains out so)."""
         if not 0 <= index < self.h.n_samples:
             raise IndexError(f"sample {index} of a cache of {self.h.n_samples}")
         chain = self._checked_chain(index)
         if chain is None or chain is _CORRUPT:
             return chain
-        length, blocks = chain
-        g, b_bytes = self.h.geometry, self.h.block_bytes
+        length, runs = chain
+        arena, b_bytes = self.h.geometry["arena_offset"], self.h.block_bytes
         data = np.empty(length, dtype=np.uint8)
-        view = memoryview(data)
-        for j, b in enumerate(blocks):
-            part = view[j * b_bytes : min((j + 1) * b_bytes, length)]
-            got = os.preadv(self.fd, [part], g["arena_offset"] + b * b_bytes)
+        view, at = memoryview(data), 0
+        for first, count in runs:
+            part = view[at : min(at + count * b_bytes, length)]
+            got = os.preadv(self.fd, [part], arena + first * b_bytes)
             if got != len(part):
-                raise CacheError(f"{self.path}: {got} of {len(part)} bytes of block {b} (truncated while in use?)")
+                raise CacheError(f"{self.path}: {got} of {len(part)} bytes of block {first} (truncated while in use?)")
+            at += len(part)
         if not self._whole() or self._checked_chain(index) != chain:
             return _CORRUPT
         self._touch(index)
         return data
 
     def _checked_chain(self, index: int):
-        """(length, blocks) of a full entry whose chain checks (each block
-        owned by it, the last one's next END), None, or _CORRUPT."""
+        """(length, runs) of a full entry whose chain checks (each block
+        owned by it, the last one's next END), None, or _CORRUPT; runs are
+        (first block, count) of consecutive blocks, in the chain's order."""
         g = self.h.geometry
         state, _, length, first, _ = _ENTRY.unpack(self._pread(_ENTRY.size, g["entries_offset"] + 32 * index))
         if state != FULL:
@@ -555,16 +558,29 @@ class _Segment:
         k = -(-length // b_bytes)
         if not 0 < k <= nb:
             return _CORRUPT
-        blocks = []
+        if first + k <= nb and self._is_run(index, first, k):
+            return length, ((first, k),)
+        runs = []
         b = first
         for _ in range(k):
             if b >= nb or _U32.unpack(self._pread(4, g["owner_offset"] + 4 * b))[0] != index + 1:
                 return _CORRUPT
-            blocks.append(b)
+            if runs and runs[-1][0] + runs[-1][1] == b:
+                runs[-1][1] += 1
+            else:
+                runs.append([b, 1])
             b = _U32.unpack(self._pread(4, g["next_offset"] + 4 * b))[0]
         if b != END:
             return _CORRUPT
-        return length, blocks
+        return length, tuple(map(tuple, runs))
+
+    def _is_run(self, index: int, first: int, k: int) -> bool:
+        """Whether blocks first .. first + k - 1 are the chain of `index`
+        in that order: two reads, for the common layout (see insert)."""
+        g = self.h.geometry
+        owners = self._pread(4 * k, g["owner_offset"] + 4 * first)
+        nexts = self._pread(4 * k, g["next_offset"] + 4 * first)
+        return owners == _U32.pack(index + 1) * k and nexts == struct.pack(f"<{k}I", *range(first + 1, first + k), END)
 
     def _touch(self, index: int) -> None:
         # Advisory under the shared lock: a lost update costs LRU order only.
@@ -639,7 +655,7 @@ class _Segment:
             mine = self._chain(v)
             self.owner[mine] = 0
             n = int(self.mut[FREE_COUNT])
-            self.free[n : n + len(mine)] = mine
+            self.free[n : n + len(mine)] = mine[::-1]  # pops in the chain's order
             self.mut[FREE_COUNT] = n + len(mine)
             self.mut[EVICTIONS] += 1
         self._done()
@@ -671,23 +687,24 @@ class _Segment:
             self.suspect = True  # the rebuild at the end of this change frees whatever it owned
         return np.asarray(out, dtype=np.int64)
 
-    def insert(self, index: int, data: np.ndarray, need: int) -> None:
+    def insert(self, index: int, data, need: int) -> None:
+        """Stores `data` (a uint8 array, or an Encoded written out here)."""
         if int(self.mut[MEMBERS]) >= self.h.n_blocks:  # every member holds a block: a count this high is wrong
             self.rebuild()
         self.mut[DIRTY] = 1
         n = int(self.mut[FREE_COUNT])
-        blocks = self.free[n - need : n].astype(np.int64)
+        # Popped, the top of the stack first: with the stack's order (block 0
+        # on top at creation and after a rebuild, a freed chain pushed to pop
+        # in its own order) samples of one size get runs of consecutive
+        # blocks, which read() copies with one call each.
+        blocks = self.free[n - need : n][::-1].astype(np.int64)
         if blocks.max() >= self.h.n_blocks or np.any(self.owner[blocks] != 0) or len(set(blocks.tolist())) != need:
             self.rebuild()  # the free stack was wrong: rebuilt, then taken again
             self.mut[DIRTY] = 1
             n = int(self.mut[FREE_COUNT])
-            blocks = self.free[n - need : n].astype(np.int64)
+            blocks = self.free[n - need : n][::-1].astype(np.int64)
         self.mut[FREE_COUNT] = n - need
-        bb = self.h.block_bytes
-        full = (need - 1) * bb
-        if need > 1:
-            self.arena[blocks[:-1]] = data[:full].reshape(need - 1, bb)
-        self.arena[blocks[-1], : len(data) - full] = data[full:]
+        self._write(blocks, data)
         self.next[blocks[:-1]] = blocks[1:]
         self.next[blocks[-1]] = END
         self.owner[blocks] = index + 1
@@ -702,6 +719,24 @@ class _Segment:
         self.state[index] = FULL  # last: the entry is whole
         self.mut[INSERTS] += 1
         self.mut[DIRTY] = 0
+
+    def _write(self, blocks: np.ndarray, data) -> None:
+        """data into the arena's `blocks`: straight into a run of
+        consecutive blocks (the usual layout), through a copy otherwise."""
+        length, bb, need = len(data), self.h.block_bytes, len(blocks)
+        first = int(blocks[0])
+        if need == 1 or bool(np.all(np.diff(blocks) == 1)):
+            dest = self.arena[first : first + need].reshape(-1)[:length]
+            if isinstance(data, np.ndarray):
+                dest[:] = data
+            else:
+                data.into(dest)
+            return
+        if not isinstance(data, np.ndarray):
+            data = np.frombuffer(data.tobytes(), dtype=np.uint8)
+        full = (need - 1) * bb
+        self.arena[blocks[:-1]] = data[:full].reshape(need - 1, bb)
+        self.arena[blocks[-1], : length - full] = data[full:]
 
     def _done(self) -> None:
         """The end of a change: rebuilt if it met a damaged chain or list."""
@@ -746,7 +781,7 @@ class _Segment:
         owner[(owner > 0) & bad[np.maximum(owner - 1, 0)]] = 0
         self.state[:] = state
         self.owner[:] = owner.astype(np.uint32)
-        free = np.flatnonzero(owner == 0).astype(np.uint32)
+        free = np.flatnonzero(owner == 0)[::-1].astype(np.uint32)  # the lowest block on top
         self.free[: len(free)] = free
         self.mut[FREE_COUNT] = len(free)
         members = np.flatnonzero(state == FULL)

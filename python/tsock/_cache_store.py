@@ -19,6 +19,7 @@ import weakref
 
 import numpy as np
 
+from ._cache_codec import Encoded
 from ._cache_orders import ORDERS
 from ._cache_policy import _farthest, distance, distances
 from ._cache_segment import (
@@ -144,13 +145,15 @@ class CacheStore:
         self.counts["corrupt"] += 1
 
     def put(self, index: int, data) -> bool:
-        """Caches `data` (bytes-like) for `index`; False if the policy
+        """Caches `data` (bytes-like, or an Encoded: then copied only if
+        kept, straight into its blocks) for `index`; False if the policy
         declined it, it does not fit, or it was cached already.
 
         Belady ranks the cached samples before it takes the exclusive lock
         (`_plan`, under the shared lock and none): under it, it only checks
         that its candidates are still cached and evicts them."""
-        data = np.frombuffer(data, dtype=np.uint8)
+        if not isinstance(data, Encoded):
+            data = np.frombuffer(data, dtype=np.uint8)
         with self._thread_lock:
             seg = self._segment(create_for=len(data))
             need = -(-len(data) // seg.h.block_bytes)

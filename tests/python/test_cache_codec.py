@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from tsock._cache_codec import NUMPY_DTYPES, CorruptSample, Uncacheable, decode, encode
+from tsock._cache_codec import NUMPY_DTYPES, CorruptSample, Uncacheable, decode, encode, prepare
 
 
 def same(a, b) -> None:
@@ -54,6 +54,21 @@ SAMPLES = [
 def test_samples_round_trip(sample):
     got = decode(encode(sample))
     same(sample, got)
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=range(len(SAMPLES)))
+def test_an_encoding_written_over_old_bytes_is_the_same_bytes(sample):
+    """The store writes an encoding straight into blocks that held another
+    sample: every byte, the alignment padding included, must be written."""
+    enc = prepare(sample)
+    clean = bytearray(len(enc))
+    dirty = bytearray(b"\xa5" * len(enc))
+    enc.into(clean)
+    enc.into(np.frombuffer(dirty, dtype=np.uint8))
+    assert dirty == clean == encode(sample)
+    same(sample, decode(dirty))
+    with pytest.raises(ValueError, match="bytes for an encoding"):
+        enc.into(bytearray(len(enc) + 1))
 
 
 def test_decoded_arrays_are_private_and_writable():

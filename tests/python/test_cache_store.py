@@ -587,13 +587,35 @@ def test_a_lookup_survives_a_peer_truncating_the_segment_under_it(shm, size):
     assert outcomes["wrong"] == 0, outcomes
 
 
-def test_a_sample_torn_between_two_block_copies_is_a_miss(shm, monkeypatch):
-    """A peer truncates and re-extends the file after the first block of a
-    sample is copied (review 33, W1): the rest reads as zeros, and the
-    lookup must see it (the chain's owner words changed), not return them."""
+def _fragment(s: CacheStore, index: int, size: int) -> None:
+    """Caches `index` (size bytes, 4 blocks or fewer) in a chain of two
+    runs: two 2-block samples evicted leave their blocks, not adjacent,
+    on top of the free stack."""
+    for i in (60, 61, 62):
+        s.put(i, payload(i, 2 * 4096))
+    seg = s._segment()
+    assert seg.h.block_bytes == 4096
+    with seg.locked(exclusive=True):
+        seg.evict([60, 62])
+    s.put(index, payload(index, size))
+
+
+@pytest.mark.parametrize("runs", [1, 2])
+def test_a_sample_torn_between_two_block_copies_is_a_miss(shm, monkeypatch, runs):
+    """A peer truncates and re-extends the file while a sample is copied
+    (review 33, W1): the rest reads as zeros, and the lookup must see it
+    (the chain's owner words changed), not return them. One run: the
+    blocks are consecutive, copied with one call, and the file changes
+    right after it; two runs: it changes between the two copies."""
     s = store(shm, budget=4 << 20)
-    data = payload(3, 48_000)
-    s.put(3, data)
+    data = payload(3, 48_000 if runs == 1 else 4 * 4096 - 100)
+    if runs == 1:
+        s.put(3, data)
+    else:
+        _fragment(s, 3, len(data))
+    seg = s._segment()
+    with seg.locked(exclusive=False):
+        assert len(seg._checked_chain(3)[1]) == runs
     size = os.path.getsize(s.path)
     assert bytes(s.get(3)) == data
     real, calls = os.preadv, []
@@ -601,14 +623,53 @@ def test_a_sample_torn_between_two_block_copies_is_a_miss(shm, monkeypatch):
     def preadv_then_truncate(fd, buffers, offset):
         got = real(fd, buffers, offset)
         calls.append(offset)
-        if len(calls) == 1:  # between the first block's copy and the second's
+        if len(calls) == 1:  # after the first run's copy
             os.truncate(s.path, 4096)
             os.truncate(s.path, size)
         return got
 
     monkeypatch.setattr(_cache_segment.os, "preadv", preadv_then_truncate)
     assert s.get(3) is None
-    assert len(calls) >= 2 and s.counts["corrupt"] == 1
+    assert len(calls) == runs and s.counts["corrupt"] == 1
+
+
+def test_a_chain_in_two_runs_reads_back_whole(shm):
+    s = store(shm, budget=4 << 20)
+    data = payload(5, 4 * 4096 - 100)
+    _fragment(s, 5, len(data))
+    seg = s._segment()
+    with seg.locked(exclusive=False):
+        length, runs = seg._checked_chain(5)
+    assert length == len(data) and len(runs) == 2 and sum(k for _, k in runs) == 4
+    assert bytes(s.get(5)) == data and bytes(s.get(61)) == payload(61, 2 * 4096)
+    consistent(s)
+
+
+@pytest.mark.parametrize("policy", ["lru", "belady"])
+def test_samples_of_one_size_lie_in_consecutive_blocks_through_evictions(shm, policy):
+    """The layout read() copies with one call per sample: inserts pop the
+    free stack in order and evictions push a chain back to pop the same
+    way, so samples of one size keep runs of consecutive blocks (after a
+    rebuild too) however often they are replaced."""
+    size = 3 * 4096 - 10
+    s = store(shm, budget=_cache_segment.budget_for(N, size, 8), policy=policy)
+    rng = random.Random(0)
+    for step in range(300):
+        i = rng.randrange(N)
+        if s.get(i) is None:
+            s.put(i, payload(i, size))
+        if step == 150:  # a rebuild with room free: the stack is remade
+            seg = s._segment()
+            with seg.locked(exclusive=True):
+                seg.evict(np.flatnonzero(seg.state == _cache_segment.FULL)[:3])
+                seg.rebuild()
+                assert int(seg.mut[_cache_segment.FREE_COUNT]) == 9
+    seg = s._segment()
+    assert int(seg.mut[_cache_segment.EVICTIONS]) > 50 or int(seg.mut[_cache_segment.BYPASSES]) > 50
+    with seg.locked(exclusive=False):
+        chains = [seg._checked_chain(int(i)) for i in np.flatnonzero(seg.state == _cache_segment.FULL)]
+    assert len(chains) == 8 and all(len(runs) == 1 for _, runs in chains), chains
+    consistent(s)
 
 
 def test_a_sparse_segment_is_refused(shm):
