@@ -118,13 +118,10 @@ def main() -> None:
         child(a)
         return
     import numpy as np
+    from revision import python_tree
 
-    old = Path(tempfile.mkdtemp(prefix="tsock-belady-rev-"))
-    try:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.rev, "python/tsock"], capture_output=True,
-                                 check=True).stdout  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-        trees = {a.rev: old / "python", "this tree": ROOT / "python"}
+    with python_tree(a.rev) as old:
+        trees = {a.rev: old, "this tree": ROOT / "python"}
         print(
             f"n = {a.n}, {a.cached} cached, {a.epochs} epochs, K consumers of their own orders; per miss with"
             f" the cache full, medians of {a.rounds} rounds (each a fresh process, the revisions alternating)"
@@ -144,8 +141,6 @@ def main() -> None:
             for m, what in (("put", "put call"), ("plan", "_plan (read + rank)")):
                 before, after = fig[a.rev][m], fig["this tree"][m]
                 print(f"  {what:20} {a.rev}: {before:.3f} ms  this tree: {after:.3f} ms  ratio {before / after:.2f}x")
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 if __name__ == "__main__":
