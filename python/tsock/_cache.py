@@ -24,6 +24,7 @@ from ._cache_store import CacheStore
 from .errors import CacheError
 
 MISS = object()
+LAZY_PIECES = 8  # a sample of more arrays is encoded before the store's lock is taken
 
 
 class CacheWarning(UserWarning):
@@ -74,6 +75,8 @@ class SampleCache:
         except Uncacheable:
             self.counts["uncacheable"] += 1
             return
+        if data.pieces > LAZY_PIECES:
+            data = data.tobytes()  # many small copies: made now, not under the store lock
         try:
             self.store.put(index, data)
             self._at(None, index)

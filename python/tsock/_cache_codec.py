@@ -215,6 +215,11 @@ class Encoded:
     def __len__(self) -> int:
         return self.nbytes
 
+    @property
+    def pieces(self) -> int:
+        """How many arrays into() copies one by one."""
+        return len(self._enc.arrays)
+
     def into(self, out) -> None:
         """Writes the nbytes of the encoding into `out` (a writable buffer of
         nbytes, maybe not zeroed: every byte is written, padding included)."""

@@ -37,6 +37,7 @@ CONSUMER_SLOTS = 64
 CONSUMER_BYTES = 256
 PARAMS_MAX = 216
 MIN_BLOCK, MAX_BLOCK = 4096, 1 << 20
+COPY_MAX = 1 << 30  # the most bytes a lookup copies with one call
 
 # Header: fixed at creation (offset 0) ...
 _FIXED = struct.Struct("<8sII16sQQQIIQQQQQQQQQII")
@@ -535,12 +536,16 @@ class _Segment:
         arena, b_bytes = self.h.geometry["arena_offset"], self.h.block_bytes
         data = np.empty(length, dtype=np.uint8)
         view, at = memoryview(data), 0
-        for first, count in runs:
-            part = view[at : min(at + count * b_bytes, length)]
-            got = os.preadv(self.fd, [part], arena + first * b_bytes)
-            if got != len(part):
-                raise CacheError(f"{self.path}: {got} of {len(part)} bytes of block {first} (truncated while in use?)")
-            at += len(part)
+        step = max(1, COPY_MAX // b_bytes)  # blocks a call: one read(2) returns at most 2 GiB - 4 KiB
+        for run_first, count in runs:
+            for first in range(run_first, run_first + count, step):
+                part = view[at : min(at + min(step, run_first + count - first) * b_bytes, length)]
+                got = os.preadv(self.fd, [part], arena + first * b_bytes)
+                if got != len(part):
+                    raise CacheError(
+                        f"{self.path}: {got} of {len(part)} bytes of block {first} (truncated while in use?)"
+                    )
+                at += len(part)
         if not self._whole() or self._checked_chain(index) != chain:
             return _CORRUPT
         self._touch(index)
@@ -578,9 +583,11 @@ class _Segment:
         """Whether blocks first .. first + k - 1 are the chain of `index`
         in that order: two reads, for the common layout (see insert)."""
         g = self.h.geometry
-        owners = self._pread(4 * k, g["owner_offset"] + 4 * first)
-        nexts = self._pread(4 * k, g["next_offset"] + 4 * first)
-        return owners == _U32.pack(index + 1) * k and nexts == struct.pack(f"<{k}I", *range(first + 1, first + k), END)
+        # O(k) in C whatever a peer wrote (k is at most the arena's blocks).
+        if self._pread(4 * k, g["owner_offset"] + 4 * first) != _U32.pack(index + 1) * k:
+            return False
+        nexts = np.frombuffer(self._pread(4 * k, g["next_offset"] + 4 * first), dtype="<u4")
+        return int(nexts[-1]) == END and bool(np.array_equal(nexts[:-1], np.arange(first + 1, first + k)))
 
     def _touch(self, index: int) -> None:
         # Advisory under the shared lock: a lost update costs LRU order only.
@@ -655,7 +662,7 @@ class _Segment:
             mine = self._chain(v)
             self.owner[mine] = 0
             n = int(self.mut[FREE_COUNT])
-            self.free[n : n + len(mine)] = mine[::-1]  # pops in the chain's order
+            self.free[n : n + len(mine)] = np.sort(mine)[::-1]  # pops lowest first: a run again
             self.mut[FREE_COUNT] = n + len(mine)
             self.mut[EVICTIONS] += 1
         self._done()
@@ -695,7 +702,7 @@ class _Segment:
         n = int(self.mut[FREE_COUNT])
         # Popped, the top of the stack first: with the stack's order (block 0
         # on top at creation and after a rebuild, a freed chain pushed to pop
-        # in its own order) samples of one size get runs of consecutive
+        # lowest block first) samples of one size get runs of consecutive
         # blocks, which read() copies with one call each.
         blocks = self.free[n - need : n][::-1].astype(np.int64)
         if blocks.max() >= self.h.n_blocks or np.any(self.owner[blocks] != 0) or len(set(blocks.tolist())) != need:
