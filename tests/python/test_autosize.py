@@ -375,18 +375,31 @@ def test_a_retired_worker_still_computing_comes_back_instead_of_a_new_one():
     # A shrink taken back: the worker retired a moment ago still has tasks
     # in flight; growing again makes it compute again instead of forking a
     # third process beside it (over the budget while it drains: review 34, A4).
-    with h.make_pipeline(2, n=200, batch_size=4, prefetch=4, decode=h.sleepy) as p:
+    # The samples of batches 3 on wait for `opened`, set once the pool has
+    # grown again: both workers surely have tasks in flight at the shrink (a
+    # parent held off its CPU could otherwise receive all of one worker's
+    # results at once, and resize(1) would retire an idle worker at once).
+    ref = h.make_pipeline(0, n=200, batch_size=4, prefetch=4)
+    later = {int(i) for k in range(3, len(ref)) for i in ref.info(0, k).indices}
+    opened = multiprocessing.get_context("fork").Event()
+
+    def gated_sleepy(x):
+        if x[1] in later:
+            opened.wait(60)
+        return h.sleepy(x)
+
+    with h.make_pipeline(2, n=200, batch_size=4, prefetch=4, decode=gated_sleepy, start_method="fork") as p:
         it = p.stream()
         for _ in range(3):
             next(it)
         pool = p._pool_box[0]
         before = {w.id: w.proc.pid for w in pool.live.values()}
-        busy = [w for w in pool.live.values() if w.busy]
-        assert busy, "a worker has tasks in flight"
+        assert all(w.busy for w in pool.live.values()), "every worker has tasks in flight"
         pool.resize(1)
         retiring = [w for w in pool.live.values() if w.retiring]
         assert len(retiring) == 1 and retiring[0].busy, "the idlest still has its tasks"
         pool.resize(2)
+        opened.set()
         assert {w.id: w.proc.pid for w in pool.live.values()} == before, "no new process"
         assert not any(w.retiring for w in pool.live.values())
         got = [next(it)[0].index for _ in range(20)]

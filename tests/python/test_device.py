@@ -416,7 +416,7 @@ def test_dlpack_capsule_keeps_the_pool_after_close(tmp_path):
         time.sleep(0.3)
         assert producer_running() and pool_allocated(), "the producer freed the pool under a capsule"
         del kept  # the last mapping of the pool goes
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 30  # a process's exit: only a failure waits this long
         while producer_running() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not producer_running(), "the producer still waits"

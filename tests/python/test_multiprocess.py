@@ -69,10 +69,13 @@ def test_killed_producer_raises_producer_gone_quickly(channel, spawn):
         os.kill(prod.pid, signal.SIGKILL)
         prod.wait()
         t0 = time.monotonic()
+        # Seen within 50 ms of polling; 5 s leaves room for this thread's
+        # own scheduling on a loaded machine and is still half the
+        # consumer's 10 s timeout, the wait of a death never seen.
         with pytest.raises(tsock.ProducerGone, match="died"):
             for _ in it:  # what was published is still delivered, then the error
-                assert time.monotonic() - t0 < 1
-        assert time.monotonic() - t0 < 1.0
+                assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 5.0
 
 
 TRAINER = """
@@ -118,7 +121,7 @@ def test_killed_trainer_leaves_the_others_running(channel, spawn, run_producer):
 def test_sigint_in_one_trainer_leaves_the_others_running(channel, spawn):
     with tsock.Producer(None, channel, slots=4) as p:
         p.publish((np.full(2, -1),))
-        code = TRAINER.replace("tsock.Consumer(name, timeout=10)", "tsock.Consumer(name, start='now', timeout=10)")
+        code = TRAINER.replace("tsock.Consumer(name, timeout=10)", "tsock.Consumer(name, start='now', timeout=120)")
         victim = spawn(code, channel, "block")
         survivor = tsock.Consumer(channel, start="now", timeout=10)
         while p.stats()["readers"] < 2:
@@ -132,9 +135,9 @@ def test_sigint_in_one_trainer_leaves_the_others_running(channel, spawn):
         t0 = time.monotonic()
         victim.send_signal(signal.SIGINT)
         wait_line(victim, "interrupted", timeout=30)
-        # Far sooner than the victim's own 10 s timeout would have ended
+        # Far sooner than the victim's own 120 s timeout would have ended
         # its wait (with room for a loaded machine's scheduling).
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < 30.0
         assert victim.wait(5) == 3
         # It detached cleanly (not reclaimed as dead); the others go on.
         assert p.stats()["readers"] == 1
@@ -195,11 +198,12 @@ def test_killed_producer_with_live_workers_is_still_seen_dead(channel, spawn):
         os.kill(prod.pid, signal.SIGKILL)
         prod.wait()  # from its death: tearing down a torch process can take a while on a loaded machine
         t0 = time.monotonic()
+        # Timing is tested above; here: seen dead at all (a death hidden by
+        # the workers would wait the consumer's STARTUP_S and time out).
         with pytest.raises(tsock.ProducerGone):
             while True:
                 next(c, None)
-                assert time.monotonic() - t0 < 3
-        assert time.monotonic() - t0 < 2.0  # timing is tested above; here: seen dead at all
+                assert time.monotonic() - t0 < 30
 
 
 TRAINER_FORKS = """

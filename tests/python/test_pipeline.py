@@ -341,11 +341,14 @@ def test_worker_killed_between_epochs():
 
 
 def test_timeout_stops_a_stuck_worker():
-    with h.make_pipeline(workers=2, augment=h.slow_on_13, shuffle=False, timeout=1.0) as p:
+    # The timeout bounds every wait for a batch: 5 s, not 1, so that a worker
+    # held off its CPU on a loaded machine does not time out batches 0-2
+    # (sample 13's stage sleeps 30 s: only batch 3 is stuck).
+    with h.make_pipeline(workers=2, augment=h.slow_on_13, shuffle=False, timeout=5.0) as p:
         p.start()
         pids = [w.pid for w in p._pool_box[0].procs]
         t0 = time.monotonic()
-        with pytest.raises(tsock.PipelineError, match=r"within timeout=1 s \(waiting for batch 3 of epoch 0"):
+        with pytest.raises(tsock.PipelineError, match=r"within timeout=5 s \(waiting for batch 3 of epoch 0"):
             list(p.batches(0))
         assert time.monotonic() - t0 < 20
         assert h.wait_gone(pids) == []

@@ -368,7 +368,7 @@ def test_a_loader_that_fails_later_ends_every_trainer_with_its_message_and_no_su
 
 
 def test_the_producer_lingers_then_exits_leaving_nothing_in_dev_shm(runtime):
-    loader = tsock.shared(h.pipeline, 40, 4, token(), linger=1.5)  # long enough to see it linger, under load
+    loader = tsock.shared(h.pipeline, 40, 4, token(), linger=5)  # long enough to see it linger, under load
     channel = loader.channel
     assert sorted(y for _, ys in loader for y in ys.tolist()) == list(range(40))
     pid = loader.producer_pid
@@ -1635,9 +1635,12 @@ def test_a_trainer_at_the_others_pace_rejoins_without_stalling_them(runtime, spa
     it, which the producer keeps up to a ring ahead of its trainers). Now
     it holds the stream's oldest batch while its own producer serves those
     before it: same pace, it rejoins at the first epoch start that finds
-    it within half the ring (64 of 128 slots here), and the others' waits
-    for a batch stay short."""
-    n, bs, tok, pause, slots = 40, 4, token(), 0.1, 128
+    it within half the ring, and the others' waits for a batch stay short.
+    Same pace, the distance it has to make up is how long its catch-up
+    producer took to start (0.5-1 s, 5 and more on a loaded machine): 512
+    slots (half: 25 s at this pace) and up to 30 epochs (30 s) leave room
+    for that; it rejoins in 2-3 epochs otherwise."""
+    n, bs, tok, pause, slots = 40, 4, token(), 0.1, 512
     stop = tmp_path / "stop"
     paced = spawn(PACED, n, bs, tok, pause, stop, slots)
     early = tsock.shared(h.pipeline, n, bs, tok, linger=0.5, producer={"slots": slots})
@@ -1654,7 +1657,7 @@ def test_a_trainer_at_the_others_pace_rejoins_without_stalling_them(runtime, spa
     resumed = tsock.shared(h.pipeline, n, bs, tok, linger=0.5, producer={"slots": slots}, state=state)
     epochs, rejoined_at = [], None
     try:
-        while len(epochs) < 8 and (rejoined_at is None or len(epochs) < rejoined_at + 2):
+        while len(epochs) < 30 and (rejoined_at is None or len(epochs) < rejoined_at + 2):
             batches = []
             for _x, y in resumed:
                 batches.append(np.asarray(y).tolist())
@@ -1717,7 +1720,11 @@ def test_a_trainer_rejoins_a_stream_its_producer_paces(runtime):
     next one and took it for another loader's: it left the stream at every
     epoch start and never rejoined."""
     n, bs, tok = 16, 4, token()
-    kw = {"linger": 0.5, "lifetime": "step", "producer": {"slots": 64}}
+    # The stream is paced by its producer and so is the catch-up: the
+    # distance to make up is the catch-up producer's start-up (0.5-1 s, 5
+    # and more on a loaded machine). 512 slots (half: 30 s at 0.12 s a
+    # batch) and up to 60 epochs (29 s) leave room for that.
+    kw = {"linger": 0.5, "lifetime": "step", "producer": {"slots": 512}}
     a = tsock.shared(h.producer_bound, n, bs, tok, **kw)
     it = iter(a)
     next(it)
@@ -1739,8 +1746,8 @@ def test_a_trainer_rejoins_a_stream_its_producer_paces(runtime):
         b = tsock.shared(h.producer_bound, n, bs, tok, state=state, **kw)
         loops = []
         # It holds the stream's batch from its first epoch start on, and
-        # rejoins when its own producer reaches it: within 32 batches.
-        while len(loops) < 12 and not (b.rejoins and len(loops) > 2):
+        # rejoins when its own producer reaches it.
+        while len(loops) < 60 and not (b.rejoins and len(loops) > 2):
             loops.append([np.asarray(y).tolist() for _, y in b])
         assert (b.catchups, b.rejoins) == (1, 1), "never rejoined a producer-paced stream"
         loops.append([np.asarray(y).tolist() for _, y in b])  # an epoch on the stream

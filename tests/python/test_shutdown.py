@@ -125,7 +125,22 @@ def read():
 readers.append(threading.Thread(target=read, daemon=True))
 readers[0].start()
 assert got.wait(60), "no batch"
-time.sleep(0.5)  # the reader is back in acquire, waiting for the next batch
+
+
+def in_acquire(thread):
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None and frame.f_code.co_name != "acquire":
+        frame = frame.f_back
+    return frame is not None
+
+
+# The reader is back in acquire, waiting for the next batch (a sleep was
+# not enough on a loaded machine: a thread not yet there when the exit
+# closed the consumer met "consumer is closed" and printed a traceback).
+deadline = time.monotonic() + 30
+while not in_acquire(readers[0]):
+    assert time.monotonic() < deadline, "the reader never went back to acquire"
+    time.sleep(0.01)
 print("exiting", flush=True)
 """
 
