@@ -357,12 +357,23 @@ func TestNoReadersNeverBlocks(t *testing.T) {
 	require.NoError(t, publish(p, 503, 0))
 }
 
+// TestEviction: a reader that holds a batch is evicted once it has gated
+// the producer for EvictAfter; a reader that keeps reading is not, and
+// reads every batch.
+//
+// The policy evicts every reader at the gating cursor, so the fine reader
+// would be evicted too if its goroutine were kept off the CPU for
+// EvictAfter while it gates. EvictAfter is 500 ms, not tens of ms, so that
+// only a far longer stall than a loaded machine gives a runnable goroutine
+// could do that; and the fine reader has read past the stuck one's batch
+// before the producer meets the stuck one.
 func TestEviction(t *testing.T) {
+	const evictAfter = 500 * time.Millisecond
 	name := testkit.Channel(t)
-	p := testkit.Create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10, EvictAfter: 50 * time.Millisecond})
+	p := testkit.Create(t, name, producer.Options{Slots: 4, SlotBytes: 64 << 10, EvictAfter: evictAfter})
 	stuck := testkit.Attach(t, name, reader.Options{})
 	fine := testkit.Attach(t, name, reader.Options{})
-	require.NoError(t, p.WaitReaders(2, time.Second))
+	require.NoError(t, p.WaitReaders(2, 10*time.Second))
 
 	done := make(chan error, 1)
 	exited := make(chan struct{})
@@ -373,6 +384,7 @@ func TestEviction(t *testing.T) {
 		<-exited
 	})
 	fineCheck := batchgen.NewChecker()
+	var fineRead atomic.Uint64 // batches the fine reader released
 	go func() {
 		defer close(exited)
 		for {
@@ -393,6 +405,7 @@ func TestEviction(t *testing.T) {
 				done <- err
 				return
 			}
+			fineRead.Add(1)
 			if fineCheck.Batches == 12 {
 				done <- nil
 				return
@@ -407,12 +420,21 @@ func TestEviction(t *testing.T) {
 	for i := uint64(1); i < 4; i++ {
 		require.NoError(t, publish(p, i, time.Second))
 	}
+	// The fine reader is past batch 0 (else it shares the gating cursor
+	// with the stuck reader, and is evicted with it).
+	for deadline := time.Now().Add(20 * time.Second); fineRead.Load() < 4; time.Sleep(time.Millisecond) {
+		require.True(t, time.Now().Before(deadline), "the fine reader did not read batches 0-3 in 20 s")
+	}
 	start := time.Now()
-	require.NoError(t, publish(p, 4, 5*time.Second), "the stuck reader is evicted")
+	require.NoError(t, publish(p, 4, 30*time.Second), "the stuck reader is evicted")
 	waited := time.Since(start)
 	t.Logf("evicted after %v", waited)
-	assert.GreaterOrEqual(t, waited, 40*time.Millisecond)
-	assert.Less(t, waited, 2*time.Second)
+	// Not before EvictAfter: the policy's clock starts inside this
+	// Reserve. Soon after it: the gate looks at least every EvictAfter;
+	// 5 s tells that from a policy whose clock never runs out (the
+	// Reserve's 30 s timeout), and leaves a loaded machine seconds.
+	assert.GreaterOrEqual(t, waited, evictAfter)
+	assert.Less(t, waited, 5*time.Second)
 	st := p.Stats()
 	assert.Equal(t, uint64(1), st.ReadersEvicted)
 	assert.Zero(t, st.ReadersReclaimed)

@@ -420,8 +420,13 @@ func TestProducerGone(t *testing.T) {
 		require.ErrorIs(t, x.err, reader.ErrProducerGone)
 		assert.Equal(t, 3, x.n, "everything published before the death is read")
 		t.Logf("producer gone noticed after %v", x.at.Sub(died))
-		assert.Less(t, x.at.Sub(died), time.Second)
-	case <-time.After(5 * time.Second):
+		// Death is seen by a 50 ms liveness poll, but the time measured
+		// also holds this goroutine's own scheduling (draining the three
+		// batches, cgo returns, getting a P back), seconds on a loaded
+		// machine. 5 s still tells "noticed" from the Acquire's 10 s
+		// timeout, which is how a missed death ends.
+		assert.Less(t, x.at.Sub(died), 5*time.Second)
+	case <-time.After(30 * time.Second):
 		t.Fatal("a reader waiting without limit never noticed the producer's death")
 	}
 	_, err := r.Acquire(200 * time.Millisecond)

@@ -287,15 +287,30 @@ func (w *slowWriter) Write(b []byte) (int, error) {
 }
 
 // TestExitedChildIsNoTimeoutWhileAGrandchildHoldsItsOutput: the child
-// exits 0 at once; its own child keeps the output open. Wait(500ms) reports
-// the exit (it waited on Done before, and called it a timeout), and Ended
-// is the exit, not the end of the output.
+// exits 0 at once; its own child keeps the output open, so the output is
+// read on for drainIdle past the exit. A Wait whose bound ends after the
+// exit but before that reports the exit (it waited on Done before, and
+// called it a timeout), and Ended is the exit, not the end of the output.
+//
+// How soon sh forks, execs and exits depends on the machine's load, so the
+// test does not bet on a bound after Start: it waits until the child has
+// been reaped (its pid is gone), then calls Wait with a bound of
+// drainIdle/2, which ends well before Done (at least drainIdle after the
+// exit) and leaves drainIdle/2 for reap to record the exit it already
+// waited for. Ended is checked against the end of the output, which comes
+// at least drainIdle after the exit whatever the load: an Ended taken at
+// the end of the output fails.
 func TestExitedChildIsNoTimeoutWhileAGrandchildHoldsItsOutput(t *testing.T) {
 	t0 := time.Now()
-	p, err := Start("sh", []string{"-c", "sleep 20 & echo done"}, Options{})
+	p, err := Start("sh", []string{"-c", "sleep 60 & echo done"}, Options{})
 	require.NoError(t, err)
-	require.NoError(t, p.Wait(500*time.Millisecond))
-	assert.Less(t, p.Ended().Sub(t0), drainIdle)
+	for deadline := time.Now().Add(30 * time.Second); syscall.Kill(p.Pid(), 0) == nil; time.Sleep(2 * time.Millisecond) {
+		require.True(t, time.Now().Before(deadline), "sh not reaped after 30 s")
+	}
+	require.NoError(t, p.Wait(drainIdle/2))
+	outputEnd := time.Now() // Wait returned after Done
+	assert.False(t, p.Ended().Before(t0))
+	assert.GreaterOrEqual(t, outputEnd.Sub(p.Ended()), drainIdle, "Ended is the end of the output, not the exit")
 	assert.Equal(t, "done\n", p.Output())
 }
 

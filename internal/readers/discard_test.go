@@ -3,6 +3,7 @@ package readers
 import (
 	"fmt"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -346,17 +347,19 @@ func TestTrustedCopyThenNoDescriptorFree(t *testing.T) {
 }
 
 // lingeringTCP is a TCP socket whose last close blocks for secs: its send
-// queue is full towards a listener that never accepts.
-func lingeringTCP(t *testing.T, secs int32) int {
+// queue is full towards a listener that never accepts. release closes the
+// listener, which resets the connection and so ends a close lingering on it.
+func lingeringTCP(t *testing.T, secs int32) (c int, release func()) {
 	l, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)
-	t.Cleanup(func() { unix.Close(l) })
+	release = sync.OnceFunc(func() { unix.Close(l) })
+	t.Cleanup(release)
 	require.NoError(t, unix.SetsockoptInt(l, unix.SOL_SOCKET, unix.SO_RCVBUF, 4096))
 	require.NoError(t, unix.Bind(l, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}))
 	require.NoError(t, unix.Listen(l, 8))
 	sa, err := unix.Getsockname(l)
 	require.NoError(t, err)
-	c, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	c, err = unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)
 	require.NoError(t, unix.SetsockoptInt(c, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096))
 	require.NoError(t, unix.Connect(c, sa))
@@ -372,7 +375,7 @@ func lingeringTCP(t *testing.T, secs int32) int {
 	}
 	require.NoError(t, unix.SetNonblock(c, false))
 	require.NoError(t, unix.SetsockoptLinger(c, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: secs}))
-	return c
+	return c, release
 }
 
 // TestForeignDescriptorNoDescriptorFreeNotLastClose (review 6 #2, review
@@ -384,7 +387,12 @@ func lingeringTCP(t *testing.T, secs int32) int {
 // the socket's linger.
 func TestForeignDescriptorNoDescriptorFreeNotLastClose(t *testing.T) {
 	ours, peer := seqpacketPair(t)
-	c := lingeringTCP(t, 3)
+	// The socket lingers 10 s, and recvPeer must return well before: 5 s
+	// tells the two apart and leaves a loaded machine seconds for what
+	// recvPeer does. The linger is then cut short (release), so the test
+	// does not wait it out.
+	const linger, bound = 10, 5 * time.Second
+	c, release := lingeringTCP(t, linger)
 	require.NoError(t, unix.Sendmsg(peer, []byte{1}, unix.UnixRights(c), nil, 0))
 	unix.Close(c)
 	orig, heldBefore := discardHook, held.Load()
@@ -416,9 +424,10 @@ func TestForeignDescriptorNoDescriptorFreeNotLastClose(t *testing.T) {
 	took := time.Since(start)
 	require.NoError(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &lim))
 	t.Logf("recvPeer: %v after %v", err, took)
-	assert.Less(t, took, 2*time.Second, "the last close of a peer's lingering socket ran in recvPeer's thread")
+	assert.Less(t, took, bound, "the last close of a peer's lingering socket ran in recvPeer's thread")
+	release()
 	select {
 	case <-done:
-	case <-time.After(10 * time.Second):
+	case <-time.After(2 * linger * time.Second):
 	}
 }

@@ -17,16 +17,21 @@ import (
 
 // TestForkedChildDoesNotKeepProducerAlive: a producer that forks (a
 // DataLoader worker: fork without exec) and is then SIGKILLed. The child
-// inherits the producer's mapping and lives on for 10 s; it must not keep
-// the producer's liveness lock: readers get "producer gone" within 1 s of
+// inherits the producer's mapping and lives on for 120 s; it must not keep
+// the producer's liveness lock: readers get "producer gone" within 10 s of
 // its death (as the test saw it reaped) and a new producer can take the
 // name at once. Before the fix the mapping, made from the locked
 // descriptor, held the locked open file description: readers saw EAGAIN
 // and Create ErrExist until the child exited.
+//
+// Death is detected by a 50 ms liveness poll; the 10 s bound leaves a
+// loaded machine room for this goroutine's own scheduling and still tells
+// "noticed" from "only once the child is gone", which the child's 120 s
+// (it is killed when the test ends) keeps far away.
 func TestForkedChildDoesNotKeepProducerAlive(t *testing.T) {
 	exe := needABIProducer(t)
 	name := channel(t)
-	prod := start(t, "forking producer", nil, exe, "fork", name, "10")
+	prod := start(t, "forking producer", nil, exe, "fork", name, "120")
 	line := prod.waitLine(t, "ready ", 30*time.Second)
 	childPid, err := strconv.Atoi(strings.TrimPrefix(line, "ready "))
 	require.NoError(t, err, line)
@@ -53,9 +58,9 @@ func TestForkedChildDoesNotKeepProducerAlive(t *testing.T) {
 			gone = time.Since(died)
 			break
 		}
-		require.Less(t, time.Since(died), 3*time.Second, "reader still sees no producer death (EAGAIN)")
+		require.Less(t, time.Since(died), 20*time.Second, "reader still sees no producer death (EAGAIN)")
 	}
-	assert.Less(t, gone, time.Second, "reader noticed the producer's death too late")
+	assert.Less(t, gone, 10*time.Second, "reader noticed the producer's death too late")
 	require.NoError(t, syscall.Kill(childPid, 0), "the forked child must still be alive for this test to mean anything")
 
 	np, err := producer.Create(name, producer.Options{Slots: 4, SlotBytes: 4096})
