@@ -63,8 +63,8 @@ PY_TEST_ENV = TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python)
 py-test: build py-env-test
 	$(PY) -m ruff check python tests/python tests/wheel tests/soak examples bench
 	$(PY) -m ruff format --check python tests/python tests/wheel tests/soak examples bench
-	$(PY_TEST_ENV) TSOCK_LEG=current $(PY) -m pytest -q tests/python
-	$(PY_TEST_ENV) TSOCK_LEG=oldest $(PY_OLDEST) -m pytest -q tests/python
+	$(PY_TEST_ENV) TSOCK_LEG=current $(PY) -m pytest -q --durations=15 tests/python
+	$(PY_TEST_ENV) TSOCK_LEG=oldest $(PY_OLDEST) -m pytest -q --durations=15 tests/python
 
 # The manylinux wheel (scripts/build-wheel.sh): both libraries and the tsock
 # command, for `pip install` with no Go and no C compiler; into dist/.

@@ -168,7 +168,7 @@ def test_autocast_bfloat16_on_batches(channel, run_producer):
 
 
 DDP_RANK = """
-import sys
+import os, sys
 import torch, torch.distributed as dist, tsock
 from torch.nn.parallel import DistributedDataParallel
 name, rank, store = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -185,8 +185,19 @@ with tsock.Consumer(name, output="torch", timeout=60) as c:
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
-print(repr(torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()))
+weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+# Leave without a collective in flight on either rank, then without
+# interpreter finalization: DDP keeps a hold on the gloo group that
+# destroy_process_group does not release (plain torch, no tsock, shows it:
+# gloo's threads are still alive after it), and a gloo thread that wakes
+# while the interpreter finalizes aborts the process ("terminate called
+# without an active exception", seen once in CI). The consumer above is
+# closed; tsock's own exit paths are tested in test_shutdown.
+dist.barrier()
 dist.destroy_process_group()
+print(repr(weights), flush=True)
+sys.stderr.flush()
+os._exit(0)
 """
 
 
@@ -195,9 +206,9 @@ def test_ddp_gloo_two_processes_train_on_batches(channel, run_producer, spawn, t
     run_producer(tsock.Producer(batches(), channel, slots=4, wait_readers=2))
     ranks = [spawn(DDP_RANK, channel, rank, tmp_path / "store") for rank in range(2)]
     weights = []
-    for p in ranks:
+    for rank, p in enumerate(ranks):
         out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
+        assert p.returncode == 0, f"rank {rank}: exit {p.returncode}; stdout {out[-500:]!r}; stderr {err[-3000:]}"
         weights.append(eval(out.strip().splitlines()[-1]))  # noqa: S307 - a list of floats from our own child
     # Averaged gradients of the two halves are the gradient of the whole batch.
     model = make_model()
