@@ -187,12 +187,16 @@ with tsock.Consumer(name, output="torch", timeout=60) as c:
         opt.zero_grad()
 weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 # Leave without a collective in flight on either rank, then without
-# interpreter finalization: DDP keeps a hold on the gloo group that
-# destroy_process_group does not release (plain torch, no tsock, shows it:
-# gloo's threads are still alive after it), and a gloo thread that wakes
-# while the interpreter finalizes aborts the process ("terminate called
-# without an active exception", seen once in CI). The consumer above is
-# closed; tsock's own exit paths are tested in test_shutdown.
+# interpreter finalization, which torch's gloo cannot always survive on
+# Python 3.13 (seen once in CI: "terminate called without an active
+# exception"; reproduced with plain torch, no tsock, review 39): gloo's
+# threads outlive destroy_process_group (torch.distributed.nn.functional,
+# imported while DDP is built, binds group.WORLD as default arguments), and
+# one that frees a finished allreduce drops the last reference to a Python
+# object (the context autograd keeps during backward) and takes the GIL; a
+# finalizing interpreter ends it with pthread_exit, whose unwind through a
+# noexcept destructor aborts the process. The consumer above is closed;
+# tsock's own exit paths are tested in test_shutdown.
 dist.barrier()
 dist.destroy_process_group()
 print(repr(weights), flush=True)
