@@ -5,7 +5,10 @@ K trainers for E epochs, all at once, on one node, fed by
 - tsock: one shared tsock.Pipeline in a producer process, published once
   to every trainer (tsock.Producer, tsock.Consumer), no cache;
 - tsock+belady@X, tsock+lru@X: the same with Pipeline(cache_bytes=...) of
-  X% of the decoded dataset, cache_policy "belady" or "lru".
+  X% of the decoded dataset, cache_policy "belady" or "lru", kept on
+  (cache_auto_off=False: the policy's own figures);
+- tsock+auto@X: Belady as users get it by default, turned off in each
+  worker where it costs more time than its hits save (cache_auto_off).
 
 Two sources over the same JPEG files (generated once into build/):
 "decode" (decode-bound: PIL decodes the whole image, a random flip as
@@ -78,7 +81,7 @@ CPU per sample, which move less, and read ratios within that as equal)."""
 def systems(sizes) -> list[str]:
     out = ["dataloader", "tsock"]
     for pct in sizes:
-        out += [f"tsock+belady@{pct}", f"tsock+lru@{pct}"]
+        out += [f"tsock+belady@{pct}", f"tsock+lru@{pct}", f"tsock+auto@{pct}"]
     return out
 
 
@@ -171,7 +174,9 @@ def pipeline(a: Namespace, paths: list[str], system: str, **kw):
     read, decode = STAGES[a.source]
     policy, pct = parse_system(system)
     if policy:
-        kw.update(cache_bytes=cache_budget(a, paths, pct), cache_policy=policy, cache_dir=a.cache_dir)
+        auto = policy == "auto"
+        kw.update(cache_bytes=cache_budget(a, paths, pct), cache_dir=a.cache_dir)
+        kw.update(cache_policy="belady" if auto else policy, cache_auto_off=auto)
     return tsock.Pipeline(paths, batch_size=BATCH, read=read, decode=decode, augment=flip, seed=a.seed, **kw)
 
 
@@ -385,6 +390,11 @@ def run_config(a: Namespace, source: str, system: str, tmp: Path) -> dict:
         # shared lock, updates can be lost) and it counts no misses.
         accesses = a.epochs * a.images
         out["hit_rate"] = 1 - (cache["inserts"] + cache["bypasses"]) / accesses
+        if parse_system(system)[0] == "auto":
+            # A worker that turned the cache off computes its samples without
+            # a miss, insert or bypass: only the hit counter tells (it may
+            # have lost a few updates, so it can read a little low).
+            out["hit_rate"] = cache["hits"] / accesses
         out["cache"] = {k: cache[k] for k in ("hits", "misses", "inserts", "evictions", "bypasses", "cached")}
     return out
 

@@ -92,7 +92,7 @@ def check_cache_section(c: dict, doc: str) -> None:
     and come with the same run's DataLoader baseline, and the simulated hit
     rates are ordered as the policies guarantee."""
     assert not c["failures"], c["failures"]
-    want = {"dataloader", "tsock", "tsock+belady@50", "tsock+lru@50"}
+    want = {"dataloader", "tsock", "tsock+belady@50", "tsock+lru@50", "tsock+auto@50"}
     assert {(r["source"], r["system"]) for r in c["runs"]} == {(s, x) for s in ("decode", "io") for x in want}
     for r in c["runs"]:
         assert r["samples"] == c["k"] * c["epochs"] * c["images"], r

@@ -12,12 +12,24 @@ reported once as a warning in the process that met it, which then computes
 every sample itself: the cache can make a pipeline faster, never fail it.
 Any other exception inside the cache is a bug of tsock's, reported the same
 way (CacheWarning, naming it) rather than ending the pipeline.
+
+A cache can also cost a process more than it saves it: when computing a
+sample is cheap (a small JPEG), a hit's copy and a miss's lookup and
+insert can take longer than the decode they spare. Each process keeps a
+Ledger per epoch of its order (the time its lookups and inserts took, and
+its hits) and, over its whole life, what each sample it computed cost. As
+each epoch from the second on ends (the first fills the cache: it has no
+hits to show), it weighs the cache's time in that epoch against what the
+hits saved (hits times the mean time of a computed sample), and turns the
+cache off in that process when it does not pay, with a CacheWarning saying
+by how much (auto_off=False keeps it on whatever it costs).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from time import perf_counter_ns
 
 from ._cache_codec import CorruptSample, Uncacheable, decode, prepare
 from ._cache_store import CacheStore
@@ -25,26 +37,63 @@ from .errors import CacheError
 
 MISS = object()
 LAZY_PIECES = 8  # a sample of more arrays is encoded before the store's lock is taken
+MIN_LOOKUPS = 64  # an epoch with fewer lookups in this process decides nothing (too noisy)
 
 
 class CacheWarning(UserWarning):
     """The sample cache was turned off in this process (why is in the message)."""
 
 
-class SampleCache:
-    """The cache of one pipeline's decoded samples, as seen by one process."""
+class Ledger:
+    """One epoch of one process's cache accounts: what its lookups and
+    inserts cost and how many of the lookups hit."""
 
-    def __init__(self, key: bytes, params: dict, budget: int | None, policy: str, directory: str):
+    __slots__ = ("epoch", "lookups", "hits", "cache_ns")
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+        self.lookups = self.hits = self.cache_ns = 0
+
+    def verdict(self, per_compute_ns: float | None) -> str | None:
+        """Why the cache does not pay for itself in this epoch, given what
+        computing a sample costs (per_compute_ns, None: not known yet), or
+        None: it pays, or the epoch tells too little (the first, which fills
+        the cache; under MIN_LOOKUPS lookups; no computed sample to price a
+        hit with)."""
+        if self.epoch < 1 or self.lookups < MIN_LOOKUPS or per_compute_ns is None:
+            return None
+        saved = self.hits * per_compute_ns
+        if self.cache_ns <= saved:
+            return None
+        return (
+            f"in epoch {self.epoch} its lookups and inserts took {self.cache_ns / self.lookups / 1e3:.1f} us per "
+            f"sample, and its hits ({self.hits} of {self.lookups}) saved {saved / self.lookups / 1e3:.1f} us per "
+            f"sample (a sample is computed in {per_compute_ns / 1e3:.1f} us)"
+        )
+
+
+class SampleCache:
+    """The cache of one pipeline's decoded samples, as seen by one process.
+    auto_off: turn it off in a process where it costs more time than its
+    hits save (see the module's doc)."""
+
+    def __init__(self, key: bytes, params: dict, budget: int | None, policy: str, directory: str,
+                 auto_off: bool = True):  # fmt: skip
         self.key, self.params, self.budget, self.policy, self.directory = key, params, budget, policy, directory
+        self.auto_off = auto_off
         self.store = CacheStore(key, params["n"], budget=budget, policy=policy, directory=directory)
         self.counts = {"uncacheable": 0}
         self._epoch = 0  # the epoch of the last lookup
         self._slot = None  # this process's consumer entry (-1: the table was full)
         self._slot_pid = None  # the process it belongs to: a forked worker registers its own
+        self._ledger = Ledger(0)
+        self._ledger_pid = None  # the process the ledger's figures are of: a forked worker starts its own
+        self._computed = self._compute_ns = 0  # samples this process computed, and their time: a hit's worth
         self._off = False
+        self.off = None  # why the cache is off in this process (None: it is on)
 
     def __getstate__(self):
-        return {k: getattr(self, k) for k in ("key", "params", "budget", "policy", "directory")}
+        return {k: getattr(self, k) for k in ("key", "params", "budget", "policy", "directory", "auto_off")}
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -53,6 +102,17 @@ class SampleCache:
         """The decoded sample `index` (a private copy), or MISS."""
         if self._off:
             return MISS
+        ledger = self._ledger_for(epoch)
+        if ledger is None:
+            return MISS
+        start = perf_counter_ns()
+        try:
+            return self._lookup(epoch, index, ledger)
+        finally:
+            ledger.lookups += 1
+            ledger.cache_ns += perf_counter_ns() - start
+
+    def _lookup(self, epoch: int, index: int, ledger: Ledger):
         try:
             raw = self.store.get(index)
             self._at(epoch, index)
@@ -61,15 +121,32 @@ class SampleCache:
         if raw is None:
             return MISS
         try:
-            return decode(raw)
+            sample = decode(raw)
         except CorruptSample:
             self.store.forget(index)
             return MISS
+        ledger.hits += 1
+        return sample
 
-    def insert(self, index: int, sample) -> None:
-        """Offers a computed sample to the cache (the policy may decline)."""
+    def insert(self, index: int, sample, cost_ns: int | None = None) -> None:
+        """Offers a computed sample to the cache (the policy may decline);
+        cost_ns: the time computing it took (source, read, decode), what a
+        later hit on it would save."""
         if self._off:
             return
+        ledger = self._ledger_for(None)
+        if ledger is None:
+            return
+        if cost_ns is not None:
+            self._computed += 1
+            self._compute_ns += cost_ns
+        start = perf_counter_ns()
+        try:
+            self._insert(index, sample)
+        finally:
+            ledger.cache_ns += perf_counter_ns() - start
+
+    def _insert(self, index: int, sample) -> None:
         try:
             data = prepare(sample)  # copied by put() only if the policy keeps it
         except Uncacheable:
@@ -82,6 +159,44 @@ class SampleCache:
             self._at(None, index)
         except Exception as e:  # noqa: BLE001 - the cache must never fail the pipeline
             self._disable(e)
+
+    def _ledger_for(self, epoch: int | None) -> Ledger | None:
+        """This process's ledger for `epoch` (None: the current one); a
+        later epoch than the ledger's first settles the one that ended,
+        which can turn the cache off (then None)."""
+        if self._ledger_pid != os.getpid():
+            self._ledger, self._ledger_pid = Ledger(0 if epoch is None else epoch), os.getpid()
+            self._computed = self._compute_ns = 0
+        ledger = self._ledger
+        if epoch is None or epoch <= ledger.epoch:
+            return ledger  # a straggler of an earlier epoch counts in this one
+        per_compute = self._compute_ns / self._computed if self._computed else None
+        why = ledger.verdict(per_compute) if self.auto_off else None
+        if why is not None:
+            self._turn_off(why)
+            return None
+        self._ledger = Ledger(epoch)
+        return self._ledger
+
+    def _turn_off(self, why: str) -> None:
+        """Off in this process because it does not pay: its consumer entry
+        is given back, so that evictions stop planning for its order."""
+        self._off = True
+        self.off = f"costs more than it saves: {why}"
+        try:
+            self.store.close()
+        except Exception:  # noqa: BLE001 - the cache must never fail the pipeline
+            pass
+        self._slot = None
+        try:
+            warnings.warn(
+                f"tsock: the sample cache is off in this process, every sample is computed: it {self.off}; "
+                "Pipeline(cache_auto_off=False) keeps it on",
+                CacheWarning,
+                stacklevel=4,
+            )
+        except Warning:
+            pass  # warnings made errors (-W error): a choice of speed must not fail the pipeline
 
     def _at(self, epoch: int | None, index: int) -> None:
         """Records where this process is in its order (advisory), once the
@@ -102,10 +217,11 @@ class SampleCache:
     def _disable(self, e: Exception):
         self._off = True
         what = str(e) if isinstance(e, CacheError) else f"internal error, please report: {type(e).__name__}: {e}"
+        self.off = what
         warnings.warn(
             f"tsock: the sample cache is off in this process, every sample is computed: {what}",
             CacheWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return MISS
 
@@ -115,6 +231,7 @@ class SampleCache:
         segment is opened here for them if it exists)."""
         out = self.store.stats(open_segment=True)
         out.update(self.counts)
+        out["off"] = self.off
         return out
 
     def close(self) -> None:

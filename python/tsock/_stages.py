@@ -149,13 +149,14 @@ class Stages:
         x = self._lookup(epoch, index)
         if x is not _MISS:
             return x
+        start = perf_counter_ns()
         x = self._stage("source", index, epoch, self.source.__getitem__, index)
         if self.read is not None:
             x = self._stage("read", index, epoch, self.read, x)
         if self.decode is not None:
             x = self._stage("decode", index, epoch, self.decode, x)
         if self.cache is not None:
-            self.cache.insert(index, x)
+            self.cache.insert(index, x, perf_counter_ns() - start)
         return x
 
     def _lookup(self, epoch: int, index: int):
@@ -190,10 +191,13 @@ class Stages:
         indices = [int(i) for i in indices]
         cached = [self._lookup(epoch, i) for i in indices]
         items = {}
+        cost = {}  # ns each computed sample took (source, its read, decode): what a hit on it saves
         for k, i in enumerate(indices):
             if cached[k] is _MISS:
                 seed_globals(_seed_words(self.seed, epoch, i, LOAD))
+                start = perf_counter_ns()
                 items[k] = self._stage("source", i, epoch, self.source.__getitem__, i)
+                cost[k] = perf_counter_ns() - start
         io = self._io
         if io is None or io[0] != threads:
             if io is not None:
@@ -210,10 +214,11 @@ class Stages:
                     if not ok:
                         raise StageError("read", i, epoch) from x
                     seed_globals(_seed_words(self.seed, epoch, i, LOAD))
+                    start = perf_counter_ns()
                     if self.decode is not None:
                         x = self._stage("decode", i, epoch, self.decode, x)
                     if self.cache is not None:
-                        self.cache.insert(i, x)
+                        self.cache.insert(i, x, cost[k] + ns + perf_counter_ns() - start)
                 if self.augment is not None:
                     words = _seed_words(self.seed, epoch, i, AUGMENT)
                     seed_globals(words)

@@ -209,6 +209,10 @@ class Pipeline:
         The cache's key follows the state and code of the source, read and
         decode (cache_key()); a source or stage that pickle cannot handle
         needs version= (ValueError otherwise).
+      cache_auto_off: turn the cache off in a process where it costs more
+        time than its hits save (measured per epoch from the second on:
+        lookups and inserts against hits times the time a sample takes to
+        compute), with a CacheWarning (default True); False keeps it on.
       cache_dir: where the cache's segment lives (a tmpfs; default /dev/shm).
       cache_keep: keep the segment after this pipeline's close when no
         other process uses it (for the next run, which finds it warm);
@@ -242,6 +246,7 @@ class Pipeline:
         version: str = "",
         cache_bytes=None,
         cache_policy: str = "belady",
+        cache_auto_off: bool = True,
         cache_dir: str = "/dev/shm",
         cache_keep: bool = False,
     ):
@@ -321,7 +326,7 @@ class Pipeline:
         self._stages = Stages(source, read, decode, augment, collate, self.seed)
         self.fingerprint = self._fingerprint()
         self._cache_key = None
-        self._stages.cache = self._make_cache(cache_bytes, cache_policy, cache_dir)
+        self._stages.cache = self._make_cache(cache_bytes, cache_policy, cache_dir, bool(cache_auto_off))
         self._orders: OrderedDict = OrderedDict()
         #: the epoch the next `for batch in pipeline` iterates
         self.epoch = 0
@@ -424,7 +429,7 @@ class Pipeline:
         )
         return hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_BYTES, person=b"tsock-cache").digest()
 
-    def _make_cache(self, cache_bytes, policy: str, directory: str):
+    def _make_cache(self, cache_bytes, policy: str, directory: str, auto_off: bool):
         if cache_bytes is None:
             return None
         from ._cache import SampleCache
@@ -435,7 +440,7 @@ class Pipeline:
         if policy not in POLICIES:
             raise ValueError(f"cache_policy must be one of {POLICIES}, got {policy!r}")
         budget = None if cache_bytes == "auto" else cache_bytes
-        return SampleCache(self.cache_key(), self.order_params(), budget, policy, directory)
+        return SampleCache(self.cache_key(), self.order_params(), budget, policy, directory, auto_off)
 
     def cache_stats(self) -> dict | None:
         """The cache's counts in this process (with workers=0: every

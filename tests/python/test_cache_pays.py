@@ -1,0 +1,127 @@
+"""A cache that costs a process more time than its hits save turns itself
+off in that process (Pipeline(cache_auto_off=True), the default): per
+epoch from the second on, its lookups and inserts against its hits times
+the time a sample takes to compute. The batches never change; a costly
+decode keeps the cache on; cache_auto_off=False keeps it on whatever it
+costs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import tsock
+from pipeline_helpers import Counting, Numbers, batch_hash, noisy
+from tsock import _cache
+
+# Enough samples that each epoch's lookups (in each of two workers) reach
+# MIN_LOOKUPS, the fewest an epoch is judged on.
+N = 2 * _cache.MIN_LOOKUPS + 88
+EPOCHS = 4
+# A turn-off where a test does not expect one fails it.
+pytestmark = pytest.mark.filterwarnings("error::tsock._cache.CacheWarning")
+
+
+class SlowDecode:
+    """A decode that takes 2 ms: far more than a hit's copy (tens of us)."""
+
+    def __call__(self, sample):
+        time.sleep(0.002)
+        return sample
+
+
+def pipeline(shm, source=None, **kw) -> tsock.Pipeline:
+    kw.setdefault("cache_bytes", 8 << 20)  # the whole dataset fits
+    return tsock.Pipeline(
+        source if source is not None else Numbers(N), batch_size=16, seed=3, augment=noisy, cache_dir=shm, **kw
+    )
+
+
+def hashes(pipe, epochs=EPOCHS) -> list:
+    return [batch_hash(b) for e in range(epochs) for b in pipe.batches(e)]
+
+
+def reference(epochs=EPOCHS, **kw) -> list:
+    return hashes(tsock.Pipeline(Numbers(N), batch_size=16, seed=3, augment=noisy, **kw), epochs)
+
+
+# ---- the verdict ----
+
+
+def ledger(epoch=1, lookups=_cache.MIN_LOOKUPS, hits=0, cache_us=0.0) -> _cache.Ledger:
+    out = _cache.Ledger(epoch)
+    out.lookups, out.hits, out.cache_ns = lookups, hits, int(cache_us * 1e3 * lookups)
+    return out
+
+
+def test_the_verdict_weighs_the_cache_time_against_what_the_hits_saved():
+    # 40 us a lookup; half of them hit, each sparing 100 us: it pays.
+    assert ledger(hits=_cache.MIN_LOOKUPS // 2, cache_us=40).verdict(100e3) is None
+    # The same hits sparing 50 us each save 25 us a lookup: it does not.
+    why = ledger(hits=_cache.MIN_LOOKUPS // 2, cache_us=40).verdict(50e3)
+    assert why is not None and "took 40.0 us per sample" in why and "saved 25.0 us per sample" in why
+    assert "computed in 50.0 us" in why and f"({_cache.MIN_LOOKUPS // 2} of {_cache.MIN_LOOKUPS})" in why
+    # Break-even is kept: a cache that saves what it costs stays.
+    assert ledger(hits=_cache.MIN_LOOKUPS, cache_us=40).verdict(40e3) is None
+
+
+def test_the_verdict_waits_for_an_epoch_that_can_tell():
+    assert ledger(epoch=0, cache_us=40).verdict(1e3) is None  # the first epoch fills the cache
+    assert ledger(lookups=_cache.MIN_LOOKUPS - 1, cache_us=40).verdict(1e3) is None  # too few lookups
+    assert ledger(cache_us=40).verdict(None) is None  # nothing computed yet: a hit has no price
+    assert ledger(cache_us=40).verdict(1e3) is not None  # the same epoch, told: no hit, 40 us a lookup
+
+
+# ---- in a pipeline ----
+
+
+def test_a_cache_dearer_than_computing_turns_off_and_the_batches_stay_the_same(shm):
+    # Numbers computes a sample in a few us; a hit (a lock, a read, a decode
+    # of the cached bytes) takes longer, whatever the machine's load.
+    src = Counting(N)
+    pipe = pipeline(shm, src)
+    with pytest.warns(_cache.CacheWarning, match="off in this process.*costs more than it saves: in epoch 1"):
+        got = hashes(pipe)
+    assert got == reference()
+    stats = pipe.cache_stats()
+    assert stats["off"].startswith("costs more than it saves: in epoch 1")
+    # Epoch 1 came from the cache; from epoch 2 on every sample is computed.
+    assert stats["hits"] == N and len(src.loaded) == (EPOCHS - 1) * N
+    # Its consumer entry was given back: evictions no longer plan for its order.
+    seg = pipe._stages.cache.store._segment()
+    assert seg.consumers() == []
+    pipe.close()
+
+
+def test_a_costly_decode_keeps_the_cache_on(shm):
+    src = Counting(N)
+    pipe = pipeline(shm, src, decode=SlowDecode())
+    assert [batch_hash(b) for e in range(3) for b in pipe.batches(e)] == reference(3, decode=SlowDecode())
+    stats = pipe.cache_stats()
+    assert stats["off"] is None and stats["hits"] == 2 * N and len(src.loaded) == N
+
+
+def test_cache_auto_off_false_keeps_a_cache_that_does_not_pay(shm):
+    src = Counting(N)
+    pipe = pipeline(shm, src, cache_auto_off=False)
+    assert hashes(pipe) == reference()
+    stats = pipe.cache_stats()
+    assert stats["off"] is None and stats["hits"] == (EPOCHS - 1) * N and len(src.loaded) == N
+    pipe.close()
+
+
+def test_each_worker_weighs_its_own_share(shm):
+    # The workers' warnings are errors here (this module's filter, which
+    # they inherit): turning the cache off must not fail them for it.
+    kept = pipeline(shm, workers=2, cache_auto_off=False)
+    assert hashes(kept) == reference()
+    kept_hits = kept._stages.cache.store._segment().totals()["hits"]
+    kept.close()
+    pipe = pipeline(shm, workers=2)
+    assert hashes(pipe) == reference()
+    hits = pipe._stages.cache.store._segment().totals()["hits"]
+    pipe.close()
+    # Kept on, epochs 1-3 hit; turned off by each worker after epoch 1, only
+    # epoch 1 hits (a worker still in epoch 1 may hit a little more).
+    assert kept_hits >= (EPOCHS - 1) * N * 0.9
+    assert N * 0.9 <= hits < 2 * N
