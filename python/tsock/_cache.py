@@ -16,20 +16,21 @@ way (CacheWarning, naming it) rather than ending the pipeline.
 A cache can also cost a process more than it saves it: when computing a
 sample is cheap (a small JPEG), a hit's copy and a miss's lookup and
 insert can take longer than the decode they spare. Each process keeps a
-Ledger per epoch of its order (the time its lookups and inserts took, and
-its hits) and, over its whole life, what each sample it computed cost. As
-each epoch from the second on ends (the first fills the cache: it has no
-hits to show), it weighs the cache's time in that epoch against what the
-hits saved (hits times the mean time of a computed sample), and turns the
-cache off in that process when it does not pay, with a CacheWarning saying
-by how much (auto_off=False keeps it on whatever it costs).
+Ledger per epoch of its order (the CPU time its lookups and inserts took,
+and its hits) and, over its whole life, the time each sample it computed
+took. As each epoch but the process's first ends (the first fills a cold
+cache, or pays for opening a warm one), it weighs the cache's time in that
+epoch against what the hits saved (hits times the mean time of a computed
+sample), and turns the cache off in that process when it costs more than
+MARGIN times that, with a CacheWarning saying by how much (auto_off=False
+keeps it on whatever it costs).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from time import perf_counter_ns
+from time import thread_time_ns
 
 from ._cache_codec import CorruptSample, Uncacheable, decode, prepare
 from ._cache_store import CacheStore
@@ -38,6 +39,7 @@ from .errors import CacheError
 MISS = object()
 LAZY_PIECES = 8  # a sample of more arrays is encoded before the store's lock is taken
 MIN_LOOKUPS = 64  # an epoch with fewer lookups in this process decides nothing (too noisy)
+MARGIN = 1.25  # off only when the cache's time exceeds what its hits saved by this factor (one epoch is noisy)
 
 
 class CacheWarning(UserWarning):
@@ -46,24 +48,26 @@ class CacheWarning(UserWarning):
 
 class Ledger:
     """One epoch of one process's cache accounts: what its lookups and
-    inserts cost and how many of the lookups hit."""
+    inserts cost (CPU time of the calling thread) and how many of the
+    lookups hit. first: the first epoch this process used the cache in."""
 
-    __slots__ = ("epoch", "lookups", "hits", "cache_ns")
+    __slots__ = ("epoch", "first", "lookups", "hits", "cache_ns")
 
-    def __init__(self, epoch: int):
-        self.epoch = epoch
+    def __init__(self, epoch: int, first: bool = False):
+        self.epoch, self.first = epoch, first
         self.lookups = self.hits = self.cache_ns = 0
 
     def verdict(self, per_compute_ns: float | None) -> str | None:
         """Why the cache does not pay for itself in this epoch, given what
         computing a sample costs (per_compute_ns, None: not known yet), or
-        None: it pays, or the epoch tells too little (the first, which fills
-        the cache; under MIN_LOOKUPS lookups; no computed sample to price a
-        hit with)."""
-        if self.epoch < 1 or self.lookups < MIN_LOOKUPS or per_compute_ns is None:
+        None: it pays (or costs less than MARGIN times what it saves), or
+        the epoch tells too little: the process's first (it fills a cold
+        cache, a resumed run's included, or pays the opening of a warm
+        one), under MIN_LOOKUPS lookups, no computed sample to price a hit."""
+        if self.first or self.lookups < MIN_LOOKUPS or per_compute_ns is None:
             return None
         saved = self.hits * per_compute_ns
-        if self.cache_ns <= saved:
+        if self.cache_ns <= MARGIN * saved:
             return None
         return (
             f"in epoch {self.epoch} its lookups and inserts took {self.cache_ns / self.lookups / 1e3:.1f} us per "
@@ -90,6 +94,7 @@ class SampleCache:
         self._ledger_pid = None  # the process the ledger's figures are of: a forked worker starts its own
         self._computed = self._compute_ns = 0  # samples this process computed, and their time: a hit's worth
         self._off = False
+        self._off_for_cost = False  # off because it did not pay: on again after close()
         self.off = None  # why the cache is off in this process (None: it is on)
 
     def __getstate__(self):
@@ -105,12 +110,12 @@ class SampleCache:
         ledger = self._ledger_for(epoch)
         if ledger is None:
             return MISS
-        start = perf_counter_ns()
+        start = thread_time_ns()
         try:
             return self._lookup(epoch, index, ledger)
         finally:
             ledger.lookups += 1
-            ledger.cache_ns += perf_counter_ns() - start
+            ledger.cache_ns += thread_time_ns() - start
 
     def _lookup(self, epoch: int, index: int, ledger: Ledger):
         try:
@@ -140,11 +145,11 @@ class SampleCache:
         if cost_ns is not None:
             self._computed += 1
             self._compute_ns += cost_ns
-        start = perf_counter_ns()
+        start = thread_time_ns()
         try:
             self._insert(index, sample)
         finally:
-            ledger.cache_ns += perf_counter_ns() - start
+            ledger.cache_ns += thread_time_ns() - start
 
     def _insert(self, index: int, sample) -> None:
         try:
@@ -165,7 +170,8 @@ class SampleCache:
         later epoch than the ledger's first settles the one that ended,
         which can turn the cache off (then None)."""
         if self._ledger_pid != os.getpid():
-            self._ledger, self._ledger_pid = Ledger(0 if epoch is None else epoch), os.getpid()
+            self._ledger = Ledger(0 if epoch is None else epoch, first=True)
+            self._ledger_pid = os.getpid()
             self._computed = self._compute_ns = 0
         ledger = self._ledger
         if epoch is None or epoch <= ledger.epoch:
@@ -181,7 +187,7 @@ class SampleCache:
     def _turn_off(self, why: str) -> None:
         """Off in this process because it does not pay: its consumer entry
         is given back, so that evictions stop planning for its order."""
-        self._off = True
+        self._off = self._off_for_cost = True
         self.off = f"costs more than it saves: {why}"
         try:
             self.store.close()
@@ -215,26 +221,36 @@ class SampleCache:
         self.store.at(self._slot, self._epoch, index)  # O(1): no order is computed here
 
     def _disable(self, e: Exception):
-        self._off = True
+        self._off, self._off_for_cost = True, False
         what = str(e) if isinstance(e, CacheError) else f"internal error, please report: {type(e).__name__}: {e}"
         self.off = what
-        warnings.warn(
-            f"tsock: the sample cache is off in this process, every sample is computed: {what}",
-            CacheWarning,
-            stacklevel=4,
-        )
+        try:
+            warnings.warn(
+                f"tsock: the sample cache is off in this process, every sample is computed: {what}",
+                CacheWarning,
+                stacklevel=4,
+            )
+        except Warning:
+            pass  # warnings made errors (-W error): the cache is off, the pipeline goes on
         return MISS
 
     def stats(self) -> dict:
-        """This process's counts (hits, misses, inserts, ...) and, under
-        "segment", the segment's advisory totals over every process (the
-        segment is opened here for them if it exists)."""
+        """This process's counts (hits, misses, inserts, ...), "off" (why
+        the cache is off in this process, or None), and under "segment" the
+        segment's advisory totals over every process (the segment is opened
+        here for them if it exists)."""
         out = self.store.stats(open_segment=True)
         out.update(self.counts)
         out["off"] = self.off
         return out
 
     def close(self) -> None:
-        """Lets go of the segment in this process (it stays for others)."""
+        """Lets go of the segment in this process (it stays for others). A
+        later use starts new accounts, with a first epoch that is not
+        judged, and a cache that was off for its cost is on again."""
         self.store.close()
         self._slot = None
+        self._ledger_pid = None
+        if self._off_for_cost:
+            self._off = self._off_for_cost = False
+            self.off = None

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,24 @@ def spawn():
         if p.poll() is None:
             p.kill()
         p.wait()
+
+
+@pytest.fixture
+def cache_stays_on():
+    """Fails the test if the sample cache turned itself off in this process
+    and the test did not expect it: a CacheWarning that no pytest.warns or
+    catch_warnings of the test took. (The cache never raises its warning,
+    even as an error, so a filter cannot tell.) Other warnings go on."""
+    from tsock._cache import CacheWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CacheWarning)
+        yield
+    off = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    for w in caught:
+        if not issubclass(w.category, CacheWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    assert not off, f"the cache turned itself off: {off}"
 
 
 @pytest.fixture

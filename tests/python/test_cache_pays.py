@@ -8,6 +8,7 @@ costs."""
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import tsock
@@ -18,8 +19,8 @@ from tsock import _cache
 # MIN_LOOKUPS, the fewest an epoch is judged on.
 N = 2 * _cache.MIN_LOOKUPS + 88
 EPOCHS = 4
-# A turn-off where a test does not expect one fails it.
-pytestmark = pytest.mark.filterwarnings("error::tsock._cache.CacheWarning")
+# The cache turning itself off is a failure here, except where a test expects it.
+pytestmark = pytest.mark.usefixtures("cache_stays_on")
 
 
 class SlowDecode:
@@ -28,6 +29,10 @@ class SlowDecode:
     def __call__(self, sample):
         time.sleep(0.002)
         return sample
+
+
+def identity(x):
+    return x
 
 
 def pipeline(shm, source=None, **kw) -> tsock.Pipeline:
@@ -48,28 +53,30 @@ def reference(epochs=EPOCHS, **kw) -> list:
 # ---- the verdict ----
 
 
-def ledger(epoch=1, lookups=_cache.MIN_LOOKUPS, hits=0, cache_us=0.0) -> _cache.Ledger:
-    out = _cache.Ledger(epoch)
+def ledger(epoch=1, lookups=_cache.MIN_LOOKUPS, hits=0, cache_us=0.0, first=False) -> _cache.Ledger:
+    out = _cache.Ledger(epoch, first=first)
     out.lookups, out.hits, out.cache_ns = lookups, hits, int(cache_us * 1e3 * lookups)
     return out
 
 
 def test_the_verdict_weighs_the_cache_time_against_what_the_hits_saved():
+    half = _cache.MIN_LOOKUPS // 2
     # 40 us a lookup; half of them hit, each sparing 100 us: it pays.
-    assert ledger(hits=_cache.MIN_LOOKUPS // 2, cache_us=40).verdict(100e3) is None
+    assert ledger(hits=half, cache_us=40).verdict(100e3) is None
     # The same hits sparing 50 us each save 25 us a lookup: it does not.
-    why = ledger(hits=_cache.MIN_LOOKUPS // 2, cache_us=40).verdict(50e3)
+    why = ledger(hits=half, cache_us=40).verdict(50e3)
     assert why is not None and "took 40.0 us per sample" in why and "saved 25.0 us per sample" in why
-    assert "computed in 50.0 us" in why and f"({_cache.MIN_LOOKUPS // 2} of {_cache.MIN_LOOKUPS})" in why
-    # Break-even is kept: a cache that saves what it costs stays.
-    assert ledger(hits=_cache.MIN_LOOKUPS, cache_us=40).verdict(40e3) is None
+    assert "computed in 50.0 us" in why and f"({half} of {_cache.MIN_LOOKUPS})" in why
+    # Within MARGIN of what it saves (30 against 25 us) it stays: one epoch is noisy.
+    assert ledger(hits=half, cache_us=30).verdict(50e3) is None
+    assert ledger(hits=half, cache_us=25 * _cache.MARGIN + 1).verdict(50e3) is not None
 
 
 def test_the_verdict_waits_for_an_epoch_that_can_tell():
-    assert ledger(epoch=0, cache_us=40).verdict(1e3) is None  # the first epoch fills the cache
+    assert ledger(cache_us=40).verdict(1e3) is not None  # told: no hit, 40 us a lookup
+    assert ledger(cache_us=40, first=True).verdict(1e3) is None  # the process's first epoch fills the cache
     assert ledger(lookups=_cache.MIN_LOOKUPS - 1, cache_us=40).verdict(1e3) is None  # too few lookups
     assert ledger(cache_us=40).verdict(None) is None  # nothing computed yet: a hit has no price
-    assert ledger(cache_us=40).verdict(1e3) is not None  # the same epoch, told: no hit, 40 us a lookup
 
 
 # ---- in a pipeline ----
@@ -90,7 +97,11 @@ def test_a_cache_dearer_than_computing_turns_off_and_the_batches_stay_the_same(s
     # Its consumer entry was given back: evictions no longer plan for its order.
     seg = pipe._stages.cache.store._segment()
     assert seg.consumers() == []
+    # close() gives the cache a new chance, with a first epoch not judged.
     pipe.close()
+    assert pipe.cache_stats()["off"] is None
+    with pytest.warns(_cache.CacheWarning, match="costs more than it saves: in epoch 1"):
+        assert hashes(pipe) == reference()
 
 
 def test_a_costly_decode_keeps_the_cache_on(shm):
@@ -99,6 +110,25 @@ def test_a_costly_decode_keeps_the_cache_on(shm):
     assert [batch_hash(b) for e in range(3) for b in pipe.batches(e)] == reference(3, decode=SlowDecode())
     stats = pipe.cache_stats()
     assert stats["off"] is None and stats["hits"] == 2 * N and len(src.loaded) == N
+    pipe.close()
+
+
+@pytest.mark.parametrize("how", ["resumed", "closed"])
+def test_the_first_epoch_a_process_sees_is_not_judged(shm, how):
+    # A resumed run starts at epoch 3 on a cold cache, and a pipeline
+    # iterated again after close() starts on a removed one: that epoch fills
+    # the cache and has no hits to show, which must not turn it off.
+    src = Counting(N)
+    pipe = pipeline(shm, src, decode=SlowDecode())
+    if how == "closed":
+        list(pipe.batches(0))
+        pipe.close()
+    got = [batch_hash(b) for e in (3, 4, 5) for b in pipe.batches(e)]
+    assert got == [batch_hash(b) for e in (3, 4, 5) for b in tsock.Pipeline(
+        Numbers(N), batch_size=16, seed=3, augment=noisy, decode=SlowDecode()).batches(e)]  # fmt: skip
+    stats = pipe.cache_stats()
+    assert stats["off"] is None and len(src.loaded) == (2 if how == "closed" else 1) * N
+    pipe.close()
 
 
 def test_cache_auto_off_false_keeps_a_cache_that_does_not_pay(shm):
@@ -110,18 +140,34 @@ def test_cache_auto_off_false_keeps_a_cache_that_does_not_pay(shm):
     pipe.close()
 
 
-def test_each_worker_weighs_its_own_share(shm):
-    # The workers' warnings are errors here (this module's filter, which
-    # they inherit): turning the cache off must not fail them for it.
-    kept = pipeline(shm, workers=2, cache_auto_off=False)
-    assert hashes(kept) == reference()
-    kept_hits = kept._stages.cache.store._segment().totals()["hits"]
-    kept.close()
-    pipe = pipeline(shm, workers=2)
+def segment_hits(shm, workers, **kw) -> int:
+    """The segment's hits after EPOCHS epochs of a cheap pipeline with workers."""
+    pipe = pipeline(shm, workers=workers, **kw)
     assert hashes(pipe) == reference()
     hits = pipe._stages.cache.store._segment().totals()["hits"]
     pipe.close()
+    return hits
+
+
+def test_each_worker_weighs_its_own_share(shm):
+    kept_hits = segment_hits(shm, 2, cache_auto_off=False)
+    with warnings.catch_warnings():
+        # -W error, which the forked workers inherit: turning the cache off
+        # must not fail them for it.
+        warnings.simplefilter("error", _cache.CacheWarning)
+        hits = segment_hits(shm, 2)
     # Kept on, epochs 1-3 hit; turned off by each worker after epoch 1, only
     # epoch 1 hits (a worker still in epoch 1 may hit a little more).
     assert kept_hits >= (EPOCHS - 1) * N * 0.9
     assert N * 0.9 <= hits < 2 * N
+
+
+def test_a_cheap_read_on_io_threads_turns_it_off(shm):
+    # With io_threads (in a worker) the read runs on threads and is timed there.
+    hits = segment_hits(shm, 1, read=identity, io_threads=2)
+    assert N * 0.9 <= hits < 2 * N
+
+
+def test_spawned_workers_keep_cache_auto_off(shm):
+    # The setting travels to spawned workers (pickled with the cache).
+    assert segment_hits(shm, 2, start_method="spawn", cache_auto_off=False) >= (EPOCHS - 1) * N * 0.9

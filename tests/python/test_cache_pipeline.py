@@ -22,7 +22,7 @@ from tsock import _cache, _cache_segment, _cache_store
 FORK = mp.get_context("fork")
 N = 40
 # The cache turning itself off is a failure here, except where a test expects it.
-pytestmark = pytest.mark.filterwarnings("error::tsock._cache.CacheWarning")
+pytestmark = pytest.mark.usefixtures("cache_stays_on")
 
 
 def hashes(pipe, epochs=3) -> list:
@@ -230,6 +230,15 @@ def test_a_bug_inside_the_cache_turns_it_off_instead_of_failing_the_pipeline(shm
     pipe = cached(shm)
     with pytest.warns(_cache.CacheWarning, match="internal error, please report: ZeroDivisionError: a bug"):
         assert hashes(pipe, 2) == reference(2)
+
+
+def test_a_bug_inside_the_cache_does_not_fail_the_pipeline_when_warnings_are_errors(shm, monkeypatch):
+    monkeypatch.setattr(_cache_store.CacheStore, "put", _broken_put)
+    pipe = cached(shm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _cache.CacheWarning)  # -W error
+        assert hashes(pipe, 2) == reference(2)
+    assert pipe.cache_stats()["off"] == "internal error, please report: ZeroDivisionError: a bug"
 
 
 def test_cache_arguments_are_checked(shm):
