@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("cache_stays_on")
 
 
 class SlowDecode:
-    """A decode that takes 2 ms: far more than a hit's copy (tens of us)."""
+    """A decode that takes 2 ms: far more than a hit's CPU (tens of us)."""
 
     def __call__(self, sample):
         time.sleep(0.002)
@@ -33,6 +33,28 @@ class SlowDecode:
 
 def identity(x):
     return x
+
+
+def spin(us: int) -> None:
+    """Burns `us` microseconds of this thread's CPU."""
+    end = time.thread_time_ns() + us * 1000
+    while time.thread_time_ns() < end:
+        pass
+
+
+@pytest.fixture
+def dear_hits(monkeypatch):
+    """Each hit costs 1 ms more CPU (the decode of the cached bytes spins):
+    a Numbers sample (a few us, and the odd preemption of a loaded machine
+    counted in its wall time) is then far cheaper than a hit. Forked
+    workers inherit it."""
+    decode = _cache.decode
+
+    def dear(raw):
+        spin(1000)
+        return decode(raw)
+
+    monkeypatch.setattr(_cache, "decode", dear)
 
 
 def pipeline(shm, source=None, **kw) -> tsock.Pipeline:
@@ -82,9 +104,7 @@ def test_the_verdict_waits_for_an_epoch_that_can_tell():
 # ---- in a pipeline ----
 
 
-def test_a_cache_dearer_than_computing_turns_off_and_the_batches_stay_the_same(shm):
-    # Numbers computes a sample in a few us; a hit (a lock, a read, a decode
-    # of the cached bytes) takes longer, whatever the machine's load.
+def test_a_cache_dearer_than_computing_turns_off_and_the_batches_stay_the_same(shm, dear_hits):
     src = Counting(N)
     pipe = pipeline(shm, src)
     with pytest.warns(_cache.CacheWarning, match="off in this process.*costs more than it saves: in epoch 1"):
@@ -149,7 +169,7 @@ def segment_hits(shm, workers, **kw) -> int:
     return hits
 
 
-def test_each_worker_weighs_its_own_share(shm):
+def test_each_worker_weighs_its_own_share(shm, dear_hits):
     kept_hits = segment_hits(shm, 2, cache_auto_off=False)
     with warnings.catch_warnings():
         # -W error, which the forked workers inherit: turning the cache off
@@ -162,7 +182,7 @@ def test_each_worker_weighs_its_own_share(shm):
     assert N * 0.9 <= hits < 2 * N
 
 
-def test_a_cheap_read_on_io_threads_turns_it_off(shm):
+def test_a_cheap_read_on_io_threads_turns_it_off(shm, dear_hits):
     # With io_threads (in a worker) the read runs on threads and is timed there.
     hits = segment_hits(shm, 1, read=identity, io_threads=2)
     assert N * 0.9 <= hits < 2 * N
