@@ -209,11 +209,16 @@ os._exit(0)
 def test_ddp_gloo_two_processes_train_on_batches(channel, run_producer, spawn, tmp_path):
     run_producer(tsock.Producer(batches(), channel, slots=4, wait_readers=2))
     ranks = [spawn(DDP_RANK, channel, rank, tmp_path / "store") for rank in range(2)]
-    weights = []
-    for rank, p in enumerate(ranks):
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, f"rank {rank}: exit {p.returncode}; stdout {out[-500:]!r}; stderr {err[-3000:]}"
-        weights.append(eval(out.strip().splitlines()[-1]))  # noqa: S307 - a list of floats from our own child
+    # Both ranks' ends first: when one fails, the other's error ("connection
+    # closed by peer", a timeout) often says why.
+    ends = [p.communicate(timeout=300) for p in ranks]
+    failed = [
+        f"rank {rank}: exit {p.returncode}; stdout {out[-500:]!r}; stderr {err[-3000:]}"
+        for rank, (p, (out, err)) in enumerate(zip(ranks, ends))
+        if p.returncode != 0
+    ]
+    assert not failed, "\n".join(failed)
+    weights = [eval(out.strip().splitlines()[-1]) for out, _ in ends]  # noqa: S307 - lists of floats from our children
     # Averaged gradients of the two halves are the gradient of the whole batch.
     model = make_model()
     train(model, model, [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches()])
