@@ -107,6 +107,8 @@ class SampleCache:
         """The decoded sample `index` (a private copy), or MISS."""
         if self._off:
             return MISS
+        if not self.auto_off:
+            return self._lookup(epoch, index, Ledger(epoch))  # no accounts: the clock calls cost too
         ledger = self._ledger_for(epoch)
         if ledger is None:
             return MISS
@@ -139,6 +141,8 @@ class SampleCache:
         later hit on it would save."""
         if self._off:
             return
+        if not self.auto_off:
+            return self._insert(index, sample)
         ledger = self._ledger_for(None)
         if ledger is None:
             return
@@ -176,8 +180,11 @@ class SampleCache:
         ledger = self._ledger
         if epoch is None or epoch <= ledger.epoch:
             return ledger  # a straggler of an earlier epoch counts in this one
+        if ledger.first and ledger.lookups == 0:
+            ledger.epoch = epoch  # opened by an insert: the first epoch is the first lookup's
+            return ledger
         per_compute = self._compute_ns / self._computed if self._computed else None
-        why = ledger.verdict(per_compute) if self.auto_off else None
+        why = ledger.verdict(per_compute)
         if why is not None:
             self._turn_off(why)
             return None

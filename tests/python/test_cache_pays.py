@@ -191,3 +191,16 @@ def test_a_cheap_read_on_io_threads_turns_it_off(shm, dear_hits):
 def test_spawned_workers_keep_cache_auto_off(shm):
     # The setting travels to spawned workers (pickled with the cache).
     assert segment_hits(shm, 2, start_method="spawn", cache_auto_off=False) >= (EPOCHS - 1) * N * 0.9
+
+
+def test_a_process_whose_first_call_is_an_insert_still_skips_its_first_epoch(shm):
+    # A direct user of the cache (not a Pipeline's stages) may insert
+    # before it looks anything up: its first epoch is its first lookup's.
+    pipe = pipeline(shm)
+    cache = pipe._stages.cache
+    cache.insert(0, Numbers(N)[0], cost_ns=1000)
+    cache.lookup(3, 1)
+    assert (cache._ledger.epoch, cache._ledger.first) == (3, True)
+    cache.lookup(4, 1)
+    assert (cache._ledger.epoch, cache._ledger.first) == (4, False)
+    pipe.close()
