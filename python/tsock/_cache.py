@@ -18,17 +18,23 @@ sample is cheap (a small JPEG), a hit's copy and a miss's lookup and
 insert can take longer than the decode they spare. Each process keeps a
 Ledger per epoch of its order (the CPU time its lookups and inserts took,
 and its hits) and, over its whole life, the time each sample it computed
-took. As each epoch but the process's first ends (the first fills a cold
-cache, or pays for opening a warm one), it weighs the cache's time in that
-epoch against what the hits saved (hits times the mean time of a computed
+took. As each epoch ends, it weighs the cache's time in that epoch
+against what the hits saved (hits times the mean time of a computed
 sample), and turns the cache off in that process when it costs more than
 MARGIN times that, with a CacheWarning saying by how much (auto_off=False
-keeps it on whatever it costs).
+keeps it on whatever it costs). Not judged: the process's first epoch (it
+fills a cold cache, or pays for opening a warm one), and any epoch that was
+still filling the cache (a first epoch cut short by `break` or a resume
+leaves the filling to the next); both would price a steady state by a
+start-up. The two sides use different clocks on purpose: the cache's is
+its thread's CPU time (a wait for the GIL or the segment's lock is not its
+doing), a computed sample's is wall time (what a hit spares the consumer).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from time import thread_time_ns
 
@@ -40,6 +46,8 @@ MISS = object()
 LAZY_PIECES = 8  # a sample of more arrays is encoded before the store's lock is taken
 MIN_LOOKUPS = 64  # an epoch with fewer lookups in this process decides nothing (too noisy)
 MARGIN = 1.25  # off only when the cache's time exceeds what its hits saved by this factor (one epoch is noisy)
+FILLING = 8  # an epoch with more than 1/FILLING of its lookups ending in an insert into free space was filling
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class CacheWarning(UserWarning):
@@ -48,14 +56,16 @@ class CacheWarning(UserWarning):
 
 class Ledger:
     """One epoch of one process's cache accounts: what its lookups and
-    inserts cost (CPU time of the calling thread) and how many of the
-    lookups hit. first: the first epoch this process used the cache in."""
+    inserts cost (CPU time of the calling thread), how many of the
+    lookups hit, and how many inserts went into free space (fills: set as
+    the epoch ends). first: the first epoch this process used the cache
+    in."""
 
-    __slots__ = ("epoch", "first", "lookups", "hits", "cache_ns")
+    __slots__ = ("epoch", "first", "lookups", "hits", "cache_ns", "fills")
 
     def __init__(self, epoch: int, first: bool = False):
         self.epoch, self.first = epoch, first
-        self.lookups = self.hits = self.cache_ns = 0
+        self.lookups = self.hits = self.cache_ns = self.fills = 0
 
     def verdict(self, per_compute_ns: float | None) -> str | None:
         """Why the cache does not pay for itself in this epoch, given what
@@ -63,8 +73,13 @@ class Ledger:
         None: it pays (or costs less than MARGIN times what it saves), or
         the epoch tells too little: the process's first (it fills a cold
         cache, a resumed run's included, or pays the opening of a warm
-        one), under MIN_LOOKUPS lookups, no computed sample to price a hit."""
+        one), one still filling the cache (more than 1/FILLING of its
+        lookups ended in an insert into free space: its hits are those of
+        a cache half built), under MIN_LOOKUPS lookups, no computed sample
+        to price a hit."""
         if self.first or self.lookups < MIN_LOOKUPS or per_compute_ns is None:
+            return None
+        if self.fills * FILLING > self.lookups:
             return None
         saved = self.hits * per_compute_ns
         if self.cache_ns <= MARGIN * saved:
@@ -91,6 +106,8 @@ class SampleCache:
         self._slot = None  # this process's consumer entry (-1: the table was full)
         self._slot_pid = None  # the process it belongs to: a forked worker registers its own
         self._ledger = Ledger(0)
+        self._fills_before = 0  # the store's fills when the ledger's epoch began
+        self._unjudged = Ledger(0)  # what lookups count in with auto_off=False: nothing reads it
         self._ledger_pid = None  # the process the ledger's figures are of: a forked worker starts its own
         self._computed = self._compute_ns = 0  # samples this process computed, and their time: a hit's worth
         self._off = False
@@ -105,10 +122,10 @@ class SampleCache:
 
     def lookup(self, epoch: int, index: int):
         """The decoded sample `index` (a private copy), or MISS."""
-        if self._off:
+        if self._is_off():
             return MISS
         if not self.auto_off:
-            return self._lookup(epoch, index, Ledger(epoch))  # no accounts: the clock calls cost too
+            return self._lookup(epoch, index, self._unjudged)  # no accounts: the clock calls cost too
         ledger = self._ledger_for(epoch)
         if ledger is None:
             return MISS
@@ -122,6 +139,8 @@ class SampleCache:
     def _lookup(self, epoch: int, index: int, ledger: Ledger):
         try:
             raw = self.store.get(index)
+            if self._off:  # turned off by another thread meanwhile: its entry stays given back
+                return MISS
             self._at(epoch, index)
         except Exception as e:  # noqa: BLE001 - the cache must never fail the pipeline
             return self._disable(e)
@@ -139,7 +158,7 @@ class SampleCache:
         """Offers a computed sample to the cache (the policy may decline);
         cost_ns: the time computing it took (source, read, decode), what a
         later hit on it would save."""
-        if self._off:
+        if self._is_off():
             return
         if not self.auto_off:
             return self._insert(index, sample)
@@ -169,6 +188,15 @@ class SampleCache:
         except Exception as e:  # noqa: BLE001 - the cache must never fail the pipeline
             self._disable(e)
 
+    def _is_off(self) -> bool:
+        """Whether the cache is off in this process. A forked child starts
+        on, where its parent turned it off for its cost: that verdict was
+        on the parent's share of the work, not the child's."""
+        if self._off and self._off_for_cost and self._ledger_pid != os.getpid():
+            self._off = self._off_for_cost = False
+            self.off = None
+        return self._off
+
     def _ledger_for(self, epoch: int | None) -> Ledger | None:
         """This process's ledger for `epoch` (None: the current one); a
         later epoch than the ledger's first settles the one that ended,
@@ -177,6 +205,7 @@ class SampleCache:
             self._ledger = Ledger(0 if epoch is None else epoch, first=True)
             self._ledger_pid = os.getpid()
             self._computed = self._compute_ns = 0
+            self._fills_before = self.store.counts["fills"]
         ledger = self._ledger
         if epoch is None or epoch <= ledger.epoch:
             return ledger  # a straggler of an earlier epoch counts in this one
@@ -184,6 +213,8 @@ class SampleCache:
             ledger.epoch = epoch  # opened by an insert: the first epoch is the first lookup's
             return ledger
         per_compute = self._compute_ns / self._computed if self._computed else None
+        fills = self.store.counts["fills"]
+        ledger.fills, self._fills_before = fills - self._fills_before, fills
         why = ledger.verdict(per_compute)
         if why is not None:
             self._turn_off(why)
@@ -206,7 +237,7 @@ class SampleCache:
                 f"tsock: the sample cache is off in this process, every sample is computed: it {self.off}; "
                 "Pipeline(cache_auto_off=False) keeps it on",
                 CacheWarning,
-                stacklevel=4,
+                stacklevel=_outside_tsock(),
             )
         except Warning:
             pass  # warnings made errors (-W error): a choice of speed must not fail the pipeline
@@ -214,6 +245,8 @@ class SampleCache:
     def _at(self, epoch: int | None, index: int) -> None:
         """Records where this process is in its order (advisory), once the
         segment exists; epoch None: where the last lookup was."""
+        if self._off:
+            return  # off (another thread, meanwhile): no entry is registered again
         if self._slot_pid != os.getpid():
             self._slot, self._slot_pid = None, os.getpid()
         if self._slot is None:
@@ -235,7 +268,7 @@ class SampleCache:
             warnings.warn(
                 f"tsock: the sample cache is off in this process, every sample is computed: {what}",
                 CacheWarning,
-                stacklevel=4,
+                stacklevel=_outside_tsock(),
             )
         except Warning:
             pass  # warnings made errors (-W error): the cache is off, the pipeline goes on
@@ -245,8 +278,13 @@ class SampleCache:
         """This process's counts (hits, misses, inserts, ...), "off" (why
         the cache is off in this process, or None), and under "segment" the
         segment's advisory totals over every process (the segment is opened
-        here for them if it exists)."""
+        here for them if it exists; where the cache is off, only while they
+        are read: an off process holds no mapping that keeps a remove()
+        from freeing it)."""
+        was_open = self.store.opened
         out = self.store.stats(open_segment=True)
+        if self._off and not was_open:
+            self.store.close()
         out.update(self.counts)
         out["off"] = self.off
         return out
@@ -261,3 +299,14 @@ class SampleCache:
         if self._off_for_cost:
             self._off = self._off_for_cost = False
             self.off = None
+
+
+def _outside_tsock() -> int:
+    """The stacklevel of a warning raised here that names the first caller
+    outside tsock's package (the user's loop), whatever the depth of the
+    path that got here; in a worker, where every frame is tsock's, the
+    outermost frame."""
+    frame, level = sys._getframe(1), 1  # level 1: the function that calls warn()
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -67,7 +67,10 @@ class CacheStore:
         self.key, self.n_samples, self.budget, self.policy = key, n_samples, budget, policy
         self.directory = directory
         self.path = segment_path(key, directory)
-        self.counts = dict.fromkeys(("hits", "misses", "inserts", "evictions", "bypasses", "corrupt", "refused"), 0)
+        # fills: inserts into free space (none evicted), a cache still filling
+        self.counts = dict.fromkeys(
+            ("hits", "misses", "inserts", "fills", "evictions", "bypasses", "corrupt", "refused"), 0
+        )
         self._thread_lock = threading.RLock()
         self._params_of: dict = {}  # consumer params blob -> checked params (None: refused)
         self._seen_alive: dict = {}  # (pid, start time) -> when /proc last said it lives
@@ -180,7 +183,9 @@ class CacheStore:
             self.counts["refused"] += 1
             return False
         free = seg.free_count()
-        if free < need:
+        if free >= need:
+            self.counts["fills"] += 1
+        else:
             if self.policy == "belady" and plan is None and not last_try:
                 return _REPLAN  # room was taken since the look before the lock: rank, then come back
             victims = self._victims(seg, index, need, free, plan)

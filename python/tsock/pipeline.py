@@ -210,9 +210,10 @@ class Pipeline:
         decode (cache_key()); a source or stage that pickle cannot handle
         needs version= (ValueError otherwise).
       cache_auto_off: turn the cache off in a process where it costs more
-        time than its hits save (measured per epoch from the second on:
-        lookups and inserts against hits times the time a sample takes to
-        compute), with a CacheWarning (default True); False keeps it on.
+        time than its hits save (measured per epoch once the cache is
+        filled: lookups and inserts against hits times the time a sample
+        takes to compute), with a CacheWarning (default True); False keeps
+        it on. A bool (TypeError otherwise).
       cache_dir: where the cache's segment lives (a tmpfs; default /dev/shm).
       cache_keep: keep the segment after this pipeline's close when no
         other process uses it (for the next run, which finds it warm);
@@ -326,7 +327,9 @@ class Pipeline:
         self._stages = Stages(source, read, decode, augment, collate, self.seed)
         self.fingerprint = self._fingerprint()
         self._cache_key = None
-        self._stages.cache = self._make_cache(cache_bytes, cache_policy, cache_dir, bool(cache_auto_off))
+        if not isinstance(cache_auto_off, bool):
+            raise TypeError(f"cache_auto_off must be True or False, got {cache_auto_off!r}")
+        self._stages.cache = self._make_cache(cache_bytes, cache_policy, cache_dir, cache_auto_off)
         self._orders: OrderedDict = OrderedDict()
         #: the epoch the next `for batch in pipeline` iterates
         self.epoch = 0

@@ -57,6 +57,20 @@ def dear_hits(monkeypatch):
     monkeypatch.setattr(_cache, "decode", dear)
 
 
+@pytest.fixture
+def dear_inserts(monkeypatch):
+    """Each insert costs 500 us more CPU (the encoding spins), as a large
+    image's copy into the segment would: filling the cache is dear, and a
+    hit (sparing a 2 ms decode) still pays many times over."""
+    prepare = _cache.prepare
+
+    def dear(sample):
+        spin(500)
+        return prepare(sample)
+
+    monkeypatch.setattr(_cache, "prepare", dear)
+
+
 def pipeline(shm, source=None, **kw) -> tsock.Pipeline:
     kw.setdefault("cache_bytes", 8 << 20)  # the whole dataset fits
     return tsock.Pipeline(
@@ -97,6 +111,11 @@ def test_the_verdict_weighs_the_cache_time_against_what_the_hits_saved():
 def test_the_verdict_waits_for_an_epoch_that_can_tell():
     assert ledger(cache_us=40).verdict(1e3) is not None  # told: no hit, 40 us a lookup
     assert ledger(cache_us=40, first=True).verdict(1e3) is None  # the process's first epoch fills the cache
+    filling = ledger(cache_us=40)
+    filling.fills = _cache.MIN_LOOKUPS // _cache.FILLING + 1  # still filling the cache: its hits tell nothing yet
+    assert filling.verdict(1e3) is None
+    filling.fills -= 1  # a few inserts into free space in a full cache (samples of unequal sizes): judged
+    assert filling.verdict(1e3) is not None
     assert ledger(lookups=_cache.MIN_LOOKUPS - 1, cache_us=40).verdict(1e3) is None  # too few lookups
     assert ledger(cache_us=40).verdict(None) is None  # nothing computed yet: a hit has no price
 
@@ -107,16 +126,23 @@ def test_the_verdict_waits_for_an_epoch_that_can_tell():
 def test_a_cache_dearer_than_computing_turns_off_and_the_batches_stay_the_same(shm, dear_hits):
     src = Counting(N)
     pipe = pipeline(shm, src)
-    with pytest.warns(_cache.CacheWarning, match="off in this process.*costs more than it saves: in epoch 1"):
+    with pytest.warns(_cache.CacheWarning, match="off in this process.*costs more than it saves: in epoch 1") as w:
         got = hashes(pipe)
     assert got == reference()
+    assert w[0].filename == __file__  # the warning names the user's loop, not tsock's insides
+    cache = pipe._stages.cache
+    assert not cache.store.opened  # off: the segment was let go of
     stats = pipe.cache_stats()
     assert stats["off"].startswith("costs more than it saves: in epoch 1")
+    # Reading the figures opens the segment only for the read: an off
+    # process holds no mapping (a remove() elsewhere must be able to free it).
+    assert stats["segment"]["hits"] == N and not cache.store.opened
     # Epoch 1 came from the cache; from epoch 2 on every sample is computed.
     assert stats["hits"] == N and len(src.loaded) == (EPOCHS - 1) * N
     # Its consumer entry was given back: evictions no longer plan for its order.
-    seg = pipe._stages.cache.store._segment()
+    seg = cache.store._segment()
     assert seg.consumers() == []
+    cache.store.close()
     # close() gives the cache a new chance, with a first epoch not judged.
     pipe.close()
     assert pipe.cache_stats()["off"] is None
@@ -149,6 +175,66 @@ def test_the_first_epoch_a_process_sees_is_not_judged(shm, how):
     stats = pipe.cache_stats()
     assert stats["off"] is None and len(src.loaded) == (2 if how == "closed" else 1) * N
     pipe.close()
+
+
+@pytest.mark.parametrize("how", ["break", "resumed late"])
+def test_an_epoch_that_fills_the_cache_is_not_judged(shm, dear_inserts, how):
+    # The process's first epoch is cut short (a `break` after one batch, or
+    # a resume at an epoch's last batch): the next epoch fills the cache,
+    # dearly, with few hits. Judged, that would turn off a cache whose hits
+    # each spare a 2 ms decode; it must wait for an epoch of a filled cache.
+    src = Counting(N)
+    pipe = pipeline(shm, src, decode=SlowDecode())
+    if how == "break":
+        for _ in pipe.batches(0):
+            break
+    else:
+        list(pipe.batches(0, start=len(pipe) - 1))
+    got = [batch_hash(b) for e in (1, 2, 3) for b in pipe.batches(e)]
+    assert got == [batch_hash(b) for e in (1, 2, 3) for b in tsock.Pipeline(
+        Numbers(N), batch_size=16, seed=3, augment=noisy, decode=SlowDecode()).batches(e)]  # fmt: skip
+    stats = pipe.cache_stats()
+    assert stats["off"] is None and stats["hits"] >= 2 * N
+    pipe.close()
+
+
+def test_turning_off_in_process_under_w_error_does_not_fail_the_pipeline(shm, dear_hits):
+    pipe = pipeline(shm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _cache.CacheWarning)
+        assert hashes(pipe) == reference()
+    assert pipe.cache_stats()["off"].startswith("costs more than it saves")
+    pipe.close()
+
+
+def _child_lookup(pipe, q):
+    cache = pipe._stages.cache
+    q.put((cache._is_off(), cache.off, cache.lookup(9, 0) is not _cache.MISS))
+
+
+def test_a_forked_child_starts_with_the_cache_on(shm, dear_hits):
+    # The parent's verdict was on its own work: a child forked after it
+    # weighs its own (and, the sample being cached, hits).
+    import multiprocessing
+
+    pipe = pipeline(shm)
+    with pytest.warns(_cache.CacheWarning):
+        hashes(pipe)
+    assert pipe.cache_stats()["off"] is not None
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child_lookup, args=(pipe, q))
+    child.start()
+    got = q.get(timeout=60)
+    child.join(60)
+    assert got == (False, None, True) and child.exitcode == 0
+    assert pipe.cache_stats()["off"] is not None  # the parent's stays off
+    pipe.close()
+
+
+def test_cache_auto_off_is_a_bool(shm):
+    with pytest.raises(TypeError, match="cache_auto_off must be True or False"):
+        pipeline(shm, cache_auto_off="no")
 
 
 def test_cache_auto_off_false_keeps_a_cache_that_does_not_pay(shm):
