@@ -232,15 +232,7 @@ class SampleCache:
         except Exception:  # noqa: BLE001 - the cache must never fail the pipeline
             pass
         self._slot = None
-        try:
-            warnings.warn(
-                f"tsock: the sample cache is off in this process, every sample is computed: it {self.off}; "
-                "Pipeline(cache_auto_off=False) keeps it on",
-                CacheWarning,
-                stacklevel=_outside_tsock(),
-            )
-        except Warning:
-            pass  # warnings made errors (-W error): a choice of speed must not fail the pipeline
+        _warn_off(f"it {self.off}; Pipeline(cache_auto_off=False) keeps it on")
 
     def _at(self, epoch: int | None, index: int) -> None:
         """Records where this process is in its order (advisory), once the
@@ -264,14 +256,7 @@ class SampleCache:
         self._off, self._off_for_cost = True, False
         what = str(e) if isinstance(e, CacheError) else f"internal error, please report: {type(e).__name__}: {e}"
         self.off = what
-        try:
-            warnings.warn(
-                f"tsock: the sample cache is off in this process, every sample is computed: {what}",
-                CacheWarning,
-                stacklevel=_outside_tsock(),
-            )
-        except Warning:
-            pass  # warnings made errors (-W error): the cache is off, the pipeline goes on
+        _warn_off(what)
         return MISS
 
     def stats(self) -> dict:
@@ -299,6 +284,20 @@ class SampleCache:
         if self._off_for_cost:
             self._off = self._off_for_cost = False
             self.off = None
+
+
+def _warn_off(why: str) -> None:
+    """The one CacheWarning of a cache turned off in this process; never
+    raised, even where -W error makes warnings errors: the cache can make
+    a pipeline slower or faster, never fail it."""
+    try:
+        warnings.warn(
+            f"tsock: the sample cache is off in this process, every sample is computed: {why}",
+            CacheWarning,
+            stacklevel=_outside_tsock(),
+        )
+    except Warning:
+        pass
 
 
 def _outside_tsock() -> int:
