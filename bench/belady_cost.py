@@ -2,7 +2,8 @@
 against another revision's (docs/CACHE.md, "Costs").
 
 One process (a CacheStore in a directory of /dev/shm) replays K consumers
-of their own shuffled orders (K = 1: one order), one sample of each in
+of their own shuffled orders (K = 1: one order; drop_last, so that it
+ranks), one sample of each in
 turn, for E epochs of n samples with room for C of them (one 4 KiB block
 a sample): at each access the consumer's position is published (`at`),
 the sample looked up, and on a miss inserted (`put`). Measured per miss
@@ -55,18 +56,22 @@ def child(a) -> None:
 
     CacheStore._plan = timed_plan
     n, k = a.n, a.k_one
+    assert n % 30, "--n must leave a short last batch of 30 (drop_last): one whole order would not rank"
     folder = tempfile.mkdtemp(prefix="tsock-belady-cost-", dir="/dev/shm")
     try:
         budget = _cache_segment.geometry(n, 4096, a.cached)["file_bytes"]
         s = CacheStore(bytes([k]) * 16, n, budget=budget, directory=folder)
         s._rng = np.random.default_rng(0)  # which samples a large cache ranks: the same draws in both revisions
         s.put(0, bytes(4000))
-        p = dict(n=n, shuffle=True, batch_size=32, drop_last=False, world_size=0, ranks=[0], sampler_drop_last=False)
+        # drop_last with n % 30 != 0 leaves samples out of each epoch: one
+        # consumer's misses are ranked too (one order of every sample keeps
+        # what is cached without ranking, since no eviction could gain).
+        p = dict(n=n, shuffle=True, batch_size=30, drop_last=True, world_size=0, ranks=[0], sampler_drop_last=False)
         slots = [s.register(dict(p, seed=c)) for c in range(k)]
         puts, plan_times, decisions = [], [], hashlib.sha256()
         for e in range(a.epochs):
-            orders = [_sampler.epoch_order(n, c, e, True).tolist() for c in range(k)]
-            for i in range(n):
+            orders = [_sampler.sample_sequence(dict(p, seed=c), e).tolist() for c in range(k)]
+            for i in range(len(orders[0])):
                 for c in range(k):
                     index = orders[c][i]
                     s.at(slots[c], e, index)

@@ -59,23 +59,23 @@ NOTES = """How to read it. The DataLoader baseline decodes every sample K times 
 and is CPU-bound on the 2 CPUs; sharing decodes it once, and the cache skips `read` and `decode` for a hit. What
 neither removes: the trainers' own work (a sum of each batch, K times), the producer's copy of each batch into the
 ring, a cache lookup per sample (a `pread` of the sample, docs/CACHE.md "Measured"), the Pipeline's per-sample
-Python (seeding, collate) and, with Belady, its ranking at every miss once the cache is full (docs/CACHE.md
-"Costs": 0.4-0.7 ms a miss when this was first measured, about what a 160x160 JPEG decode costs here, so at 25%
-Belady could cost more CPU than its hits saved; 0.17-0.23 ms since, bench/belady_cost.py; LRU evicts without
-ranking). On 2 CPUs all of it comes from the same CPUs as decoding, so
+Python (seeding, collate) and, with LRU, its eviction under the lock at every miss once the cache is full. Belady
+ranks at a miss only where an eviction can gain a hit (docs/CACHE.md "Eviction"): not for one shared pipeline, whose
+full cache keeps what it holds (before that change, 0.17-0.25 ms a miss, bench/belady_cost.py, against a 0.28 ms
+decode). On 2 CPUs all of it comes from the same CPUs as decoding, so
 sharing gains less than K and the cache less than 1 / (1 - hit rate) on top of it: CoorDL's 5.7x (K = 4, 50%
 cache, against a DataLoader each) is not reached on this machine; the ratio is in the Targets table.
 
 With one shared pipeline every sample is computed once an epoch in one order, so the hit rate is at most the
 cached fraction × (E - 1) / E whatever the policy: Belady and fill-once both reach it (they tie: a fresh
-permutation each epoch leaves nothing better to keep), LRU falls far below it (it evicts what the next epoch
-needs first). Belady's edge over fill-once is with pipelines of their own sharing one cache (the right-hand plot).
-A measured Belady rate a little above the simulated optimum is not an error: the workers prefetch across an epoch
-boundary (W × prefetch batches in flight), so the real trace interleaves two epochs, which the simulated one
-(the order, epoch after epoch) does not. The I/O-bound source's reads sleep: there the limit is W readers'
-latency, not the CPUs, until the cache removes the reads. One run of each system on a VM shared with other jobs
-and two CPU hogs: runs of a few seconds move by 20-50% from one run to the next (compare the hit rates and the
-CPU per sample, which move less, and read ratios within that as equal)."""
+permutation each epoch leaves nothing better to keep, so the store's Belady keeps what it holds there), LRU
+falls far below it (it evicts what the next epoch needs first). Belady's edge over fill-once is with pipelines of
+their own sharing one cache (the right-hand plot). A measured rate a little off the simulated one is not an
+error: the workers prefetch across an epoch boundary (W × prefetch batches in flight), so the real trace
+interleaves two epochs, which the simulated one (the order, epoch after epoch) does not. The I/O-bound source's
+reads sleep: there the limit is W readers' latency, not the CPUs, until the cache removes the reads. One run of
+each system on a VM shared with other jobs: runs of a few seconds move by 20-50% from one run to the next
+(compare the hit rates and the CPU per sample, which move less, and read ratios within that as equal)."""
 
 
 def systems(sizes) -> list[str]:

@@ -97,9 +97,16 @@ class SampleCache:
     hits save (see the module's doc)."""
 
     def __init__(self, key: bytes, params: dict, budget: int | None, policy: str, directory: str,
-                 auto_off: bool = True):  # fmt: skip
+                 auto_off: bool = True, pipeline: str | None = None):  # fmt: skip
         self.key, self.params, self.budget, self.policy, self.directory = key, params, budget, policy, directory
         self.auto_off = auto_off
+        # Which pipeline this is, in every process of it (its workers get it
+        # by fork or pickle): Belady tells one pipeline's workers, which
+        # share one pass over the order, from two pipelines of the same
+        # order (CacheStore._nothing_to_gain). Only where that matters (the
+        # whole dataset, not a partition, whose list of ranks needs the room
+        # in the entry).
+        self.pipeline = pipeline or os.urandom(6).hex()
         self.store = CacheStore(key, params["n"], budget=budget, policy=policy, directory=directory)
         self.counts = {"uncacheable": 0}
         self._epoch = 0  # the epoch of the last lookup
@@ -115,7 +122,7 @@ class SampleCache:
         self.off = None  # why the cache is off in this process (None: it is on)
 
     def __getstate__(self):
-        return {k: getattr(self, k) for k in ("key", "params", "budget", "policy", "directory", "auto_off")}
+        return {k: getattr(self, k) for k in ("key", "params", "budget", "policy", "directory", "auto_off", "pipeline")}
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -244,7 +251,8 @@ class SampleCache:
         if self._slot is None:
             if not self.store.opened:
                 return
-            slot = self.store.register(self.params)
+            params = self.params if self.params["world_size"] else dict(self.params, pipeline=self.pipeline)
+            slot = self.store.register(params)
             self._slot = -1 if slot is None else slot  # -1: the table is full, not asked again
         if self._slot < 0:
             return

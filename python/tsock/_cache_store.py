@@ -25,6 +25,7 @@ from ._cache_policy import _farthest, distance, distances
 from ._cache_segment import (
     _CORRUPT,
     BYPASSES,
+    CONSUMER_SLOTS,
     FREE_COUNT,
     FULL,
     MEMBERS,
@@ -47,6 +48,11 @@ SPARE = 16  # candidates ranked beyond those that make room: others may evict so
 PREFETCH_AT = 0.9  # a consumer this far into its epoch: the epoch after the next is computed in the background
 ALIVE_FOR = 1.0  # seconds a consumer process seen alive is taken to be (no /proc read per consumer per miss)
 _REPLAN = object()
+# Belady's plan when no eviction can gain a hit (_nothing_to_gain): no
+# candidates, so the insert bypasses unless room was made meanwhile.
+_KEEP_ALL = (np.empty(0, np.int64), np.empty(0), 0.0, False)
+for _array in _KEEP_ALL[:2]:
+    _array.flags.writeable = False
 
 
 class CacheStore:
@@ -304,9 +310,16 @@ class CacheStore:
             if not again and free >= need:
                 return None
             table = seg.consumers(alive=self._alive)
-            large = int(seg.mut[MEMBERS]) > POOL_ALL and RANKED > POOL_ALL
-            pooled = large and not again and self._pool is not None and self._pool_age < REFRESH
-            cached, blocks, last = seg.cached(FRESH if pooled else RANKED, self._rng, repair=False)
+            members = int(seg.mut[MEMBERS])
+            keep_all = self._nothing_to_gain(table, need, seg.h.n_blocks - free, members)
+            if not keep_all:
+                large = members > POOL_ALL and RANKED > POOL_ALL
+                pooled = large and not again and self._pool is not None and self._pool_age < REFRESH
+                cached, blocks, last = seg.cached(FRESH if pooled else RANKED, self._rng, repair=False)
+        if keep_all:
+            self._pool = None
+            ORDERS.set_live(self, ())  # the orders of consumers gone meanwhile are not kept
+            return _KEEP_ALL
         if pooled:
             cached, blocks, last = _merge(self._pool, (cached, blocks, last))
         return self._rank(self._futures(table), cached, blocks, last, index, max(need - free, 1), large, pooled)
@@ -343,30 +356,74 @@ class CacheStore:
             order = np.argsort(-dist, kind="stable")  # not enough room among them: every one, farthest first
         return cached[order], dist[order], d_new, pooled
 
+    def _checked(self, blob: bytes):
+        """A consumer entry's (order parameters, pipeline, order key), checked
+        once per process; None: refused. The order key is the parameters'
+        JSON without the pipeline: the orders memo computes an order once
+        for every pipeline that follows it."""
+        if blob not in self._params_of:
+            if len(self._params_of) > 256:
+                self._params_of.clear()
+            p = _params(blob, self.n_samples)
+            if p is not None:
+                pipeline = p.pop("pipeline", None)
+                p = (p, pipeline, json.dumps(p, sort_keys=True, separators=(",", ":")).encode())
+            self._params_of[blob] = p
+        return self._params_of[blob]
+
+    def _nothing_to_gain(self, table, need: int, used_blocks: int, members: int) -> bool:
+        """Whether no eviction can add a hit, so a full cache keeps what it
+        holds (fill-once) without ranking anything: samples of one size
+        (the blocks in use are `need` for each cached sample), and every
+        consumer the table shows belongs to one pipeline (one pipeline
+        token, SampleCache's; however many workers) whose order visits
+        every sample once an epoch; or no order is known at all.
+
+        Why: in such an order a sample missed in epoch e is next used in
+        epoch e + 1, as is every cached sample already used in e, and the
+        hits of epoch e + 1 can only be samples cached when it starts (an
+        insert during e + 1 is of a sample e + 1 has used: its one visit).
+        So an epoch hits at most as many samples as the cache holds, and a
+        cache that keeps what it holds hits exactly that many: swapping one
+        for another costs an insert and a ranking and gains nothing. Not
+        so, and ranked: two pipelines of the same order (one behind the
+        other hits what the first inserted), samples of different sizes
+        (what filled the cache first is not the best use of its blocks), an
+        order that leaves samples out (drop_last with a short last batch, a
+        partition), a consumer entry this process cannot read, or a full
+        table (a process that could not register is not seen)."""
+        if not table:
+            return True  # every next use unknown (inf): Belady bypasses whenever full, which is this
+        if len(table) >= CONSUMER_SLOTS or used_blocks != members * need:
+            return False
+        seen = [self._checked(blob) for _, blob, _, _ in table]
+        if any(c is None for c in seen):
+            return False
+        pipelines = {(pipeline, order) for _, pipeline, order in seen}
+        if len(pipelines) > 1 or (seen[0][1] is None and len(seen) > 1):
+            return False  # several pipelines, or entries that do not say whether they are one
+        p = seen[0][0]
+        return p["world_size"] == 0 and (not p["drop_last"] or p["n"] % p["batch_size"] == 0)
+
     def _futures(self, table) -> list:
         """(position, inverse order, its length, next epoch's inverse) of
         each consumer in `table`, the orders computed outside any lock."""
         from ._sampler import sample_sequence
 
-        if len(self._params_of) > 256:
-            self._params_of.clear()
-        for _, blob, _, _ in table:
-            if blob not in self._params_of:
-                self._params_of[blob] = _params(blob, self.n_samples)
-        table = [c for c in table if self._params_of[c[1]] is not None]
+        checked = [(self._checked(blob), epoch, index) for _, blob, epoch, index in table]
+        table = [(c[0], c[2], epoch, index) for c, epoch, index in checked if c is not None]
         ORDERS.set_live(self, {c[1] for c in table})  # before computing: what is not live is not kept
         out, seen = [], set()
-        for _, blob, epoch, index in table:
-            if (blob, epoch, index) in seen:
+        for params, order, epoch, index in table:
+            if (order, epoch, index) in seen:
                 continue
-            seen.add((blob, epoch, index))
-            params = self._params_of[blob]
+            seen.add((order, epoch, index))
             fn = _sequence_fn(sample_sequence, params)
-            inv, length = ORDERS.get(blob, epoch, fn, self.n_samples)
-            nxt, _ = ORDERS.get(blob, epoch + 1, fn, self.n_samples)
+            inv, length = ORDERS.get(order, epoch, fn, self.n_samples)
+            nxt, _ = ORDERS.get(order, epoch + 1, fn, self.n_samples)
             pos = max(int(inv[index]), 0)
             if pos >= PREFETCH_AT * length:
-                ORDERS.prefetch(blob, epoch + 2, fn, self.n_samples)
+                ORDERS.prefetch(order, epoch + 2, fn, self.n_samples)
             out.append((pos, inv, length, nxt))
         return out
 
@@ -457,5 +514,8 @@ def _params(blob: bytes, n: int):
     if not isinstance(ranks, list) or not ranks or any(type(r) is not int for r in ranks):
         return None
     if any(not 0 <= r < max(p["world_size"], 1) for r in ranks):
+        return None
+    pipeline = p.get("pipeline")  # which pipeline the entry is of (SampleCache's token), if it says
+    if pipeline is not None and (type(pipeline) is not str or not 0 < len(pipeline) <= 32):
         return None
     return p

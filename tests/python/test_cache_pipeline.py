@@ -7,6 +7,7 @@ batches."""
 from __future__ import annotations
 
 import collections
+import json
 import multiprocessing as mp
 import os
 import time
@@ -85,10 +86,25 @@ def test_with_workers_the_batches_are_the_same_bytes(shm):
     pipe.close()
 
 
-def test_with_spawned_workers_the_cache_travels_with_the_stages(shm):
-    pipe = cached(shm, workers=2, start_method="spawn")
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_pipelines_workers_register_as_one_pipeline(shm, start_method):
+    """Every worker's consumer entry carries its pipeline's token (Belady
+    keeps what one pipeline's cache holds, and ranks for two); another
+    Pipeline of the same order has another token."""
+
+    def tokens(pipe) -> set:
+        seg = pipe._stages.cache.store._segment()
+        return {json.loads(blob)["pipeline"] for _, blob, _, _ in seg.consumers()}
+
+    pipe = cached(shm, workers=2, start_method=start_method)
     assert hashes(pipe, 2) == reference(2)
     assert pipe.cache_stats()["segment"]["hits"] > 0
+    assert tokens(pipe) == {pipe._stages.cache.pipeline}
+    other = cached(shm)
+    assert hashes(other, 1) == reference(1)
+    assert tokens(pipe) == {pipe._stages.cache.pipeline, other._stages.cache.pipeline}
+    assert len(tokens(pipe)) == 2
+    other.close()
     pipe.close()
 
 

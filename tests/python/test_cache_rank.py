@@ -76,15 +76,20 @@ def test_the_stores_ranking_decides_as_the_reference(shm, monkeypatch, seed, lar
         monkeypatch.setattr(_cache_store, "POOL", 6)
         monkeypatch.setattr(_cache_store, "FRESH", 5)
         monkeypatch.setattr(_cache_store, "REFRESH", 4)
+    assert n % 7
     cached_max = rng.choice((12, 20, 30))
     s = CacheStore(b"r" * 16, n, budget=_cache_segment.geometry(n, 4096, cached_max)["file_bytes"], directory=shm)
     size_of = {i: rng.choice((4000, 4000, 8000, 12000)) for i in range(n)}
     s.put(0, bytes(size_of[0]))
+    # n % 7 != 0: a drop_last order leaves samples out of each epoch (INF
+    # distances), so even one consumer of it gives evictions something to
+    # gain and the store ranks (one order of every sample does not:
+    # test_one_order_of_every_sample_keeps_what_is_cached_without_ranking).
     orders = [
+        params(n, 2, drop_last=True),
         params(n, 1),
-        params(n, 2, drop_last=True),  # leaves n % 7 samples out of each epoch: INF distances
         params(n, 3, shuffle=False),
-        params(n, 1),  # another consumer of the first order (a pipeline's second worker)
+        params(n, 2, drop_last=True),  # another consumer of the first order (a pipeline's second worker)
     ]
     k = rng.choice((1, 2, 3, 4))
     consumers = [(s.register(orders[c]), orders[c]) for c in range(k)]
@@ -177,7 +182,9 @@ def test_one_ranking_makes_few_python_calls(shm):
         for i in range(256):
             s.put(i, bytes(4000))
         for c in range(k):
-            s.at(s.register(params(n, c, batch_size=32)), 1, int(_sampler.epoch_order(n, c, 1, True)[100]))
+            # drop_last leaves 2 samples out of each epoch: one order ranks too
+            order = params(n, c, batch_size=30, drop_last=True)
+            s.at(s.register(order), 1, int(_sampler.sample_sequence(order, 1)[100]))
         s._plan(s._seg, 400, 1, True)  # the orders
         count = [0]
 
@@ -194,3 +201,122 @@ def test_one_ranking_makes_few_python_calls(shm):
 
     one, four = calls(1), calls(4)
     assert one < 380 and four < 620, (one, four)
+
+
+def replay(s, runs, epochs: int, size_of=lambda i: 4000) -> list:
+    """Each (slot, order, lag) of `runs` reads its order's epochs, one
+    sample per step, `lag` steps behind the first; a miss is inserted.
+    The trace of accesses."""
+    trace = []
+    seqs = {id(o): [_sampler.sample_sequence(o, e).tolist() for e in range(epochs)] for _, o, _ in runs}
+    flat = {key: [(e, i) for e, seq in enumerate(q) for i in seq] for key, q in seqs.items()}
+    steps = max(len(flat[id(o)]) + lag for _, o, lag in runs)
+    for step in range(steps):
+        for slot, order, lag in runs:
+            at = step - lag
+            if not 0 <= at < len(flat[id(order)]):
+                continue
+            epoch, i = flat[id(order)][at]
+            s.at(slot, epoch, i)
+            trace.append(i)
+            if s.get(i) is None:
+                s.put(i, bytes(size_of(i)))
+    return trace
+
+
+@pytest.fixture
+def ranked(monkeypatch):
+    """The rankings CacheStore._rank made."""
+    made = []
+    real_rank = CacheStore._rank
+    monkeypatch.setattr(CacheStore, "_rank", lambda self, *a: made.append(a) or real_rank(self, *a))
+    return made
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_one_pipeline_of_every_sample_keeps_what_is_cached_without_ranking(shm, ranked, workers):
+    """One pipeline's order (every sample once an epoch), its consumer
+    entries one or several (its workers, taking samples in turn, under
+    one pipeline token): a full cache keeps what it holds, nothing is
+    ranked and nothing evicted, and it hits as often as Belady's offline
+    MIN on the same trace (the most any policy can)."""
+    from tsock._cache_policy import Belady, simulate
+
+    n, cached_max = 61, 20
+    s = CacheStore(b"w" * 16, n, budget=_cache_segment.geometry(n, 4096, cached_max)["file_bytes"], directory=shm)
+    s.put(0, bytes(4000))
+    order = params(n, 5, pipeline="p1")
+    slots = [s.register(order) for _ in range(workers)]
+    trace = [0]
+    for epoch in range(4):
+        seq = _sampler.sample_sequence(order, epoch).tolist()
+        for at in range(0, len(seq), workers):
+            for slot, i in zip(slots, seq[at : at + workers]):
+                s.at(slot, epoch, i)
+                trace.append(i)
+                if s.get(i) is None:
+                    s.put(i, bytes(4000))
+    want = simulate(trace, dict.fromkeys(range(n), 1), cached_max, Belady())
+    assert (ranked, s.counts["evictions"]) == ([], 0)
+    # Epoch 0 hits only sample 0 (cached before it), each later epoch every sample cached: the most possible.
+    assert s.counts["hits"] == want.hits == 1 + 3 * cached_max
+    s.close()
+
+
+N_GAIN = 61
+
+
+def gain_params(**kw) -> dict:
+    return params(N_GAIN, 5, **{"pipeline": "p1", **kw})
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["another order", "the same order, another pipeline", "entries without a pipeline", "drop_last",
+     "sizes differ", "an entry it cannot read", "a full table"],
+)  # fmt: skip
+def test_where_evictions_gain_the_store_ranks(shm, ranked, case):
+    """Where keeping what is cached would lose hits, Belady ranks and
+    evicts as before: another order beside the pipeline's, a second
+    pipeline of the same order a few samples behind (it hits what the
+    first inserts), entries that do not say which pipeline they are of,
+    an order that leaves samples out, samples of different sizes, an
+    entry this process cannot read, a table too full to show everyone."""
+    n, blocks = N_GAIN, 40 if case == "sizes differ" else 20
+    s = CacheStore(b"g" * 16, n, budget=_cache_segment.geometry(n, 4096, blocks)["file_bytes"], directory=shm)
+    s.put(0, bytes(4000))
+    size_of = lambda i: 4000  # noqa: E731
+    order = params(n, 5) if case == "entries without a pipeline" else gain_params(drop_last=case == "drop_last")
+    runs = [(s.register(order), order, 0)]  # drop_last: 61 % 7, 5 samples left out of each epoch
+    if case == "another order":
+        other = params(n, 6, pipeline="p2")
+        runs.append((s.register(other), other, 3))
+    elif case == "the same order, another pipeline":
+        other = gain_params(pipeline="p2")
+        runs.append((s.register(other), other, 5))
+    elif case == "entries without a pipeline":
+        runs.append((s.register(order), order, 5))
+    elif case == "sizes differ":
+        size_of = lambda i: 4000 if i % 3 else 12000  # noqa: E731 - 1 block or 3
+    elif case == "an entry it cannot read":
+        s.register(params(n + 1, 5))  # another dataset's length: refused
+    elif case == "a full table":  # every slot taken (by entries of the same pipeline): one not registered is unseen
+        for _ in range(_cache_segment.CONSUMER_SLOTS - 1):
+            assert s.register(order) is not None
+        assert s.register(order) is None
+    replay(s, runs, 3, size_of)
+    assert ranked and s.counts["evictions"] > 0, s.counts
+    s.close()
+
+
+def test_a_second_pipeline_makes_the_store_rank_again(shm, ranked):
+    n, cached_max = N_GAIN, 20
+    s = CacheStore(b"a" * 16, n, budget=_cache_segment.geometry(n, 4096, cached_max)["file_bytes"], directory=shm)
+    s.put(0, bytes(4000))
+    order = gain_params()
+    replay(s, [(s.register(order), order, 0)], 2)
+    assert (ranked, s.counts["evictions"]) == ([], 0)
+    other = gain_params(pipeline="p2")
+    replay(s, [(s.register(other), other, 0)], 1)
+    assert ranked and s.counts["evictions"] > 0, s.counts
+    s.close()
