@@ -297,15 +297,22 @@ def target_notes(res: dict) -> str:
     if g and g[0]["samples_per_s"] < 5.7 * g[1]["samples_per_s"]:
         b, d = g
         ts = next((r for r in c["runs"] if (r["source"], r["system"]) == ("decode", "tsock")), None)
-        share = f"sharing alone {ts['samples_per_s'] / d['samples_per_s']:.2f}x, " if ts else ""
+        shared = ts["samples_per_s"] / d["samples_per_s"] if ts else None
+        share = f"sharing alone {shared:.2f}x, " if ts else ""
+        bound = 0.5 * (c["epochs"] - 1) / c["epochs"]
+        ceiling = (
+            f": {shared:.2f}x / (1 - {bound:.2f}) = {shared / (1 - bound):.2f}x even if decoding were all the CPU "
+            "and a hit cost nothing"
+            if ts
+            else ""
+        )
         out.append(
             f"- **Cache, {b['samples_per_s'] / d['samples_per_s']:.2f}x a DataLoader per trainer ({share}hit rate "
             f"{b.get('hit_rate', 0):.2f}).** With one shared pipeline the hit rate is at most about 50% × "
-            f"(E - 1) / E = {0.5 * (c['epochs'] - 1) / c['epochs']:.2f} (a little more as the workers overlap "
-            "epochs), so the cache can at best cut the decoding by that fraction on top of sharing; the trainers' "
-            "reads, the producer's copies, the lookups, the Pipeline's "
-            "per-sample Python and Belady's ranking per miss are paid from the same 2 CPUs as decoding (and the two "
-            "CPU hogs take their share). CoorDL's figure comes from a server with many cores per job; here it would "
-            "take decoding costlier against those fixed costs (larger images) and a cheaper miss path."
+            f"(E - 1) / E = {bound:.2f} (a little more as the workers overlap epochs), so the cache can at best "
+            f"cut the decoding by that fraction on top of sharing{ceiling}. The trainers' reads, the producer's "
+            "copies, the lookups and inserts and the Pipeline's per-sample Python are paid from the same CPUs as "
+            "decoding. CoorDL's figure comes from a server with many cores per job; here it would take sharing "
+            "itself nearer K and decoding costlier against those fixed costs (larger images)."
         )
     return "\n".join(out)

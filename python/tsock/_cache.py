@@ -100,13 +100,17 @@ class SampleCache:
                  auto_off: bool = True, pipeline: str | None = None):  # fmt: skip
         self.key, self.params, self.budget, self.policy, self.directory = key, params, budget, policy, directory
         self.auto_off = auto_off
-        # Which pipeline this is, in every process of it (its workers get it
-        # by fork or pickle): Belady tells one pipeline's workers, which
-        # share one pass over the order, from two pipelines of the same
-        # order (CacheStore._nothing_to_gain). Only where that matters (the
-        # whole dataset, not a partition, whose list of ranks needs the room
-        # in the entry).
+        # Which pipeline this is, in every process of it: Belady tells one
+        # pipeline's workers, which share one pass over the order, from two
+        # pipelines of the same order (CacheStore._nothing_to_gain). Only
+        # where that matters (the whole dataset, not a partition, whose list
+        # of ranks needs the room in the entry). The token is this process's
+        # and its workers' (adopt_pipeline): a copy in any other process (a
+        # trainer forked from the one that made the Pipeline, a Pipeline
+        # unpickled elsewhere) iterates on its own and draws its own.
         self.pipeline = pipeline or os.urandom(6).hex()
+        self._token_pid = None if pipeline else os.getpid()
+        self._refused_epoch = None  # the epoch in which a full consumer table refused this process
         self.store = CacheStore(key, params["n"], budget=budget, policy=policy, directory=directory)
         self.counts = {"uncacheable": 0}
         self._epoch = 0  # the epoch of the last lookup
@@ -120,6 +124,11 @@ class SampleCache:
         self._off = False
         self._off_for_cost = False  # off because it did not pay: on again after close()
         self.off = None  # why the cache is off in this process (None: it is on)
+
+    def adopt_pipeline(self) -> None:
+        """Called in a worker of the pipeline: this process is part of the
+        pipeline whose token it was given (not a copy that iterates alone)."""
+        self._token_pid = os.getpid()
 
     def __getstate__(self):
         return {k: getattr(self, k) for k in ("key", "params", "budget", "policy", "directory", "auto_off", "pipeline")}
@@ -248,12 +257,18 @@ class SampleCache:
             return  # off (another thread, meanwhile): no entry is registered again
         if self._slot_pid != os.getpid():
             self._slot, self._slot_pid = None, os.getpid()
+        if self._slot == -1 and epoch is not None and epoch != self._refused_epoch:
+            self._slot = None  # refused by a full table: asked again once an epoch, others may have left
         if self._slot is None:
             if not self.store.opened:
                 return
+            if self._token_pid != os.getpid():
+                self.pipeline, self._token_pid = os.urandom(6).hex(), os.getpid()
             params = self.params if self.params["world_size"] else dict(self.params, pipeline=self.pipeline)
             slot = self.store.register(params)
-            self._slot = -1 if slot is None else slot  # -1: the table is full, not asked again
+            self._slot = -1 if slot is None else slot  # -1: the table is full, asked again next epoch
+            if slot is None:
+                self._refused_epoch = self._epoch if epoch is None else epoch
         if self._slot < 0:
             return
         if epoch is not None:

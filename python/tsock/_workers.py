@@ -153,6 +153,8 @@ def worker_main(conn, stages, worker: int, parent: int, slots: int, preload: tup
         __import__(module)
     staging = _Staging(worker, slots)
     stages.take_ns()  # a forked worker starts with its parent's counts
+    if stages.cache is not None:
+        stages.cache.adopt_pipeline()  # its consumer entry is of the parent's pipeline
     while True:
         try:
             if not conn.poll(POLL_S):

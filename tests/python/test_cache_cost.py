@@ -146,8 +146,10 @@ def test_a_miss_ranks_its_candidates_before_the_lock(shm, monkeypatch):
             s.at(s.register(params(seed, **RANKS)), 0, 0)
         s.put(N - 1, bytes(BLOCK))  # the orders
         holds = Holds(monkeypatch)
+        before = s.counts["evictions"]
         for i in range(N - 100, N - 40):
             s.put(i, bytes(BLOCK))
+        assert s.counts["evictions"] > before  # ranked and evicted under the lock
         monkeypatch.undo()
         s.close()
         return float(np.median(holds.exclusive))

@@ -170,6 +170,47 @@ def test_trainers_running_their_own_pipelines_share_the_cache_by_index(shm):
     assert h1 == reference(1, seed=1) and h2 == reference(1, seed=2)
 
 
+def _iterate_and_tell_the_token(pipe, q) -> None:
+    hashes(pipe, 1)
+    q.put(pipe._stages.cache.pipeline)
+
+
+def test_trainers_forked_from_the_pipelines_process_are_pipelines_of_their_own(shm):
+    """Two trainers forked from the process that made the Pipeline each
+    iterate it alone: each draws its own pipeline token (one token would
+    tell Belady one pass over the order, and keep what two could hit)."""
+    pipe = cached(shm)
+    hashes(pipe, 1)  # the segment, and the parent's entry
+    q = FORK.Queue()
+    procs = [FORK.Process(target=_iterate_and_tell_the_token, args=(pipe, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    tokens = collect(q, procs)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert len(set(tokens + [pipe._stages.cache.pipeline])) == 3, tokens
+    pipe.close()
+
+
+def test_a_process_a_full_table_refused_registers_at_a_later_epoch(shm):
+    pipe = cached(shm)
+    cache = pipe._stages.cache
+    hashes(pipe, 1)
+    filler = _cache_store.CacheStore(pipe.cache_key(), N, directory=shm)
+    cache.close()  # gives its entry back, then the table fills
+    while filler.register({"n": N}) is not None:
+        pass
+    next(pipe.batches(1))
+    assert cache._slot == -1  # refused this epoch
+    filler.close()  # its entries go
+    next(pipe.batches(1))
+    assert cache._slot == -1  # not asked again within the epoch
+    next(pipe.batches(2))
+    assert cache._slot >= 0
+    pipe.close()
+
+
 # ---- failures cost the cache, not the batches ----
 
 

@@ -185,7 +185,7 @@ def test_one_ranking_makes_few_python_calls(shm):
             # drop_last leaves 2 samples out of each epoch: one order ranks too
             order = params(n, c, batch_size=30, drop_last=True)
             s.at(s.register(order), 1, int(_sampler.sample_sequence(order, 1)[100]))
-        s._plan(s._seg, 400, 1, True)  # the orders
+        assert s._plan(s._seg, 400, 1, True) is not _cache_store._KEEP_ALL  # it ranks (and computes the orders)
         count = [0]
 
         def profile(frame, event, arg):
