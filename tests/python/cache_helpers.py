@@ -17,3 +17,15 @@ def collect(q, procs, timeout: float = 120) -> list:
             dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             assert not dead and time.monotonic() < deadline, f"a process failed: exit codes {dead}"
     return out
+
+
+def run_and_collect(q, procs, timeout: float = 120) -> list:
+    """Starts `procs`, takes one result from each (collect), and waits for
+    each to exit cleanly."""
+    for p in procs:
+        p.start()
+    out = collect(q, procs, timeout)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0, f"a process exited with {p.exitcode}"
+    return out

@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import pytest
 import tsock
-from cache_helpers import collect
+from cache_helpers import collect, run_and_collect
 from pipeline_helpers import Counting, Numbers, batch_hash, noisy
 from tsock import _cache, _cache_segment, _cache_store
 
@@ -182,13 +182,7 @@ def test_trainers_forked_from_the_pipelines_process_are_pipelines_of_their_own(s
     pipe = cached(shm)
     hashes(pipe, 1)  # the segment, and the parent's entry
     q = FORK.Queue()
-    procs = [FORK.Process(target=_iterate_and_tell_the_token, args=(pipe, q)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    tokens = collect(q, procs)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    tokens = run_and_collect(q, [FORK.Process(target=_iterate_and_tell_the_token, args=(pipe, q)) for _ in range(2)])
     assert len(set(tokens + [pipe._stages.cache.pipeline])) == 3, tokens
     pipe.close()
 
@@ -365,12 +359,8 @@ def run_trainers(shm, policy, budget, k=4):
     the optimum of the trace made, 1 run in ~18): (hit rate, the trace of
     every lookup in time order)."""
     q, step = FORK.Queue(), FORK.Barrier(k)
-    procs = [FORK.Process(target=_trainer, args=(shm, s, budget, policy, q, step)) for s in range(k)]
-    for p in procs:
-        p.start()
-    results = collect(q, procs)
-    for p in procs:
-        p.join(30)
+    trainers = [FORK.Process(target=_trainer, args=(shm, s, budget, policy, q, step)) for s in range(k)]
+    results = run_and_collect(q, trainers)
     hits, misses = sum(r[0] for r in results), sum(r[1] for r in results)
     trace = [i for _, i in sorted(x for r in results for x in r[2])]
     return hits / (hits + misses), trace

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from cache_helpers import collect
+from cache_helpers import collect, run_and_collect
 from tsock import _cache_segment, _cache_store, _sampler
 from tsock._cache_policy import KnownFuture, OnlineBelady, simulate
 from tsock._cache_segment import segment_path
@@ -178,13 +178,7 @@ def _hammer(shm: str, worker: int, rounds: int, q) -> None:
 
 def test_two_processes_insert_and_read_concurrently(shm):
     q = FORK.Queue()
-    procs = [FORK.Process(target=_hammer, args=(shm, w, 1500, q)) for w in range(2)]
-    for p in procs:
-        p.start()
-    results = collect(q, procs)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    results = run_and_collect(q, [FORK.Process(target=_hammer, args=(shm, w, 1500, q)) for w in range(2)])
     assert all(wrong == 0 and corrupt == 0 for _, wrong, corrupt in results), results
     assert sum(h for h, _, _ in results) > 500
     consistent(store(shm, budget=300_000))
