@@ -44,7 +44,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
-from e2e import Out  # JSON lines to the runner's result file
+from e2e import Out, child_env  # JSON lines to the runner's result file; its processes' environment
 from proctree import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,8 +331,7 @@ def run_config(a: Namespace, source: str, system: str, tmp: Path) -> dict:
     base += ["--workers", str(a.workers), "--cache-dir", str(a.cache_dir), "--source", source, "--system", system]
     base += ["--name", f"cachebench-{os.getpid()}-{source}-{system.replace('+', '-').replace('@', '-')}"]
     roles = ([] if system == "dataloader" else [("producer", 0)]) + [("trainer", i) for i in range(a.k)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-    env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
+    env = child_env()
     stem = tmp / f"{source}-{system}"
     files = [Path(f"{stem}-{role}-{i}.jsonl") for role, i in roles]
     go, stop = Path(f"{stem}.go"), Path(f"{stem}.stop")

@@ -190,6 +190,17 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def child_env() -> dict:
+    """The environment of a benchmark's processes: this repository's package
+    ahead of the caller's PYTHONPATH (which may hold packages carried beside
+    it, such as tensorsocket), and the libraries of `make build` unless
+    TSOCK_LIBRARY_DIR names others."""
+    paths = [str(ROOT / "python")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
+    return env
+
+
 def _read(path: Path) -> list[dict]:
     try:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -205,8 +216,7 @@ def run_config(system: str, k: int, a: Namespace, tmp: Path) -> dict:
     roles = [("producer", None)] if system != "own" else []
     roles += [("trainer", i) for i in range(k)]
     procs, files = [], []
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-    env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
+    env = child_env()
     mem = MemSampler()
     mem.start()
     t_start = time.monotonic()
@@ -221,17 +231,12 @@ def run_config(system: str, k: int, a: Namespace, tmp: Path) -> dict:
         while not all(any(r.get("ready") for r in _read(f)) for f in files):
             _check(procs, deadline, "start")
             time.sleep(0.05)
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        _tell(procs, "go\n")
         trainers = procs[len(procs) - k :]
         while not all(any(r.get("done") for r in _read(f)) for f in files[len(files) - k :]):
             _check(trainers, deadline, "run")
             time.sleep(0.1)
-        for p in procs:
-            if p.poll() is None:
-                p.stdin.write("stop\n")
-                p.stdin.flush()
+        _tell(procs, "stop\n")
         cpu_total = 0.0
         for p in procs:
             _, status, ru = os.wait4(p.pid, 0)  # the whole subtree's CPU, startup included
@@ -265,6 +270,20 @@ def run_config(system: str, k: int, a: Namespace, tmp: Path) -> dict:
         "wall": time.monotonic() - t_start,
         "epochs": epochs,
     }
+
+
+def _tell(procs, line: str) -> None:
+    """Sends line to each process still running. One may exit between the
+    check and the write (a trainer ends once it has reported): its closed
+    pipe is not an error."""
+    for p in procs:
+        if p.poll() is not None:
+            continue
+        try:
+            p.stdin.write(line)
+            p.stdin.flush()
+        except BrokenPipeError:
+            pass
 
 
 def _check(procs, deadline: float, phase: str) -> None:

@@ -13,7 +13,8 @@ latency and host-to-device bytes, for
 A batch is a float32 tensor of --batch-mb MiB and an int64 timestamp taken
 just before it is published. A trainer reads the timestamp on the GPU
 (.item(), which waits for the batch's data on its stream), so its latency
-is publish -> usable on the trainer's GPU; then it reads the whole batch
+is publish -> usable on the trainer's GPU (the first 8 batches, stamped
+while the trainers attach, are left out); then it reads the whole batch
 (a sum) and runs a --step-ms kernel. Host-to-device bytes are counted from
 what each system copies: batches x size, times K for tsock-copy.
 
@@ -38,7 +39,7 @@ from argparse import Namespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import ROOT, Out, _check, _free_ports, _read, run_all  # noqa: E402 - the runner's plumbing, shared
+from e2e import ROOT, Out, _check, _free_ports, _read, _tell, child_env, run_all  # noqa: E402 - the runner's plumbing, shared
 
 SYSTEMS = ("tsock-device", "tsock-copy", "tensorsocket")
 
@@ -67,6 +68,10 @@ def gpu_missing() -> str | None:
 
 
 ROWS = 64  # samples per batch: tensorsocket slices batches by rows
+SLOTS = 8  # tsock's ring
+# The first batches are stamped while the trainers still attach (a producer
+# waits for its readers; CUDA opens its IPC handles): left out of latency.
+WARMUP = SLOTS
 
 
 class Stamped:
@@ -102,7 +107,7 @@ def producer(a: Namespace) -> None:
         import tsock
 
         device = "cuda:0" if a.system == "tsock-device" else None
-        src = tsock.Producer(None, a.name, slots=8, wait_readers=a.k, timeout=300, device=device)
+        src = tsock.Producer(None, a.name, slots=SLOTS, wait_readers=a.k, timeout=300, device=device)
     out(ready=True)
     sys.stdin.readline()
     t0 = time.monotonic()
@@ -160,8 +165,7 @@ def run_config(system: str, k: int, a: Namespace, tmp: Path) -> dict:
     base = [sys.executable, str(Path(__file__).resolve()), "--k", str(k), "--system", system]
     base += ["--batches", str(a.batches), "--batch-mb", str(a.batch_mb), "--step-ms", str(a.step_ms)]
     base += ["--name", f"gpu-{os.getpid()}-{system}-{k}", "--ports", ",".join(map(str, _free_ports(4)))]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-    env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
+    env = child_env()
     procs, files = [], []
     try:
         for role, i in [("producer", 0)] + [("trainer", i) for i in range(k)]:
@@ -173,16 +177,12 @@ def run_config(system: str, k: int, a: Namespace, tmp: Path) -> dict:
         while not all(any(r.get("ready") for r in _read(f)) for f in files):
             _check(procs, deadline, "start")
             time.sleep(0.05)
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        _tell(procs, "go\n")
         while not all(any(r.get("done") for r in _read(f)) for f in files):
             _check(procs[1:], deadline, "run")
             time.sleep(0.1)
+        _tell(procs, "stop\n")
         for p in procs:
-            if p.poll() is None:
-                p.stdin.write("stop\n")
-                p.stdin.flush()
             p.wait(60)
     finally:
         for p in procs:
@@ -193,7 +193,7 @@ def run_config(system: str, k: int, a: Namespace, tmp: Path) -> dict:
     got = [len(d["latency_ns"]) for d in done]
     per_trainer = []
     for d in done:
-        ms = sorted(v / 1e6 for v in d["latency_ns"])
+        ms = sorted(v / 1e6 for v in d["latency_ns"][WARMUP:])
         per_trainer.append(
             {
                 "batches": len(ms),
@@ -254,6 +254,8 @@ def parse(argv=None) -> Namespace:
         a.systems = [s for s in a.systems.split(",") if s]
         if set(a.systems) - set(SYSTEMS):
             ap.error(f"unknown systems {sorted(set(a.systems) - set(SYSTEMS))}")
+        if a.batches <= WARMUP:
+            ap.error(f"--batches must exceed the {WARMUP} warm-up batches left out of latency")
     return a
 
 

@@ -454,11 +454,13 @@ int tsock_batch_cuda_ptr(const tsock_batch_t *batch, uint32_t i, uint64_t *dptr)
  * released from another thread, a batch used on it is fenced by waiting
  * until the device is idle (cuCtxSynchronize, blocking that release), and
  * a second call with CU_STREAM_PER_THREAD from another thread names another
- * stream (TSOCK_ESTATE). Name a created stream to avoid both.
+ * stream (below). Name a created stream to avoid both.
  * With flags TSOCK_CUDA_SYNC the calling thread waits for the copy instead,
  * and release waits until the device is idle (cuCtxSynchronize): for a
- * caller that cannot name the stream its work runs on. One stream per batch: a
- * second call with another stream or flags returns TSOCK_ESTATE.
+ * caller that cannot name the stream its work runs on. Calls again with the
+ * same stream and flags do nothing; a call with another stream or flags
+ * orders the copy there too (or waits for it), and the batch's release then
+ * waits until the device is idle, since no one event covers several streams.
  * TSOCK_ENODEVICE as tsock_batch_cuda_ptr. TSOCK_EPRODUCER_GONE once the
  * producer's process is gone: its device pool went with it (CUDA leaves
  * the use of an exporter's memory and events undefined then), but the

@@ -53,6 +53,7 @@ static int copy_slot(struct reader_impl *r, uint64_t seq, tsock_held_batch *hb) 
   hb->stream_set = 0;
   hb->stream = 0;
   hb->use_flags = 0;
+  hb->several_streams = 0;
   memcpy(hb->meta, s->meta, b->meta_len);
   for (uint32_t i = 0; i < b->n_tensors; i++) {
     const tsock_shm_tensor *d = &s->tensors[i];

@@ -116,7 +116,7 @@ static int fence_establish(device_state *g, tsock_held_batch *hb) {
   const tsock_cuda_driver *d = g->d;
   /* The per-thread default stream of another thread cannot be named here:
    * only the device as a whole covers it. */
-  if (!(hb->use_flags & TSOCK_CUDA_SYNC) && !stream_elsewhere(hb)) {
+  if (!(hb->use_flags & TSOCK_CUDA_SYNC) && !hb->several_streams && !stream_elsewhere(hb)) {
     tsock_CUstream stream = (tsock_CUstream)hb->stream;
     tsock_CUevent ev = NULL;
     tsock_CUresult rc = TSOCK_CUDA_SUCCESS;
@@ -133,9 +133,9 @@ static int fence_establish(device_state *g, tsock_held_batch *hb) {
     /* No event: wait for the stream now rather than risk the slot. */
     if (d->cuStreamSynchronize(stream) == TSOCK_CUDA_SUCCESS) return 0;
   }
-  /* The caller's streams are unknown (TSOCK_CUDA_SYNC), its stream is
-   * another thread's, or it could not be fenced nor synchronized: wait for
-   * the whole device. */
+  /* The caller's streams are unknown (TSOCK_CUDA_SYNC), it used several,
+   * its stream is another thread's, or it could not be fenced nor
+   * synchronized: wait for the whole device. */
   return d->cuCtxSynchronize() == TSOCK_CUDA_SUCCESS ? 0 : -1;
 }
 
@@ -427,13 +427,8 @@ int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flag
     return tsock__fail(TSOCK_EINVAL, "tsock_batch_cuda_use: unknown flags 0x%x", flags);
   if (!hb->handed || hb->user_released)
     return tsock__fail(TSOCK_ESTATE, "tsock_batch_cuda_use: batch is not held");
-  if (hb->stream_set) {
-    if (hb->stream == stream && hb->use_flags == flags && !stream_elsewhere(hb)) return TSOCK_OK;
-    return tsock__fail(TSOCK_ESTATE, "tsock_batch_cuda_use: batch %llu is already in use on "
-                                     "another stream%s", (unsigned long long)b->seq,
-                       stream_elsewhere(hb) ? " (the per-thread default stream of another thread)"
-                                            : "");
-  }
+  if (hb->stream_set && hb->stream == stream && hb->use_flags == flags && !stream_elsewhere(hb))
+    return TSOCK_OK;
   device_state *g = hb->device;
   /* The pool and its events belong to the producer's process: once it is
    * gone, CUDA leaves their use undefined. Its batches' host copies stay
@@ -456,6 +451,13 @@ int tsock_batch_cuda_use(const tsock_batch_t *b, uintptr_t stream, uint32_t flag
   if (rc != TSOCK_CUDA_SUCCESS)
     return tsock__cuda_fail(d, rc, flags & TSOCK_CUDA_SYNC ? "cuEventSynchronize (the copy)"
                                                            : "cuStreamWaitEvent (the copy)");
+  if (hb->stream_set) {
+    /* Another stream (a framework that names one per import, another
+     * thread's per-thread stream) or mode: each is ordered after the copy,
+     * and no single event at release covers them all. */
+    hb->several_streams = 1;
+    return TSOCK_OK;
+  }
   hb->stream = stream;
   hb->use_flags = flags;
   hb->use_thread = this_thread();

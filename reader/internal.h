@@ -184,6 +184,7 @@ typedef struct tsock_held_batch {
   int stream_set;
   uint32_t use_flags;
   uint64_t use_thread; /* the thread that called it (CU_STREAM_PER_THREAD is per thread) */
+  int several_streams; /* used on more than one stream: only the device as a whole fences it */
   void *fence; /* armed at release: the slot goes back once it has fired */
 } tsock_held_batch;
 

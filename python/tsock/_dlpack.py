@@ -139,14 +139,16 @@ def capsule(lib, lease: Lease, index: int, versioned: bool, bool_as_uint8: bool 
     return _api.PyCapsule_New(out.value, LEGACY, lib.destroy_legacy)
 
 
-def use(lib, lease: Lease, stream, host_wait_without_stream: bool = False) -> None:
-    """tsock_batch_cuda_use for a DLPack stream argument. host_wait_without_stream:
-    for a consumer whose None does not mean the legacy default stream (JAX
-    computes on streams of its own), wait on the host instead."""
+def use(lib, lease: Lease, stream, host_wait: bool = False) -> None:
+    """tsock_batch_cuda_use for a DLPack stream argument. host_wait: for a
+    consumer that computes on streams other than the one it names (JAX names
+    a stream for the import's readiness, then reads the array on its own
+    compute streams, where an event recorded at release would not reach),
+    wait for the copy on the host and fence the release with the device."""
     if not lease.valid:
         raise BufferError(_RELEASED)
     flags = 0
-    if stream is None and host_wait_without_stream:
+    if host_wait:
         stream, flags = 0, _capi.CUDA_SYNC
     elif stream is None:
         stream = 1  # the array API: None means the legacy default stream
@@ -172,7 +174,7 @@ class DLPackTensor:
         self._index = index
         self._rows = rows
         self._cuda = cuda  # the device ordinal when exporting the device copy
-        self._host_wait = host_wait  # stream=None: wait on the host (see use())
+        self._host_wait = host_wait  # wait on the host whatever the stream (see use())
 
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
         """A DLPack capsule: versioned (read-only flag set) when the caller

@@ -258,7 +258,6 @@ static void check_device_batch(const tsock_batch_t *b, void *ctx) {
   uint64_t dptr = 0;
   CHECK_RC(tsock_batch_cuda_use(b, stream, 0), TSOCK_OK);
   CHECK_RC(tsock_batch_cuda_use(b, stream, 0), TSOCK_OK); /* same stream: fine */
-  CHECK_RC(tsock_batch_cuda_use(b, 0, 0), TSOCK_ESTATE);  /* another: refused */
   CHECK_RC(tsock_batch_cuda_use(b, stream, 0x80), TSOCK_EINVAL);
   CHECK_RC(tsock_batch_cuda_ptr(b, 0, &dptr), TSOCK_OK);
   CHECK_RC(tsock_batch_cuda_ptr(b, 1, &dptr), TSOCK_EINVAL);
@@ -633,9 +632,13 @@ static void test_per_thread_stream(void) {
   CHECK(pthread_create(&a, NULL, use_per_thread, &u) == 0);
   pthread_join(a, NULL);
   CHECK_RC(u.rc, TSOCK_OK);
-  /* here handle 2 is this thread's stream, not the one the batch is on */
-  CHECK_RC(tsock_batch_cuda_use(b, 2, 0), TSOCK_ESTATE);
+  /* here handle 2 is this thread's stream, not the one the batch is on:
+   * ordered too, and fenced with the device as before */
+  int waits = stats().stream_waits, syncs = stats().ctx_syncs;
+  CHECK_RC(tsock_batch_cuda_use(b, 2, 0), TSOCK_OK);
+  CHECK(stats().stream_waits == waits + 1);
   CHECK_RC(tsock_reader_release(r, b), TSOCK_OK); /* in B, this thread */
+  CHECK(stats().ctx_syncs == syncs + 1);
   int rc, n = 0;
   while ((rc = tsock_reader_acquire(r, &b, 10000000000ll)) == TSOCK_OK) {
     if (n++ == 0) {
@@ -661,7 +664,8 @@ static void test_per_thread_stream(void) {
   CHECK(reap(pid) == 0);
 }
 
-/* TSOCK_CUDA_SYNC: the host waits for the copy; release waits for the device. */
+/* TSOCK_CUDA_SYNC: the host waits for the copy; release waits for the device.
+ * So does a batch used on two streams. */
 static void test_sync_mode(void) {
   const char *name = test_name("tdev", "sync");
   setenv("FAKE_CUDA_COPY_NS", "500000000", 1); /* the producer's copies take 0.5 s */
@@ -690,6 +694,19 @@ static void test_sync_mode(void) {
   int syncs = stats().ctx_syncs;
   CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
   CHECK(stats().ctx_syncs == syncs + 1);
+  /* third batch on two streams: each waits for the copy; no one event at
+   * release covers both, so the release waits for the device */
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK); /* again: nothing */
+  fake_cuda_stats before = stats();
+  CHECK_RC(tsock_batch_cuda_use(b, 1, 0), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, 1, 0), TSOCK_OK); /* only the first stream is remembered */
+  CHECK(stats().stream_waits == before.stream_waits + 2);
+  CHECK(stream_end((void *)1) + 1000000ull >= b->publish_ns + 500000000ull); /* ordered */
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK(stats().ctx_syncs == before.ctx_syncs + 1);
+  CHECK(stats().events_recorded == before.events_recorded);
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
   CHECK(reap(pid) == 0);
 }

@@ -288,11 +288,14 @@ def test_device_path_arguments():
 
 @needs_fake
 @pytest.mark.parametrize("jax_stream", [None, "ours"])
-def test_jax_objects_order_on_its_stream_or_wait(tmp_path, jax_stream):
+def test_jax_objects_wait_on_the_host_whatever_stream_it_names(tmp_path, jax_stream):
     # JAX gets DLPackTensor objects (it takes no bare capsules since 0.7.2)
-    # and names its stream in __dlpack__(stream=...): the batch is ordered
-    # there. Where it names none, the host waits for the copy and each
-    # release waits for the device (cuCtxSynchronize).
+    # and names a stream in __dlpack__(stream=...) for the import's
+    # readiness, but reads the array on compute streams of its own, which
+    # an event recorded at release would not cover (and on the H200 it named
+    # another stream for each leaf of a batch). So whatever it names, the
+    # host waits for the copy and each release waits for the device
+    # (cuCtxSynchronize).
     out = _run(
         tmp_path,
         """
@@ -311,10 +314,7 @@ def test_jax_objects_order_on_its_stream_or_wait(tmp_path, jax_stream):
                 n += 1
         after = stats()
         waits, syncs = after.stream_waits - before.stream_waits, after.ctx_syncs - before.ctx_syncs
-        if STREAM is None:
-            assert (waits, syncs) == (0, n), (waits, syncs, n)
-        else:
-            assert (waits, syncs) == (n, 0), (waits, syncs, n)
+        assert (waits, syncs) == (0, n), (waits, syncs, n)
         print("ok", n)
         """
         % ("None" if jax_stream is None else "stream.value"),

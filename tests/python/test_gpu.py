@@ -6,14 +6,15 @@ of test_device.py stands in for:
 
 - the device path: a producer process with a device pool on cuda:0 and two
   trainer processes that get its batches as CUDA tensors at the pool's
-  addresses, with the producer's values;
+  addresses (lifetime="step"), with the producer's values; with the default
+  lifetime, private copies that a trainer keeps unchanged to the end;
 - fences: a trainer queues a long kernel and then a read of each batch,
   and moves on at once; with 2 slots every read must still see its batch;
 - the pinned path (device_path="never"): the channel's memory is pinned
   (cuMemHostRegister READ_ONLY on a /dev/shm mapping) and the copies land;
 - a killed producer: the batches it published still arrive (from host
   memory), then ProducerGone;
-- JAX on the device path, where JAX has a GPU backend.
+- JAX on the device path, where JAX has a GPU backend, both lifetimes.
 """
 
 import textwrap
@@ -54,9 +55,10 @@ def _finish(proc, timeout=120):
 
 
 def test_device_path_delivers_the_pool_zero_copy(channel, spawn):
+    # lifetime="step": the zero-copy tensors (the default gives copies, below)
     trainer = """
         import sys, torch, tsock
-        with tsock.Consumer(sys.argv[1], output="torch", device="cuda:0", timeout=60) as c:
+        with tsock.Consumer(sys.argv[1], output="torch", device="cuda:0", lifetime="step", timeout=60) as c:
             assert c.placement == "device", c.placement_note
             base, length = c._reader.device_range()
             n = 0
@@ -71,6 +73,30 @@ def test_device_path_delivers_the_pool_zero_copy(channel, spawn):
     prod = _producer(spawn, channel, 50, readers=2)
     trainers = [_trainer(spawn, trainer, channel) for _ in range(2)]
     assert [_finish(t).strip() for t in trainers] == ["50", "50"]
+    _finish(prod)
+
+
+def test_kept_device_batches_never_change(channel, spawn):
+    """The default lifetime on the device path: each batch is a private copy
+    on the GPU, outside the pool, so a trainer that keeps every batch while
+    the producer rewrites each slot many times over sees what was published."""
+    trainer = """
+        import sys, torch, tsock
+        kept = []
+        with tsock.Consumer(sys.argv[1], output="torch", device="cuda:0", timeout=60) as c:
+            assert c.placement == "device", c.placement_note
+            base, length = c._reader.device_range()
+            for x, i in c:
+                assert x.is_cuda and not base <= x.data_ptr() < base + length, "a kept batch in the pool"
+                kept.append((x, i))
+        torch.cuda.synchronize()
+        want = torch.arange(ROWS, dtype=torch.float32, device="cuda:0")
+        bad = [int(i) for x, i in kept if not torch.equal(x, want + int(i))]
+        assert not bad and [int(i) for _, i in kept] == list(range(60)), bad
+        print(len(kept))
+    """
+    prod = _producer(spawn, channel, 60, slots=2)
+    assert _finish(_trainer(spawn, trainer, channel)).strip() == "60"
     _finish(prod)
 
 
@@ -136,7 +162,10 @@ def test_killed_producer_batches_still_arrive(channel, spawn):
     prod.wait(30)
 
 
-def test_jax_device_path(channel, spawn):
+@pytest.mark.parametrize("lifetime", ["referenced", "step"])
+def test_jax_device_path(channel, spawn, lifetime):
+    """Both leaves of each batch through jax.dlpack.from_dlpack; with the
+    default lifetime every array kept to the end still holds its batch."""
     jax = pytest.importorskip("jax")
     try:
         jax.devices("gpu")
@@ -144,15 +173,19 @@ def test_jax_device_path(channel, spawn):
         pytest.skip(f"JAX {jax.__version__} has no GPU backend here: {e}")
     trainer = """
         import sys, numpy as np, tsock
-        with tsock.Consumer(sys.argv[1], output="jax", device="cuda:0", timeout=60) as c:
+        lifetime = sys.argv[2]
+        kept = []
+        with tsock.Consumer(sys.argv[1], output="jax", device="cuda:0", lifetime=lifetime, timeout=60) as c:
             assert c.placement == "device", c.placement_note
-            n = 0
             for x, i in c:
                 assert "cuda" in str(x.devices()).lower() or "gpu" in str(x.devices()).lower(), x.devices()
                 np.testing.assert_array_equal(np.asarray(x), np.arange(ROWS, dtype=np.float32) + int(i[0]))
-                n += 1
-        print(n)
+                kept.append((x, i) if lifetime == "referenced" else (None, int(i[0])))
+        for x, i in kept:
+            if x is not None:
+                np.testing.assert_array_equal(np.asarray(x), np.arange(ROWS, dtype=np.float32) + int(i[0]))
+        print(len(kept))
     """
-    prod = _producer(spawn, channel, 20)
-    assert _finish(_trainer(spawn, trainer, channel)).strip() == "20"
+    prod = _producer(spawn, channel, 20, slots=2)
+    assert _finish(_trainer(spawn, trainer, channel, lifetime)).strip() == "20"
     _finish(prod)
