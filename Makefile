@@ -15,7 +15,7 @@ export PYTHON PYTHON_OLDEST
 export CGO_CFLAGS := $(shell sh scripts/cgo.sh)
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')
 
-.PHONY: all build lint go-test c-test py-env py-env-test py-env-bench py-test bench-test wheel wheel-test constraints test sweep sweep-producer demo bench bench-quick bench-latency bench-gpu soak fuzz clean
+.PHONY: all build lint go-test c-test py-env py-env-test py-env-bench py-test bench-test wheel wheel-test constraints test sweep sweep-producer demo bench bench-quick bench-latency bench-gpu gpu-bundle soak fuzz clean
 
 all: build
 
@@ -118,6 +118,14 @@ bench-latency:
 # (needs a GPU and a CUDA PyTorch; says so and stops otherwise).
 bench-gpu: build py-env py-env-bench
 	TSOCK_LIBRARY_DIR=$(abspath $(BUILD)) PYTHONPATH=$(abspath python) $(PY) bench/gpu.py $(GPU_ARGS)
+
+# The libraries scripts/gpu-check.sh needs, as plain files in build-gpu/
+# (git-ignored): what to send to a GPU machine without Go, where all of
+# build/ would be too much to carry.
+gpu-bundle: build
+	rm -rf build-gpu && mkdir build-gpu
+	cp -L $(BUILD)/libtsock.so $(BUILD)/libtsock_reader.so $(BUILD)/libtsock_fake_cuda.so build-gpu/
+	git rev-parse --short HEAD > build-gpu/COMMIT
 
 # Chaos soak (docs/OPERATIONS.md): SOAK_DURATION=10m by default.
 SOAK_DURATION ?= 10m

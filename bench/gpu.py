@@ -215,8 +215,11 @@ def run_config(system: str, k: int, a: Namespace, tmp: Path) -> dict:
 
 
 def measure(a: Namespace, log=print) -> dict:
+    from run import _load, machine
+
     torch = _torch()
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch_mb": a.batch_mb}
+    res["machine"] = machine()
     res.update(batches=a.batches, step_ms=a.step_ms)
     with tempfile.TemporaryDirectory(prefix="tsock-gpu-") as tmp:
         res["runs"], res["failures"] = run_all(
@@ -229,6 +232,7 @@ def measure(a: Namespace, log=print) -> dict:
             ),
             log,
         )
+    res["machine"]["load_end"] = _load()
     return res
 
 

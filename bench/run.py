@@ -79,7 +79,9 @@ def machine() -> dict:
     import e2e
 
     versions["tensorsocket"] = e2e.tensorsocket_version() or "not installed"
-    commit = _cmd("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD")
+    # A copy of the tree without its .git (a GPU machine the tree was sent
+    # to) names its commit in TSOCK_COMMIT.
+    commit = _cmd("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD") or os.environ.get("TSOCK_COMMIT", "?")
     dirty = (
         " (with local changes)" if _cmd("git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no") else ""
     )
@@ -271,12 +273,37 @@ def merge(res: dict, old: dict, only: list[str]) -> None:
         }
 
 
+def import_gpu(results: Path, gpu_json: Path) -> dict:
+    """results with its gpu section replaced by gpu_json (bench/gpu.py --json
+    on another machine), noted as kept from that machine's run; written back."""
+    res = json.loads(results.read_text())
+    g = json.loads(gpu_json.read_text())
+    m = g.get("machine")
+    if not m:
+        raise SystemExit(f"--import-gpu: {gpu_json} names no machine (bench/gpu.py of this tree writes one)")
+    res["gpu"] = g
+    res.setdefault("earlier", {})["gpu"] = {
+        "date": m["date"],
+        "machine": f"{g['gpu']}, {m['summary']}",
+        "load": f"{m['load_start']} to {m.get('load_end', '?')}",
+    }
+    results.write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer configurations and samples")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run (default all: {','.join(SECTIONS)})")
     ap.add_argument("--out", type=Path, help="document folder (default: docs; --quick: build/bench-quick)")
     ap.add_argument("--report", type=Path, help="measure nothing: rewrite the document from a results.json")
+    ap.add_argument(
+        "--import-gpu",
+        type=Path,
+        metavar="GPU_JSON",
+        help="measure nothing: put bench/gpu.py's --json result, measured on a GPU machine, into the folder's "
+        "results.json as its gpu section, and rewrite the document",
+    )
     ap.add_argument(
         "--merge",
         action="store_true",
@@ -292,6 +319,8 @@ def main(argv=None) -> int:
     (out / "bench").mkdir(parents=True, exist_ok=True)
     if a.report:
         res = json.loads(a.report.read_text())
+    elif a.import_gpu:
+        res = import_gpu(out / "bench" / "results.json", a.import_gpu)
     else:
         earlier = _earlier(out / "bench" / "results.json", a) if a.merge else None
         res = measure(a, only)

@@ -152,9 +152,19 @@ def test_gpu_section_renders_runs():
             "h2d_bytes": 2 * 100 * 16 << 20,
         },
     ]
+    g["runs"].append(
+        {
+            "system": "tensorsocket",
+            "k": 2,
+            "per_trainer": [dict(trainer, batches_per_s=160.0, placement="cuda-ipc")] * 2,
+            "p50_ms": 0.5,
+            "h2d_bytes": 100 * 16 << 20,
+        }
+    )
     md = "\n".join(report.gpu_md(g))
-    assert "| tsock-device | 2 | 1.250 | 3.500 | 1.56 | device |" in md, md
-    assert "| tsock-copy | 2 | 2.000 | 3.500 | 3.12 | pinned |" in md, md
+    assert "| tsock-device | 2 | 400 | 2.50x | 1.250 | 3.500 | 1.56 | device |" in md, md
+    assert "| tsock-copy | 2 | 400 | 2.50x | 2.000 | 3.500 | 3.12 | pinned |" in md, md
+    assert "| tensorsocket | 2 | 160 | 1.00x | 0.500 | 3.500 | 1.56 | cuda-ipc |" in md, md
     assert "tensorsocket/4 failed: x" in md
 
 
@@ -196,3 +206,27 @@ def test_a_failure_text_stays_inside_its_table_cell():
     breaks = [len(re.findall(r"(?<!\\)(?:\\\\)*\|", line)) for line in lines]
     assert breaks == [4, 4, 4, 4], md
     assert 'it printed: tsock: bad \\| worse grep -E "a\\\\\\|b"' in lines[2], lines[2]
+
+
+def test_a_gpu_result_from_another_machine_replaces_the_gpu_section(tmp_path):
+    # bench/run.py --import-gpu: the gpu section comes from a GPU machine's
+    # bench/gpu.py --json; the document says which machine and when.
+    sys.path.insert(0, str(ROOT / "bench"))
+    import run
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"quick": False, "gpu": {"skipped": "no CUDA GPU visible"}, "seconds": 1.0}))
+    machine = {"summary": "16 CPUs, tsock abc1234", "date": "2026-11-28 06:35", "load_start": "0.1 0.2 0.3"}
+    g = {"gpu": "NVIDIA H200", "torch": "2.11", "batch_mb": 16, "step_ms": 2.0, "runs": [], "failures": {}}
+    (tmp_path / "gpu.json").write_text(json.dumps(g | {"machine": machine}))
+    res = run.import_gpu(results, tmp_path / "gpu.json")
+    assert res["gpu"]["gpu"] == "NVIDIA H200"
+    assert res["earlier"]["gpu"] == {
+        "date": "2026-11-28 06:35",
+        "machine": "NVIDIA H200, 16 CPUs, tsock abc1234",
+        "load": "0.1 0.2 0.3 to ?",
+    }
+    assert json.loads(results.read_text()) == res
+    (tmp_path / "bare.json").write_text(json.dumps(g))
+    with pytest.raises(SystemExit, match="names no machine"):
+        run.import_gpu(results, tmp_path / "bare.json")
