@@ -193,13 +193,15 @@ def run_config(system: str, k: int, a: Namespace, tmp: Path) -> dict:
     got = [len(d["latency_ns"]) for d in done]
     per_trainer = []
     for d in done:
+        n = len(d["latency_ns"])
         ms = sorted(v / 1e6 for v in d["latency_ns"][WARMUP:])
         per_trainer.append(
             {
-                "batches": len(ms),
+                "batches": n,
                 "p50_ms": statistics.median(ms),
                 "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
-                "batches_per_s": len(ms) / d["wall"] if d["wall"] > 0 else None,
+                # the clock starts at the first batch: the n - 1 after it
+                "batches_per_s": (n - 1) / d["wall"] if d["wall"] > 0 else None,
                 "placement": d["placement"],
             }
         )

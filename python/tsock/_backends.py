@@ -102,11 +102,12 @@ class TorchCuda:
 
 class JaxCuda:
     """The device path for JAX: DLPackTensor objects to
-    jax.dlpack.from_dlpack (JAX >= 0.7.2 takes no bare capsules), which
-    names the stream to order the batch on in __dlpack__(stream=...); where
-    it names none, the host waits for the producer's copy and a release
-    waits until the device is idle (TSOCK_CUDA_SYNC). JAX arrays are
-    immutable, so no write guard is needed."""
+    jax.dlpack.from_dlpack (JAX >= 0.7.2 takes no bare capsules). JAX names
+    a stream in __dlpack__(stream=...), another on each call, but reads the
+    array on compute streams of its own, so whatever it names, the host
+    waits for the producer's copy and a release waits until the device is
+    idle (TSOCK_CUDA_SYNC). JAX arrays are immutable, so no write guard is
+    needed."""
 
     takes_objects = True
 

@@ -36,8 +36,8 @@ class DirectOutput:
         code = raw.leaves[i][CODE]
         rows = None if start is None else (start, stop)
         if backend.takes_objects:
-            # The array API: the framework's from_dlpack names its stream in
-            # __dlpack__(stream=...), which orders the batch there.
+            # The array API (JAX): its from_dlpack calls __dlpack__, and the
+            # host waits for the copy whatever stream it names (see use()).
             obj = DLPackTensor(lib, raw.lease, i, rows, cuda=self._ordinal, host_wait=True)
             try:
                 return backend.finish(backend.from_object(obj), code, self.copy)

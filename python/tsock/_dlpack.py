@@ -184,7 +184,11 @@ class DLPackTensor:
         default stream, 2: per-thread default, -1: none given, so the host
         waits): it is made to wait for the producer's copy, and the batch's
         slot is held back until the work queued on it before the release
-        has run (tsock_batch_cuda_use)."""
+        has run (tsock_batch_cuda_use); imported on several streams, until
+        the device is idle. The consumer must read the array on the stream
+        it names: JAX does not (it computes on streams of its own), so give
+        JAX output="jax", which waits on the host, or keep the default
+        lifetime, where the slot is held until JAX lets the array go."""
         if copy:
             raise BufferError("tsock exports shared memory without copying; copy the result instead")
         here = self.__dlpack_device__()

@@ -669,7 +669,7 @@ static void test_per_thread_stream(void) {
 static void test_sync_mode(void) {
   const char *name = test_name("tdev", "sync");
   setenv("FAKE_CUDA_COPY_NS", "500000000", 1); /* the producer's copies take 0.5 s */
-  pid_t pid = spawn_producer(name, 3, 4);
+  pid_t pid = spawn_producer(name, 4, 4);
   unsetenv("FAKE_CUDA_COPY_NS");
   void *stream = NULL;
   tsock_reader_t *r = attach_device(name, &stream);
@@ -707,6 +707,13 @@ static void test_sync_mode(void) {
   CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
   CHECK(stats().ctx_syncs == before.ctx_syncs + 1);
   CHECK(stats().events_recorded == before.events_recorded);
+  /* fourth batch on one stream again: an event, as for the first */
+  CHECK_RC(tsock_reader_acquire(r, &b, 10000000000ll), TSOCK_OK);
+  CHECK_RC(tsock_batch_cuda_use(b, (uintptr_t)stream, 0), TSOCK_OK);
+  before = stats();
+  CHECK_RC(tsock_reader_release(r, b), TSOCK_OK);
+  CHECK(stats().ctx_syncs == before.ctx_syncs);
+  CHECK(stats().events_recorded == before.events_recorded + 1);
   CHECK_RC(tsock_reader_detach(r), TSOCK_OK);
   CHECK(reap(pid) == 0);
 }

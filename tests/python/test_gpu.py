@@ -189,3 +189,37 @@ def test_jax_device_path(channel, spawn, lifetime):
     prod = _producer(spawn, channel, 20, slots=2)
     assert _finish(_trainer(spawn, trainer, channel, lifetime)).strip() == "20"
     _finish(prod)
+
+
+@pytest.mark.parametrize("lifetime", ["referenced", "step"])
+def test_jax_fences_cover_its_own_streams(channel, spawn, lifetime):
+    """JAX reads a batch on its compute stream, behind work queued before it,
+    and the trainer moves on without waiting; with 2 slots the producer
+    would rewrite a slot under a read that a fence on another stream let go.
+    One leaf per batch: one import, so one stream named (two would be fenced
+    with the whole device in C anyway)."""
+    jax = pytest.importorskip("jax")
+    try:
+        jax.devices("gpu")
+    except RuntimeError as e:
+        pytest.skip(f"JAX {jax.__version__} has no GPU backend here: {e}")
+    trainer = """
+        import sys, jax, jax.numpy as jnp, numpy as np, tsock
+        big = jnp.ones((4096, 4096), jnp.float32)
+        heavy = jax.jit(lambda a: (a @ a @ a @ a @ a @ a).sum())  # some ms of GPU time
+        reads = []
+        with tsock.Consumer(sys.argv[1], output="jax", device="cuda:0", lifetime=sys.argv[2], timeout=60) as c:
+            for (x,) in c:
+                heavy(big)  # queued; nothing here waits for the GPU
+                reads.append(jnp.stack([x[0], x[-1]]))
+        got = [np.asarray(r).tolist() for r in jax.block_until_ready(reads)]
+        assert [g[0] for g in got] == list(range(40)), [g[0] for g in got]
+        assert all(g[1] == ROWS - 1 + g[0] for g in got), got
+        print(len(got))
+    """
+    pair = "(np.arange(ROWS, dtype=np.float32) + i, np.array([i]))"
+    one_leaf = PRODUCER.replace(pair, "(np.arange(ROWS, dtype=np.float32) + i,)")
+    assert one_leaf != PRODUCER
+    prod = spawn(one_leaf, channel, 40, 2, 1)
+    assert _finish(_trainer(spawn, trainer, channel, lifetime)).strip() == "40"
+    _finish(prod)
