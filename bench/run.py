@@ -79,12 +79,13 @@ def machine() -> dict:
     import e2e
 
     versions["tensorsocket"] = e2e.tensorsocket_version() or "not installed"
-    # A copy of the tree without its .git (a GPU machine the tree was sent
-    # to) names its commit in TSOCK_COMMIT.
-    commit = _cmd("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD") or os.environ.get("TSOCK_COMMIT", "?")
-    dirty = (
-        " (with local changes)" if _cmd("git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no") else ""
-    )
+    # A copy of the tree sent to a GPU machine names its commit in
+    # TSOCK_COMMIT (make gpu-bundle): the .git sent along may be older.
+    named = os.environ.get("TSOCK_COMMIT")
+    commit = named or _cmd("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD")
+    dirty = ""
+    if not named and _cmd("git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"):
+        dirty = " (with local changes)"
     summary = (
         f"{model}{mhz}, {os.cpu_count()} CPUs (nproc){', ' + virt if virt else ''}, "
         f"{int(mem) / 2**20:.0f} GiB RAM, Linux {platform.release()}, tsock {commit}{dirty}"
