@@ -246,26 +246,38 @@ def test_cache_auto_off_false_keeps_a_cache_that_does_not_pay(shm):
     pipe.close()
 
 
-def segment_hits(shm, workers, **kw) -> int:
-    """The segment's hits after EPOCHS epochs of a cheap pipeline with workers."""
+def segment_after(shm, workers, **kw) -> tuple[int, int]:
+    """After EPOCHS epochs of a cheap pipeline with workers, while they
+    live: the segment's hits, and how many processes hold a consumer entry
+    (each worker registers one, and gives it back when it turns the cache
+    off)."""
     pipe = pipeline(shm, workers=workers, **kw)
     assert hashes(pipe) == reference()
-    hits = pipe._stages.cache.store._segment().totals()["hits"]
+    seg = pipe._stages.cache.store._segment()
+    hits, holders = seg.totals()["hits"], len(seg.consumers())
     pipe.close()
-    return hits
+    return hits, holders
+
+
+def segment_hits(shm, workers, **kw) -> int:
+    return segment_after(shm, workers, **kw)[0]
 
 
 def test_each_worker_weighs_its_own_share(shm, dear_hits):
-    kept_hits = segment_hits(shm, 2, cache_auto_off=False)
+    kept_hits, kept_holders = segment_after(shm, 2, cache_auto_off=False)
     with warnings.catch_warnings():
         # -W error, which the forked workers inherit: turning the cache off
         # must not fail them for it.
         warnings.simplefilter("error", _cache.CacheWarning)
-        hits = segment_hits(shm, 2)
-    # Kept on, epochs 1-3 hit; turned off by each worker after epoch 1, only
-    # epoch 1 hits (a worker still in epoch 1 may hit a little more).
-    assert kept_hits >= (EPOCHS - 1) * N * 0.9
+        hits, holders = segment_after(shm, 2)
+    # Kept on, epochs 1-3 hit and both workers hold an entry to the end;
+    # turned off by each worker after epoch 1, only epoch 1 hits (a worker
+    # still in epoch 1 may hit a little more) and no worker holds one: a
+    # worker that never decided would (the hits alone cannot tell, as a
+    # worker left on with dear hits is slower and takes fewer batches).
+    assert kept_hits >= (EPOCHS - 1) * N * 0.9 and kept_holders == 2
     assert N * 0.9 <= hits < 2 * N
+    assert holders == 0
 
 
 def test_a_cheap_read_on_io_threads_turns_it_off(shm, dear_hits):
