@@ -125,7 +125,7 @@ bench-gpu: build py-env py-env-bench
 gpu-bundle: build
 	rm -rf build-gpu && mkdir build-gpu
 	cp -L $(BUILD)/libtsock.so $(BUILD)/libtsock_reader.so $(BUILD)/libtsock_fake_cuda.so build-gpu/
-	git rev-parse --short HEAD > build-gpu/COMMIT
+	git describe --always --dirty > build-gpu/COMMIT
 
 # Chaos soak (docs/OPERATIONS.md): SOAK_DURATION=10m by default.
 SOAK_DURATION ?= 10m
@@ -140,4 +140,4 @@ fuzz:
 	done
 
 clean:
-	rm -rf $(BUILD) $(VENV) $(VENV_OLDEST) dist
+	rm -rf $(BUILD) build-gpu $(VENV) $(VENV_OLDEST) dist

@@ -279,6 +279,7 @@ def main() -> int:
         return 0
     res = measure(a)
     if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(res, indent=1) + "\n")
     return 1 if res["failures"] else 0
 

@@ -277,8 +277,11 @@ def merge(res: dict, old: dict, only: list[str]) -> None:
 def import_gpu(results: Path, gpu_json: Path) -> dict:
     """results with its gpu section replaced by gpu_json (bench/gpu.py --json
     on another machine), noted as kept from that machine's run; written back."""
-    res = json.loads(results.read_text())
-    g = json.loads(gpu_json.read_text())
+    try:
+        res = json.loads(results.read_text())
+        g = json.loads(gpu_json.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--import-gpu: {e}") from None
     m = g.get("machine")
     if not m:
         raise SystemExit(f"--import-gpu: {gpu_json} names no machine (bench/gpu.py of this tree writes one)")
@@ -287,6 +290,7 @@ def import_gpu(results: Path, gpu_json: Path) -> dict:
         "date": m["date"],
         "machine": f"{g['gpu']}, {m['summary']}",
         "load": f"{m['load_start']} to {m.get('load_end', '?')}",
+        "how": "measured on a GPU machine (`bench/run.py --import-gpu`)",
     }
     results.write_text(json.dumps(res, indent=1) + "\n")
     return res
@@ -297,8 +301,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer configurations and samples")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run (default all: {','.join(SECTIONS)})")
     ap.add_argument("--out", type=Path, help="document folder (default: docs; --quick: build/bench-quick)")
-    ap.add_argument("--report", type=Path, help="measure nothing: rewrite the document from a results.json")
-    ap.add_argument(
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--report", type=Path, help="measure nothing: rewrite the document from a results.json")
+    source.add_argument(
         "--import-gpu",
         type=Path,
         metavar="GPU_JSON",

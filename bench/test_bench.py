@@ -225,6 +225,7 @@ def test_a_gpu_result_from_another_machine_replaces_the_gpu_section(tmp_path):
         "date": "2026-11-28 06:35",
         "machine": "NVIDIA H200, 16 CPUs, tsock abc1234",
         "load": "0.1 0.2 0.3 to ?",
+        "how": "measured on a GPU machine (`bench/run.py --import-gpu`)",
     }
     assert json.loads(results.read_text()) == res
     (tmp_path / "bare.json").write_text(json.dumps(g))

@@ -24,6 +24,8 @@ libs=$PWD/build
 [ -d build-gpu ] && libs=$PWD/build-gpu
 [ -f build-gpu/COMMIT ] && TSOCK_COMMIT=$(cat build-gpu/COMMIT) && export TSOCK_COMMIT
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" TSOCK_LIBRARY_DIR="${TSOCK_LIBRARY_DIR:-$libs}" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+echo "libraries: $TSOCK_LIBRARY_DIR (tsock ${TSOCK_COMMIT:-of this tree})"
 nvidia-smi -L || true
 "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
 "$py" -m pytest -q -rs -p no:cacheprovider tests/python/test_gpu.py tests/python/test_device.py tests/python/test_cuda.py

@@ -37,10 +37,11 @@ def markdown(res: dict, images: list[str], command: str) -> str:
     ]
     earlier: dict = {}
     for section, run in sorted(res.get("earlier", {}).items()):
-        earlier.setdefault((run["date"], run["machine"], run["load"]), []).append(section)
-    for (date, machine, load), sections in earlier.items():
+        how = run.get("how", "kept from an earlier run (`--merge`)")
+        earlier.setdefault((run["date"], run["machine"], run["load"], how), []).append(section)
+    for (date, machine, load, how), sections in earlier.items():
         L += [
-            f"Sections {', '.join(sections)}: kept from an earlier run (`--merge`), on {date}, {machine}, load "
+            f"Sections {', '.join(sections)}: {how}, on {date}, {machine}, load "
             f"{load}; every ratio still compares figures of one run.",
             "",
         ]

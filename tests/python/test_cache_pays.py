@@ -273,8 +273,9 @@ def test_each_worker_weighs_its_own_share(shm, dear_hits):
     # Kept on, epochs 1-3 hit and both workers hold an entry to the end;
     # turned off by each worker after epoch 1, only epoch 1 hits (a worker
     # still in epoch 1 may hit a little more) and no worker holds one: a
-    # worker that never decided would (the hits alone cannot tell, as a
-    # worker left on with dear hits is slower and takes fewer batches).
+    # worker that never decided would. The hits alone cannot tell: the two
+    # workers' shares differ (112 and 104 samples an epoch), and the
+    # smaller one left on stays under 2 * N.
     assert kept_hits >= (EPOCHS - 1) * N * 0.9 and kept_holders == 2
     assert N * 0.9 <= hits < 2 * N
     assert holders == 0

@@ -194,10 +194,12 @@ def test_jax_device_path(channel, spawn, lifetime):
 @pytest.mark.parametrize("lifetime", ["referenced", "step"])
 def test_jax_fences_cover_its_own_streams(channel, spawn, lifetime):
     """JAX reads a batch on its compute stream, behind work queued before it,
-    and the trainer moves on without waiting; with 2 slots the producer
-    would rewrite a slot under a read that a fence on another stream let go.
-    One leaf per batch: one import, so one stream named (two would be fenced
-    with the whole device in C anyway)."""
+    and the loop itself never waits for the GPU; with 2 slots the producer
+    would rewrite a slot under a read that a fence on another stream let go
+    (what keeps it: each release waits until the device is idle). One leaf
+    per batch: one import, so one stream named (two would be fenced with the
+    whole device in C anyway). With the fix reverted, "step" failed on an
+    H200; "referenced" (a private copy, queued at once) did not."""
     jax = pytest.importorskip("jax")
     try:
         jax.devices("gpu")
