@@ -162,15 +162,20 @@ def test_killed_producer_batches_still_arrive(channel, spawn):
     prod.wait(30)
 
 
-@pytest.mark.parametrize("lifetime", ["referenced", "step"])
-def test_jax_device_path(channel, spawn, lifetime):
-    """Both leaves of each batch through jax.dlpack.from_dlpack; with the
-    default lifetime every array kept to the end still holds its batch."""
+@pytest.fixture
+def jax_gpu():
+    """Skips (saying why) where JAX is missing or has no GPU backend."""
     jax = pytest.importorskip("jax")
     try:
         jax.devices("gpu")
     except RuntimeError as e:
         pytest.skip(f"JAX {jax.__version__} has no GPU backend here: {e}")
+
+
+@pytest.mark.parametrize("lifetime", ["referenced", "step"])
+def test_jax_device_path(channel, spawn, lifetime, jax_gpu):
+    """Both leaves of each batch through jax.dlpack.from_dlpack; with the
+    default lifetime every array kept to the end still holds its batch."""
     trainer = """
         import sys, numpy as np, tsock
         lifetime = sys.argv[2]
@@ -192,7 +197,7 @@ def test_jax_device_path(channel, spawn, lifetime):
 
 
 @pytest.mark.parametrize("lifetime", ["referenced", "step"])
-def test_jax_fences_cover_its_own_streams(channel, spawn, lifetime):
+def test_jax_fences_cover_its_own_streams(channel, spawn, lifetime, jax_gpu):
     """JAX reads a batch on its compute stream, behind work queued before it,
     and the loop itself never waits for the GPU; with 2 slots the producer
     would rewrite a slot under a read that a fence on another stream let go
@@ -200,11 +205,6 @@ def test_jax_fences_cover_its_own_streams(channel, spawn, lifetime):
     per batch: one import, so one stream named (two would be fenced with the
     whole device in C anyway). With the fix reverted, "step" failed on an
     H200; "referenced" (a private copy, queued at once) did not."""
-    jax = pytest.importorskip("jax")
-    try:
-        jax.devices("gpu")
-    except RuntimeError as e:
-        pytest.skip(f"JAX {jax.__version__} has no GPU backend here: {e}")
     trainer = """
         import sys, jax, jax.numpy as jnp, numpy as np, tsock
         big = jnp.ones((4096, 4096), jnp.float32)
