@@ -35,6 +35,7 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
+from e2e import child_env
 from proctree import children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,8 +159,7 @@ def costs(a: Namespace) -> dict:
 def _spawn(a: Namespace, system: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", system, "--workers", str(a.workers)]
     cmd += ["--epochs", str(a.epochs), "--train", str(a.train), "--data-dir", str(a.data_dir), "--seed", str(a.seed)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-    env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
+    env = child_env()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
     if proc.returncode:
         raise RuntimeError(f"{system} exited with status {proc.returncode}: {proc.stderr[-2000:]}")

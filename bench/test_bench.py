@@ -7,7 +7,6 @@ missing one fails here, it is never skipped."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -31,8 +30,10 @@ def test_quick_benchmark_writes_the_document(tmp_path):
     import tensorsocket  # noqa: F401
     import zmq  # noqa: F401
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-    env.setdefault("TSOCK_LIBRARY_DIR", str(ROOT / "build"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from e2e import child_env
+
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
         cwd=ROOT,

@@ -39,8 +39,8 @@ with tsock.Producer(batches, name, slots=slots, wait_readers=readers, device="cu
 """
 
 
-def _producer(spawn, channel, n, slots=4, readers=1):
-    return spawn(PRODUCER, channel, n, slots, readers)
+def _producer(spawn, channel, n, slots=4, readers=1, code=PRODUCER):
+    return spawn(code, channel, n, slots, readers)
 
 
 def _trainer(spawn, code, *args):
@@ -222,6 +222,6 @@ def test_jax_fences_cover_its_own_streams(channel, spawn, lifetime, jax_gpu):
     pair = "(np.arange(ROWS, dtype=np.float32) + i, np.array([i]))"
     one_leaf = PRODUCER.replace(pair, "(np.arange(ROWS, dtype=np.float32) + i,)")
     assert one_leaf != PRODUCER
-    prod = spawn(one_leaf, channel, 40, 2, 1)
+    prod = _producer(spawn, channel, 40, slots=2, code=one_leaf)
     assert _finish(_trainer(spawn, trainer, channel, lifetime)).strip() == "40"
     _finish(prod)
