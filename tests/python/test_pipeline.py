@@ -449,6 +449,33 @@ def test_default_collate_matches_torch():
     assert isinstance(ours["pt"], Point)
 
 
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda b: b[:, ::-1],  # a horizontal flip: the pixel-item path
+        lambda b: b[::-1, ::-1],
+        lambda b: b[:, ::-1, ::-1],  # channels reversed too: not a pixel's contiguous bytes
+        lambda b: b[:, ::-2],
+        lambda b: b.astype(np.float32)[:, ::-1],
+        lambda b: b[:, ::-1, :2],
+        lambda b: b.transpose(1, 0, 2),
+    ],
+)
+def test_default_collate_copies_flipped_images_exactly(view):
+    from tsock._collate import _pixel_bytes
+
+    rng = np.random.default_rng(3)
+    base = [rng.integers(0, 256, (5, 7, 3), dtype=np.uint8) for _ in range(4)]
+    samples = [view(b) for b in base]
+    samples[2] = np.ascontiguousarray(samples[2])  # a batch may mix layouts
+    ours, want = tsock.default_collate(samples), np.stack(samples)
+    assert ours.dtype == want.dtype and ours.shape == want.shape
+    np.testing.assert_array_equal(ours, want)
+    if _pixel_bytes(samples[0]):
+        assert ours.flags.c_contiguous
+    assert _pixel_bytes(base[0][:, ::-1]) == 3 and _pixel_bytes(base[0]) == 0
+
+
 def test_default_collate_errors():
     with pytest.raises(ValueError, match=r"sample\['a'\]: sample 0 has shape \(2,\)"):
         tsock.default_collate([{"a": np.zeros(2)}, {"a": np.zeros(3)}])
