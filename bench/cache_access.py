@@ -3,13 +3,15 @@ another revision's, against what a decode costs (docs/CACHE.md, "Costs").
 
 One process replays a pipeline's accesses through `SampleCache`, the
 pipeline's own entry to the cache: for E epochs of the shared pipeline's
-order over n samples (one consumer, `_sampler.sample_sequence`), a lookup
-of each sample and, on a miss, an insert of a decoded 160x160 RGB image
-(uint8, what bench/cache_sweep.py's JPEGs decode to), with room for a
-fraction of them. Measured with the thread's CPU clock: a lookup that hits,
-one that misses, an insert (kept or declined by the policy), and all of
-them per access; beside them the CPU of decoding one of cache_sweep's JPEGs
-with PIL, which a hit saves.
+order over n samples (one consumer, `_sampler.sample_sequence`), batch by
+batch of 32 as the Pipeline's Stages do, the lookups of a batch (at once,
+`lookup_many`, where the revision has it) and, on each miss, an insert of
+a decoded 160x160 RGB image (uint8, what bench/cache_sweep.py's JPEGs
+decode to), with room for a fraction of them, then the batch's end
+(`batch_done`, where the revision has it). Measured with the thread's CPU
+clock: the lookups per access, an insert (kept or declined by the policy),
+and all of it per access; beside them the CPU of decoding one of
+cache_sweep's JPEGs with PIL, which a hit saves.
 
 Each (revision, policy) runs in a fresh child process with that revision's
 python/tsock on its path (the C library is not used by the cache), the two
@@ -37,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("belady", "lru", "fill-once")
 SIDE = 160
+BATCH = 32
 
 
 def child(a) -> None:
@@ -53,22 +56,33 @@ def child(a) -> None:
     folder = tempfile.mkdtemp(prefix="tsock-cache-access-", dir="/dev/shm")
     try:
         cache = SampleCache(b"a" * 16, params, budget, a.policy, folder)
-        took = {"hit": [], "miss": [], "insert": []}
+        took = {"lookup": [], "insert": [], "batch": []}
+        batched = hasattr(cache, "lookup_many")  # a batch's lookups at once, as the Pipeline's Stages do
         for e in range(a.epochs):
-            for i in _sampler.sample_sequence(params, e).tolist():
+            order = _sampler.sample_sequence(params, e).tolist()
+            for b in range(0, len(order), BATCH):
+                indices = order[b : b + BATCH]
                 t0 = time.thread_time()
-                got = cache.lookup(e, i)
-                t1 = time.thread_time()
-                took["hit" if got is not MISS else "miss"].append(t1 - t0)
-                if got is MISS:
-                    cache.insert(i, x)
-                    took["insert"].append(time.thread_time() - t1)
+                if batched:
+                    got = cache.lookup_many(e, indices)
+                else:
+                    got = [cache.lookup(e, i) for i in indices]
+                took["lookup"].append(time.thread_time() - t0)
+                for i, sample in zip(indices, got):
+                    if sample is MISS:
+                        t1 = time.thread_time()
+                        cache.insert(i, x)
+                        took["insert"].append(time.thread_time() - t1)
+                if batched:
+                    t1 = time.thread_time()
+                    cache.batch_done()
+                    took["batch"].append(time.thread_time() - t1)
         counts = {k: cache.store.counts[k] for k in ("hits", "misses", "inserts", "evictions", "bypasses")}
         cache.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     accesses = a.n * a.epochs
-    out = {k: sum(v) / max(len(v), 1) for k, v in took.items()}
+    out = {"lookup": sum(took["lookup"]) / accesses, "insert": sum(took["insert"]) / max(len(took["insert"]), 1)}
     out["access"] = sum(sum(v) for v in took.values()) / accesses
     print(json.dumps(dict(seconds=out, counts=counts)))
 
@@ -146,8 +160,7 @@ def main() -> None:
             for name in trees:
                 print(f"{policy}, {name}: {got[name][0]['counts']}")
             print(f"  same {'hits' if a.same_hits else 'decisions'}")
-            for m, what in (("hit", "lookup, hit"), ("miss", "lookup, miss"), ("insert", "insert"),
-                            ("access", "per access, all")):  # fmt: skip
+            for m, what in (("lookup", "lookup"), ("insert", "insert"), ("access", "per access, all")):
                 before, after = (float(np.median([r["seconds"][m] for r in got[n]])) * 1e6 for n in trees)
                 print(f"  {what:16} {a.rev}: {before:7.1f}  this tree: {after:7.1f}  ratio {before / after:.2f}x")
 

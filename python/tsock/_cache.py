@@ -138,37 +138,47 @@ class SampleCache:
 
     def lookup(self, epoch: int, index: int):
         """The decoded sample `index` (a private copy), or MISS."""
+        return self.lookup_many(epoch, (index,))[0]
+
+    def lookup_many(self, epoch: int, indices) -> list:
+        """The decoded sample (a private copy) or MISS for each of
+        `indices` (a batch's, in its order): one look at the segment, and
+        this process's position in its order set once, at the first."""
+        indices = [int(i) for i in indices]
         if self._is_off():
-            return MISS
+            return [MISS] * len(indices)
         if not self.auto_off:
-            return self._lookup(epoch, index, self._unjudged)  # no accounts: the clock calls cost too
+            return self._lookup_many(epoch, indices, self._unjudged)  # no accounts: the clock calls cost too
         ledger = self._ledger_for(epoch)
         if ledger is None:
-            return MISS
+            return [MISS] * len(indices)
         start = thread_time_ns()
         try:
-            return self._lookup(epoch, index, ledger)
+            return self._lookup_many(epoch, indices, ledger)
         finally:
-            ledger.lookups += 1
+            ledger.lookups += len(indices)
             ledger.cache_ns += thread_time_ns() - start
 
-    def _lookup(self, epoch: int, index: int, ledger: Ledger):
+    def _lookup_many(self, epoch: int, indices: list, ledger: Ledger) -> list:
         try:
-            raw = self.store.get(index)
+            raws = self.store.get_many(indices)
             if self._off:  # turned off by another thread meanwhile: its entry stays given back
-                return MISS
-            self._at(epoch, index)
+                return [MISS] * len(indices)
+            if indices:
+                self._at(epoch, indices[0])
         except Exception as e:  # noqa: BLE001 - the cache must never fail the pipeline
-            return self._disable(e)
-        if raw is None:
-            return MISS
-        try:
-            sample = decode(raw)
-        except CorruptSample:
-            self.store.forget(index)
-            return MISS
-        ledger.hits += 1
-        return sample
+            return [self._disable(e)] * len(indices)
+        out = []
+        for index, raw in zip(indices, raws):
+            sample = MISS
+            if raw is not None:
+                try:
+                    sample = decode(raw)
+                    ledger.hits += 1
+                except CorruptSample:
+                    self.store.forget(index)
+            out.append(sample)
+        return out
 
     def insert(self, index: int, sample, cost_ns: int | None = None) -> None:
         """Offers a computed sample to the cache (the policy may decline);
@@ -200,9 +210,24 @@ class SampleCache:
             data = data.tobytes()  # many small copies: made now, not under the store lock
         try:
             self.store.put(index, data)
-            self._at(None, index)
+            if self._slot is None or self._slot_pid != os.getpid():
+                self._at(None, index)  # registers this process once its put made or opened the segment
         except Exception as e:  # noqa: BLE001 - the cache must never fail the pipeline
             self._disable(e)
+
+    def batch_done(self) -> None:
+        """A batch's samples are in: what this process counted is written
+        into the segment (CacheStore.flush), at most one lock a batch."""
+        if self._is_off():
+            return
+        ledger = self._ledger if self.auto_off and self._ledger_pid == os.getpid() else None
+        start = thread_time_ns() if ledger is not None else 0
+        try:
+            self.store.flush()
+        except Exception as e:  # noqa: BLE001 - the cache must never fail the pipeline
+            self._disable(e)
+        if ledger is not None:
+            ledger.cache_ns += thread_time_ns() - start
 
     def _is_off(self) -> bool:
         """Whether the cache is off in this process. A forked child starts

@@ -28,7 +28,7 @@ import numpy as np
 from .errors import CacheError
 
 MAGIC = b"TSKCACHE"
-VERSION = 2  # 2: a consumer entry holds the sample index it is at, not its position
+VERSION = 3  # 2: a consumer entry holds the sample index it is at, not its position; 3: TABLE_CHANGES
 PAGE = 4096
 HEADER_BYTES = PAGE
 END = 0xFFFFFFFF  # the last block of a chain
@@ -43,8 +43,13 @@ COPY_MAX = 1 << 30  # the most bytes a lookup copies with one call
 _FIXED = struct.Struct("<8sII16sQQQIIQQQQQQQQQII")
 # ... and the mutable words (u64 each) from offset 192.
 MUTABLE_OFFSET = 192
-(DIRTY, FREE_COUNT, CLOCK, HITS, MISSES, INSERTS, EVICTIONS, BYPASSES, CORRUPT, REBUILDS, MEMBERS) = range(11)
-N_MUTABLE = 11
+# TABLE_CHANGES: bumped at every change of the consumer table (register,
+# unregister), so a process can tell the table it judged is still the one
+# there with one read (CacheStore.put's keep-all run).
+(DIRTY, FREE_COUNT, CLOCK, HITS, MISSES, INSERTS, EVICTIONS, BYPASSES, CORRUPT, REBUILDS, MEMBERS, TABLE_CHANGES) = (
+    range(12)
+)
+N_MUTABLE = 12
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _ENTRY = struct.Struct("<IIQQQ")  # state, member (place in the members list), length, first block, last use
 _CONSUMER = struct.Struct("<IIQQQQ")  # pid, params length, start time, epoch, index (the sample it is at), updated_ns
@@ -341,6 +346,11 @@ class Header:
 _CORRUPT = object()  # read(): the entry failed a check
 
 
+def _run_nexts(first: int, k: int) -> bytes:
+    """The next words of a chain laid out as blocks first .. first + k - 1."""
+    return struct.pack(f"<{k}I", *range(first + 1, first + k), END)
+
+
 class _Segment:
     """The mapped file, its checked header, and the operations on it. The
     caller holds the store lock (locked()) around every operation."""
@@ -518,8 +528,10 @@ class _Segment:
         state, _, length, first, last = _ENTRY.unpack_from(self.mm, self.h.geometry["entries_offset"] + 32 * index)
         return state, length, first, last
 
-    def read(self, index: int):
-        """The entry's bytes (private), None, or _CORRUPT. Everything is
+    def read(self, index: int, touch: bool = True):
+        """The entry's bytes (private), None, or _CORRUPT; a hit is counted
+        and its last use set (touch()) unless `touch` is False (the caller
+        touches a batch's hits at once). Everything is
         read with pread, not from the mapping (see _pread). After the
         blocks are copied the file is checked for holes (a peer that
         truncates and re-extends it leaves them; check_size found none
@@ -548,7 +560,8 @@ class _Segment:
                 at += len(part)
         if not self._whole() or self._checked_chain(index) != chain:
             return _CORRUPT
-        self._touch(index)
+        if touch:
+            self.touch((index,))
         return data
 
     def _checked_chain(self, index: int):
@@ -583,24 +596,28 @@ class _Segment:
         """Whether blocks first .. first + k - 1 are the chain of `index`
         in that order: two reads, for the common layout (see insert)."""
         g = self.h.geometry
-        # O(k) in C whatever a peer wrote (k is at most the arena's blocks).
+        # Compared as bytes: O(k) in C whatever a peer wrote (k is at most
+        # the arena's blocks), and cheaper than arrays for the usual few.
         if self._pread(4 * k, g["owner_offset"] + 4 * first) != _U32.pack(index + 1) * k:
             return False
-        nexts = np.frombuffer(self._pread(4 * k, g["next_offset"] + 4 * first), dtype="<u4")
-        return int(nexts[-1]) == END and bool(np.array_equal(nexts[:-1], np.arange(first + 1, first + k)))
+        return self._pread(4 * k, g["next_offset"] + 4 * first) == _run_nexts(first, k)
 
-    def _touch(self, index: int) -> None:
-        # Advisory under the shared lock: a lost update costs LRU order only.
-        # Read and written with pread/pwrite, as read() (no SIGBUS).
+    def touch(self, indices) -> None:
+        """Counts hits on `indices` and sets their last uses, in that order.
+        Advisory under the shared lock: a lost update costs LRU order only.
+        Read and written with pread/pwrite, as read() (no SIGBUS)."""
         clock_at, hits_at = MUTABLE_OFFSET + 8 * CLOCK, MUTABLE_OFFSET + 8 * HITS
-        clock = _U64.unpack(self._pread(8, clock_at))[0] + 1
+        clock = _U64.unpack(self._pread(8, clock_at))[0]
+        entries = self.h.geometry["entries_offset"]
+        for index in indices:
+            clock += 1
+            self._pwrite(_U64.pack(clock), entries + 32 * index + 24)
         self._pwrite(_U64.pack(clock), clock_at)
-        self._pwrite(_U64.pack(clock), self.h.geometry["entries_offset"] + 32 * index + 24)
-        self._pwrite(_U64.pack(_U64.unpack(self._pread(8, hits_at))[0] + 1), hits_at)
+        self._pwrite(_U64.pack(_U64.unpack(self._pread(8, hits_at))[0] + len(indices)), hits_at)
 
     def count_miss(self, more: int = 1) -> None:
         """Adds to the segment's misses (advisory, any lock: pread/pwrite,
-        as _touch counts hits)."""
+        as touch() counts hits)."""
         at = MUTABLE_OFFSET + 8 * MISSES
         self._pwrite(_U64.pack(_U64.unpack(self._pread(8, at))[0] + more), at)
 
@@ -752,8 +769,8 @@ class _Segment:
             self.rebuild()
         self.mut[DIRTY] = 0
 
-    def bump(self, which: int) -> None:
-        self.mut[which] += 1
+    def bump(self, which: int, more: int = 1) -> None:
+        self.mut[which] += more
 
     # ---- repair ----
 
@@ -812,6 +829,7 @@ class _Segment:
                 struct.pack_into("<I", self.mm, off, 0)
                 self.mm[off + _CONSUMER.size : off + _CONSUMER.size + PARAMS_MAX] = blob.ljust(PARAMS_MAX, b"\0")
                 _CONSUMER.pack_into(self.mm, off, me, len(blob), start or 0, 0, 0, time.time_ns())
+                self.mut[TABLE_CHANGES] += 1
                 return slot
         return None
 
@@ -820,6 +838,11 @@ class _Segment:
         off = self._consumer_offset(slot)
         if _CONSUMER.unpack_from(self.mm, off)[0] == os.getpid():
             struct.pack_into("<I", self.mm, off, 0)
+            self.mut[TABLE_CHANGES] += 1
+
+    def table_changes(self) -> int:
+        """The consumer table's change count (any lock or none: pread)."""
+        return _U64.unpack(self._pread(8, MUTABLE_OFFSET + 8 * TABLE_CHANGES))[0]
 
     def set_position(self, slot: int, epoch: int, index: int) -> None:
         """Consumer `slot` is at sample `index` of epoch `epoch` (unlocked,
@@ -846,7 +869,7 @@ class _Segment:
 
     def totals(self) -> dict:
         names = ("dirty", "free_blocks", "clock", "hits", "misses", "inserts", "evictions", "bypasses", "corrupt",
-                 "rebuilds", "cached")  # fmt: skip
+                 "rebuilds", "cached", "table_changes")  # fmt: skip
         words = struct.unpack(f"<{N_MUTABLE}Q", self._pread(8 * N_MUTABLE, MUTABLE_OFFSET))  # unlocked: no mapping
         return dict(zip(names, words), blocks=self.h.n_blocks, block_bytes=self.h.block_bytes)
 

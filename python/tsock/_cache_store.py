@@ -46,6 +46,10 @@ RANKED = 4096  # cached samples ranked per eviction, at most
 POOL, FRESH, REFRESH, POOL_ALL = 64, 64, 32, 256
 SPARE = 16  # candidates ranked beyond those that make room: others may evict some before the lock is taken
 PREFETCH_AT = 0.9  # a consumer this far into its epoch: the epoch after the next is computed in the background
+# After a miss bypassed because the full cache keeps what it holds (Belady's
+# _KEEP_ALL), the next KEEP_ALL_RUN misses of samples of the same size bypass
+# without looking at the segment (no ranking, no lock): see put().
+KEEP_ALL_RUN = 64
 ALIVE_FOR = 1.0  # seconds a consumer process seen alive is taken to be (no /proc read per consumer per miss)
 _REPLAN = object()
 # Belady's plan when no eviction can gain a hit (_nothing_to_gain): no
@@ -88,6 +92,9 @@ class CacheStore:
         self._seg = None
         self._pid = None
         self._slots: list = []  # consumer entries this process registered
+        self._keeping = (0, 0, 0)  # (misses left, blocks a sample, table seen) the last keep-all bypass covers
+        self._table_seen = 0  # the consumer table's change count when _plan last read it
+        self._bypassed = 0  # bypasses counted here, not yet in the segment (flush)
         _STORES.add(self)
 
     # ---- pickling (spawned workers), fork ----
@@ -105,8 +112,9 @@ class CacheStore:
         is none yet and create_for (a sample's size) is None."""
         if self._pid != os.getpid():
             # The parent's descriptor shares the parent's locks; its consumer
-            # entries are the parent's.
+            # entries, verdicts and unflushed counts are the parent's.
             self._seg, self._pid, self._slots = None, os.getpid(), []
+            self._keeping, self._bypassed = (0, 0, 0), 0
         if self._seg is None:
             self._seg, self.path = _Segment.locate(self.key, self.directory, self.n_samples)
             if self._seg is None and create_for is not None:
@@ -126,24 +134,40 @@ class CacheStore:
 
     def get(self, index: int):
         """The bytes cached for `index` (private), or None."""
+        return self.get_many((index,))[0]
+
+    def get_many(self, indices) -> list:
+        """The bytes cached for each of `indices` (private), or None: one
+        look under one shared lock, the hits' last uses and the counts
+        written once (what a batch's samples cost one at a time was most
+        of a hit's time: docs/CACHE.md, "Costs")."""
+        n = len(indices)
         with self._thread_lock:
             seg = self._segment()
             if seg is None:
                 # Counted in the segment once this process's insert made
                 # or opened it (put).
-                self._unseen_misses += 1
-                self.counts["misses"] += 1
-                return None
+                self._unseen_misses += n
+                self.counts["misses"] += n
+                return [None] * n
+            out, hits = [], []
             with seg.locked(exclusive=False):
-                got = seg.read(index)
-                if got is None or got is _CORRUPT:
-                    seg.count_miss()
-            if got is _CORRUPT:
-                self._bad.add(index)
-                self.counts["corrupt"] += 1
-                got = None
-            self.counts["hits" if got is not None else "misses"] += 1
-            return got
+                for index in indices:
+                    got = seg.read(index, touch=False)
+                    if got is _CORRUPT:
+                        self._bad.add(index)
+                        self.counts["corrupt"] += 1
+                        got = None
+                    elif got is not None:
+                        hits.append(index)
+                    out.append(got)
+                if hits:
+                    seg.touch(hits)
+                if len(hits) < n:
+                    seg.count_miss(n - len(hits))
+            self.counts["hits"] += len(hits)
+            self.counts["misses"] += n - len(hits)
+            return out
 
     def forget(self, index: int) -> None:
         """The bytes get() returned for `index` were bad: counted as a miss,
@@ -166,20 +190,56 @@ class CacheStore:
         with self._thread_lock:
             seg = self._segment(create_for=len(data))
             need = -(-len(data) // seg.h.block_bytes)
+            left, size, table = self._keeping
+            if left and need == size and seg.table_changes() == table:
+                # The last miss found the cache full and keeping what it
+                # holds, and the consumer table is the one it judged: so
+                # this miss bypasses too (bar room made meanwhile by a
+                # process of another policy: the sample is computed again
+                # next time, nothing is wrong). Counted in the segment at
+                # the next flush or insert.
+                self._keeping = (left - 1, size, table)
+                self._bypassed += 1
+                self.counts["bypasses"] += 1
+                return False
             plan = None
             for attempt in (0, 1):
                 if self.policy == "belady" and 0 < need <= seg.h.n_blocks:
                     plan = self._plan(seg, index, need, again=bool(attempt))
+                bypasses = self.counts["bypasses"]
                 with seg.locked(exclusive=True):
-                    seg.repair(self._bad)
-                    self._bad.clear()
-                    if self._unseen_misses:
-                        seg.count_miss(self._unseen_misses)
-                        self._unseen_misses = 0
+                    self._settle(seg)
                     got = self._insert(seg, index, data, plan, last_try=bool(attempt))
                 if got is not _REPLAN:
+                    if plan is _KEEP_ALL and self.counts["bypasses"] > bypasses:
+                        self._keeping = (KEEP_ALL_RUN, need, self._table_seen)
                     return got
             raise AssertionError("the second try has a plan")  # pragma: no cover
+
+    def _settle(self, seg) -> None:
+        """Under the exclusive lock: a change cut short repaired, the
+        entries found bad dropped, and the misses and bypasses counted here
+        written into the segment."""
+        seg.repair(self._bad)
+        self._bad.clear()
+        if self._unseen_misses:
+            seg.count_miss(self._unseen_misses)
+            self._unseen_misses = 0
+        if self._bypassed:
+            seg.bump(BYPASSES, self._bypassed)
+            self._bypassed = 0
+
+    def flush(self) -> None:
+        """Writes what this process counted but has not written yet (the
+        bypasses of put()'s keep-all run, misses before it had the
+        segment) and drops the entries it found bad: one exclusive lock,
+        and only when there is something to write (a Pipeline's worker
+        calls it after each batch; stats() and close() do too)."""
+        with self._thread_lock:
+            if not self.opened or not (self._bypassed or self._bad or self._unseen_misses):
+                return
+            with self._seg.locked(exclusive=True):
+                self._settle(self._seg)
 
     def _insert(self, seg, index: int, data, plan=None, last_try: bool = True):
         if seg.entry(index)[0] == FULL:
@@ -309,6 +369,7 @@ class CacheStore:
             free = int(seg.mut[FREE_COUNT])
             if not again and free >= need:
                 return None
+            self._table_seen = seg.table_changes()  # under the lock: the table read next is this one
             table = seg.consumers(alive=self._alive)
             members = int(seg.mut[MEMBERS])
             keep_all = self._nothing_to_gain(table, need, seg.h.n_blocks - free, members)
@@ -436,6 +497,10 @@ class CacheStore:
         with self._thread_lock:
             seg = self._segment() if open_segment else (self._seg if self.opened else None)
             if seg is not None:
+                try:
+                    self.flush()
+                except CacheError:
+                    pass  # a truncated segment: totals() says so
                 out["segment"] = seg.totals()
         return out
 
@@ -446,12 +511,14 @@ class CacheStore:
             if self.opened:
                 try:
                     with self._seg.locked(exclusive=True):
+                        self._settle(self._seg)
                         for slot in self._slots:
                             self._seg.unregister(slot)
                 except CacheError:
                     pass  # a truncated segment: nothing to give back in it
                 self._seg.close()
             self._seg, self._slots = None, []
+            self._keeping, self._bypassed = (0, 0, 0), 0
         ORDERS.forget(self)
 
 
@@ -469,7 +536,8 @@ def _after_fork_in_child() -> None:
         store._thread_lock = threading.RLock()
         seg = store._seg
         store._seg, store._pid, store._slots = None, os.getpid(), []
-        store._unseen_misses = 0  # the parent counts its own
+        store._unseen_misses = store._bypassed = 0  # the parent counts its own
+        store._keeping = (0, 0, 0)
         if seg is not None:
             seg.forget_in_child()
 

@@ -132,11 +132,13 @@ class Stages:
         self._bits.state = state
         return np.random.Generator(self._bits)
 
-    def sample(self, epoch: int, index: int):
-        """One sample of epoch `epoch`: the stages on source[index]."""
+    def sample(self, epoch: int, index: int, cached=_MISS):
+        """One sample of epoch `epoch`: the stages on source[index] (from
+        read on, `cached`: the cache's decoded sample, if the caller looked
+        it up)."""
         index = int(index)
         seed_globals(_seed_words(self.seed, epoch, index, LOAD))
-        x = self.decoded(epoch, index)
+        x = self.decoded(epoch, index) if cached is _MISS else cached
         if self.augment is not None:
             words = _seed_words(self.seed, epoch, index, AUGMENT)
             seed_globals(words)
@@ -144,11 +146,8 @@ class Stages:
         return x
 
     def decoded(self, epoch: int, index: int):
-        """source[index], read, decode: from the cache when it has the
-        sample, else computed (and offered to the cache)."""
-        x = self._lookup(epoch, index)
-        if x is not _MISS:
-            return x
+        """source[index], read, decode, computed (and offered to the
+        cache: the caller looked it up)."""
         start = perf_counter_ns()
         x = self._stage("source", index, epoch, self.source.__getitem__, index)
         if self.read is not None:
@@ -159,24 +158,31 @@ class Stages:
             self.cache.insert(index, x, perf_counter_ns() - start)
         return x
 
-    def _lookup(self, epoch: int, index: int):
-        """The cache's decoded sample `index` (epoch: the position in the
-        known order it is asked at), or _MISS (no cache, or not in it)."""
+    def _lookup_many(self, epoch: int, indices: list) -> list:
+        """The cache's decoded sample or _MISS for each of `indices` (epoch:
+        the epoch of the known order they are asked in); all _MISS without
+        a cache."""
         if self.cache is None:
-            return _MISS
+            return [_MISS] * len(indices)
         from ._cache import MISS
 
-        x = self.cache.lookup(epoch, index)
-        return _MISS if x is MISS else x
+        return [_MISS if x is MISS else x for x in self.cache.lookup_many(epoch, indices)]
 
     def batch(self, epoch: int, indices, threads: int | None = None):
-        """The batch of these indices of epoch `epoch`. threads: run `read`
-        on that many I/O threads (see threaded())."""
-        if threads is None or self.read is None:
-            samples = [self.sample(epoch, i) for i in indices]
-        else:
-            samples = self.threaded(epoch, indices, threads)
-        return self._stage("collate", list(map(int, indices)), epoch, self.collate, samples)
+        """The batch of these indices of epoch `epoch`: the cache looked up
+        for all of them at once, then each sample's stages. threads: run
+        `read` on that many I/O threads (see threaded())."""
+        indices = [int(i) for i in indices]
+        try:
+            if threads is None or self.read is None:
+                cached = self._lookup_many(epoch, indices)
+                samples = [self.sample(epoch, i, x) for i, x in zip(indices, cached)]
+            else:
+                samples = self.threaded(epoch, indices, threads)
+        finally:
+            if self.cache is not None:
+                self.cache.batch_done()
+        return self._stage("collate", indices, epoch, self.collate, samples)
 
     def threaded(self, epoch: int, indices, threads: int) -> list:
         """The samples of a batch with their `read` stage on `threads` I/O
@@ -188,8 +194,7 @@ class Stages:
         samples are the same whatever `threads`, and the same as sample()'s
         when source[i] and read draw nothing from the global generators
         (read is I/O: it must not)."""
-        indices = [int(i) for i in indices]
-        cached = [self._lookup(epoch, i) for i in indices]
+        cached = self._lookup_many(epoch, indices)
         items = {}
         cost = {}  # ns each computed sample took (source, its read, decode): what a hit on it saves
         for k, i in enumerate(indices):
