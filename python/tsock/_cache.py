@@ -6,7 +6,8 @@ A SampleCache is part of the Stages object, so it travels to the worker
 processes (pickled with spawn, copied with fork); each process opens the
 segment itself on first use, registers its own order in the segment's
 consumer table (its pid makes the entry its own, and frees it when the
-process ends) and keeps its position there up to date. Any CacheError
+process ends) and keeps its position there up to date (the first sample of
+each batch it looks up, then each sample it computes). Any CacheError
 (a foreign or truncated segment, a budget /dev/shm cannot hold) is
 reported once as a warning in the process that met it, which then computes
 every sample itself: the cache can make a pipeline faster, never fail it.
@@ -209,8 +210,13 @@ class SampleCache:
         if data.pieces > LAZY_PIECES:
             data = data.tobytes()  # many small copies: made now, not under the store lock
         try:
+            registered = self._slot is not None and self._slot_pid == os.getpid()
+            if registered:
+                # Where this process is, before the plan: Belady scores the
+                # batch's samples computed so far as used (review 44, 1).
+                self._at(None, index)
             self.store.put(index, data)
-            if self._slot is None or self._slot_pid != os.getpid():
+            if not registered:
                 self._at(None, index)  # registers this process once its put made or opened the segment
         except Exception as e:  # noqa: BLE001 - the cache must never fail the pipeline
             self._disable(e)

@@ -50,6 +50,7 @@ MUTABLE_OFFSET = 192
     range(12)
 )
 N_MUTABLE = 12
+_MUTABLE = struct.Struct(f"<{N_MUTABLE}Q")
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _ENTRY = struct.Struct("<IIQQQ")  # state, member (place in the members list), length, first block, last use
 _CONSUMER = struct.Struct("<IIQQQQ")  # pid, params length, start time, epoch, index (the sample it is at), updated_ns
@@ -347,8 +348,13 @@ _CORRUPT = object()  # read(): the entry failed a check
 
 
 def _run_nexts(first: int, k: int) -> bytes:
-    """The next words of a chain laid out as blocks first .. first + k - 1."""
-    return struct.pack(f"<{k}I", *range(first + 1, first + k), END)
+    """The next words of a chain laid out as blocks first .. first + k - 1
+    (a struct for the usual few blocks, numpy for a long run: review 44, 7)."""
+    if k <= 64:
+        return struct.pack(f"<{k}I", *range(first + 1, first + k), END)
+    nexts = np.arange(first + 1, first + k + 1, dtype="<u4")
+    nexts[-1] = END
+    return nexts.tobytes()
 
 
 class _Segment:
@@ -842,11 +848,17 @@ class _Segment:
 
     def table_changes(self) -> int:
         """The consumer table's change count (any lock or none: pread)."""
-        return _U64.unpack(self._pread(8, MUTABLE_OFFSET + 8 * TABLE_CHANGES))[0]
+        return self.mutable_words()[TABLE_CHANGES]
+
+    def mutable_words(self) -> tuple:
+        """The header's mutable words (DIRTY .. TABLE_CHANGES), read with
+        one pread (any lock or none: advisory without the lock)."""
+        return _MUTABLE.unpack(self._pread(_MUTABLE.size, MUTABLE_OFFSET))
 
     def set_position(self, slot: int, epoch: int, index: int) -> None:
         """Consumer `slot` is at sample `index` of epoch `epoch` (unlocked,
-        advisory, after every lookup): pwrite, not the mapping (see _pread)."""
+        advisory: a batch's first lookup and each insert): pwrite, not the
+        mapping (see _pread)."""
         self._pwrite(struct.pack("<QQQ", epoch, index, time.time_ns()), self._consumer_offset(slot) + 16)
 
     def consumers(self, alive=None) -> list:
@@ -870,7 +882,7 @@ class _Segment:
     def totals(self) -> dict:
         names = ("dirty", "free_blocks", "clock", "hits", "misses", "inserts", "evictions", "bypasses", "corrupt",
                  "rebuilds", "cached", "table_changes")  # fmt: skip
-        words = struct.unpack(f"<{N_MUTABLE}Q", self._pread(8 * N_MUTABLE, MUTABLE_OFFSET))  # unlocked: no mapping
+        words = self.mutable_words()  # unlocked: no mapping
         return dict(zip(names, words), blocks=self.h.n_blocks, block_bytes=self.h.block_bytes)
 
 

@@ -30,6 +30,7 @@ from ._cache_segment import (
     FULL,
     MEMBERS,
     PARAMS_MAX,
+    TABLE_CHANGES,
     _alive,
     _Segment,
     auto_budget,
@@ -172,10 +173,11 @@ class CacheStore:
     def forget(self, index: int) -> None:
         """The bytes get() returned for `index` were bad: counted as a miss,
         and the entry is dropped at the next change."""
-        self._bad.add(index)
-        self.counts["hits"] -= 1
-        self.counts["misses"] += 1
-        self.counts["corrupt"] += 1
+        with self._thread_lock:  # _settle may be iterating _bad in another thread
+            self._bad.add(index)
+            self.counts["hits"] -= 1
+            self.counts["misses"] += 1
+            self.counts["corrupt"] += 1
 
     def put(self, index: int, data) -> bool:
         """Caches `data` (bytes-like, or an Encoded: then copied only if
@@ -191,13 +193,11 @@ class CacheStore:
             seg = self._segment(create_for=len(data))
             need = -(-len(data) // seg.h.block_bytes)
             left, size, table = self._keeping
-            if left and need == size and seg.table_changes() == table:
+            if left and need == size and self._still_keeping(seg, need, table):
                 # The last miss found the cache full and keeping what it
-                # holds, and the consumer table is the one it judged: so
-                # this miss bypasses too (bar room made meanwhile by a
-                # process of another policy: the sample is computed again
-                # next time, nothing is wrong). Counted in the segment at
-                # the next flush or insert.
+                # holds; the segment's words say it still is, and the
+                # consumer table is the one it judged: so this miss
+                # bypasses too. Counted in the segment at the next flush.
                 self._keeping = (left - 1, size, table)
                 self._bypassed += 1
                 self.counts["bypasses"] += 1
@@ -216,6 +216,19 @@ class CacheStore:
                     return got
             raise AssertionError("the second try has a plan")  # pragma: no cover
 
+    @staticmethod
+    def _still_keeping(seg, need: int, table: int) -> bool:
+        """Whether the keep-all verdict's conditions on the segment hold
+        still: the consumer table unchanged, no room for the sample (room
+        freed by a rebuild, a dropped bad entry or another policy's
+        eviction is filled as before), every cached sample `need` blocks
+        (a sample of another size cached by a peer ends it). One pread of
+        the mutable words, no lock: a stale read costs a bypass, or a look
+        under the lock, never a wrong sample."""
+        words = seg.mutable_words()
+        free, members = words[FREE_COUNT], words[MEMBERS]
+        return words[TABLE_CHANGES] == table and free < need and seg.h.n_blocks - free == members * need
+
     def _settle(self, seg) -> None:
         """Under the exclusive lock: a change cut short repaired, the
         entries found bad dropped, and the misses and bypasses counted here
@@ -233,8 +246,9 @@ class CacheStore:
         """Writes what this process counted but has not written yet (the
         bypasses of put()'s keep-all run, misses before it had the
         segment) and drops the entries it found bad: one exclusive lock,
-        and only when there is something to write (a Pipeline's worker
-        calls it after each batch; stats() and close() do too)."""
+        and only when there is something to write (a Pipeline calls it
+        after each batch, close() does too). A process killed between two
+        flushes loses what it counted since the last (advisory counts)."""
         with self._thread_lock:
             if not self.opened or not (self._bypassed or self._bad or self._unseen_misses):
                 return
@@ -497,10 +511,10 @@ class CacheStore:
         with self._thread_lock:
             seg = self._segment() if open_segment else (self._seg if self.opened else None)
             if seg is not None:
-                try:
-                    self.flush()
-                except CacheError:
-                    pass  # a truncated segment: totals() says so
+                # pread only, no flush: stats may come from another thread
+                # (metrics), and must not write through the mapping (see
+                # docs/CACHE.md, "Truncation while in use"); a Pipeline's
+                # batches flush as they end.
                 out["segment"] = seg.totals()
         return out
 

@@ -101,9 +101,9 @@ PIXEL_MAX = 16  # bytes: a larger last axis is copied fast enough as it is
 def _pixel_bytes(x: np.ndarray) -> int:
     """The bytes of x's last axis if it is contiguous and short (2 to
     PIXEL_MAX bytes) and the axis before it walks those pixels backwards,
-    else 0."""
-    if x.ndim < 2 or x.size == 0 or x.dtype.hasobject:
-        return 0
+    of a native numeric or bool dtype, else 0."""
+    if x.ndim < 2 or x.size == 0 or x.dtype.kind not in "biufc" or not x.dtype.isnative:
+        return 0  # np.stack's own dtype rules (byte order, padding) for anything else: review 44, 6
     n = x.shape[-1] * x.itemsize
     return n if 2 <= n <= PIXEL_MAX and x.strides[-1] == x.itemsize and x.strides[-2] == -n else 0
 

@@ -476,6 +476,19 @@ def test_default_collate_copies_flipped_images_exactly(view):
     assert _pixel_bytes(base[0][:, ::-1]) == 3 and _pixel_bytes(base[0]) == 0
 
 
+@pytest.mark.parametrize("dtype", [">f4", ">i2", "<f2", "c8", "?", [("a", "u1"), ("b", ">u2")]])
+def test_default_collate_of_flipped_samples_keeps_np_stacks_dtype(dtype):
+    """The batch's dtype is np.stack's whatever the first sample's layout
+    (review 44: a big-endian flipped first sample gave a big-endian batch,
+    native otherwise)."""
+    rng = np.random.default_rng(4)
+    base = [rng.integers(0, 2, (4, 5, 2)).astype(dtype) for _ in range(3)]
+    for samples in ([b[:, ::-1] for b in base], base):
+        ours, want = tsock.default_collate(samples), np.stack(samples)
+        assert ours.dtype == want.dtype and ours.shape == want.shape
+        np.testing.assert_array_equal(ours, want)
+
+
 def test_default_collate_errors():
     with pytest.raises(ValueError, match=r"sample\['a'\]: sample 0 has shape \(2,\)"):
         tsock.default_collate([{"a": np.zeros(2)}, {"a": np.zeros(3)}])
