@@ -79,7 +79,9 @@ def _stack_numpy(samples: list, path: str) -> np.ndarray:
                 f"cannot collate {path}: sample 0 has shape {first.shape} and dtype {first.dtype}, "
                 f"sample {i} has shape {s.shape} and dtype {s.dtype}"
             )
-    pixel = _pixel_bytes(first)
+    # Any flipped sample, not only the first: a random flip leaves half the
+    # batches with a first sample as it was.
+    pixel = max(_pixel_bytes(s) for s in samples)
     if pixel and all(type(s) is np.ndarray for s in samples):
         out = np.empty((len(samples),) + first.shape, first.dtype)
         for i, s in enumerate(samples):

@@ -468,11 +468,12 @@ def test_default_collate_copies_flipped_images_exactly(view):
     base = [rng.integers(0, 256, (5, 7, 3), dtype=np.uint8) for _ in range(4)]
     samples = [view(b) for b in base]
     samples[2] = np.ascontiguousarray(samples[2])  # a batch may mix layouts
-    ours, want = tsock.default_collate(samples), np.stack(samples)
-    assert ours.dtype == want.dtype and ours.shape == want.shape
-    np.testing.assert_array_equal(ours, want)
-    if _pixel_bytes(samples[0]):
-        assert ours.flags.c_contiguous
+    for batch in (samples, samples[2:] + samples[:2]):  # a first sample flipped, or not
+        ours, want = tsock.default_collate(batch), np.stack(batch)
+        assert ours.dtype == want.dtype and ours.shape == want.shape
+        np.testing.assert_array_equal(ours, want)
+        if any(_pixel_bytes(s) for s in batch):
+            assert ours.flags.c_contiguous
     assert _pixel_bytes(base[0][:, ::-1]) == 3 and _pixel_bytes(base[0]) == 0
 
 
