@@ -15,9 +15,9 @@ def cache_run(c: dict, source: str, system: str) -> dict | None:
     return next((r for r in c["runs"] if (r["source"], r["system"]) == (source, system)), None)
 
 
-def goal(c: dict) -> tuple[dict, dict] | None:
-    """(tsock+belady@50, dataloader) on the decode-bound source, if both ran."""
-    b, d = cache_run(c, "decode", "tsock+belady@50"), cache_run(c, "decode", "dataloader")
+def goal(c: dict, source: str = "decode") -> tuple[dict, dict] | None:
+    """(tsock+belady@50, dataloader) on `source`, if both ran."""
+    b, d = cache_run(c, source, "tsock+belady@50"), cache_run(c, source, "dataloader")
     return (b, d) if b and d else None
 
 
