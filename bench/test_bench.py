@@ -232,3 +232,28 @@ def test_a_gpu_result_from_another_machine_replaces_the_gpu_section(tmp_path):
     (tmp_path / "bare.json").write_text(json.dumps(g))
     with pytest.raises(SystemExit, match="names no machine"):
         run.import_gpu(results, tmp_path / "bare.json")
+
+
+def test_cache_targets_per_source():
+    # One 5.7x row per source that ran both systems; a note for each miss,
+    # which says the I/O-bound source met it only where its row is there.
+    sys.path.insert(0, str(ROOT / "bench"))
+    from report.targets import target_notes, targets
+
+    def run(source, system, rate):
+        return {"source": source, "system": system, "samples_per_s": rate, "hit_rate": 0.4}
+
+    full = [run("decode", "dataloader", 100.0), run("decode", "tsock", 300.0), run("decode", "tsock+belady@50", 360.0)]
+    full += [run("io", "dataloader", 100.0), run("io", "tsock+belady@50", 620.0)]
+    c = {"k": 4, "epochs": 5, "runs": full}
+    rows = [r for r in targets({"cache": c}) if "50% cache" in r[0]]
+    assert [(r[0].split(", ")[2].split(":")[0], r[2]) for r in rows] == [("decode-bound", False), ("io-bound", True)]
+    notes = target_notes({"cache": c})
+    assert "**Cache, decode-bound, 3.60x" in notes and "meets it (6.20x)" in notes and "io-bound," not in notes
+    # The I/O-bound pair failed: no row, and the decode note does not point at one.
+    c = {"k": 4, "epochs": 5, "runs": full[:4]}
+    assert [r[0] for r in targets({"cache": c}) if "50% cache" in r[0]] == [rows[0][0]]
+    assert "meets it" not in target_notes({"cache": c})
+    # An I/O-bound miss gets its own note.
+    c = {"k": 4, "epochs": 5, "runs": full[:4] + [run("io", "tsock+belady@50", 200.0)]}
+    assert "**Cache, io-bound, 2.00x" in target_notes({"cache": c})

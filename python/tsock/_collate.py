@@ -73,16 +73,18 @@ def _same_type(samples: list, kind, path: str) -> None:
 def _stack_numpy(samples: list, path: str) -> np.ndarray:
     first = samples[0]
     _same_type(samples, np.ndarray, path)
+    pixel = _pixel_size(first)  # from the shape and dtype every sample shares (checked below)
+    flipped = False
     for i, s in enumerate(samples):
         if s.shape != first.shape or s.dtype != first.dtype:
             raise ValueError(
                 f"cannot collate {path}: sample 0 has shape {first.shape} and dtype {first.dtype}, "
                 f"sample {i} has shape {s.shape} and dtype {s.dtype}"
             )
-    # Any flipped sample, not only the first: a random flip leaves half the
-    # batches with a first sample as it was.
-    pixel = max(_pixel_bytes(s) for s in samples)
-    if pixel and all(type(s) is np.ndarray for s in samples):
+        # Any flipped sample, not only the first: a random flip leaves half
+        # the batches with a first sample as it was.
+        flipped = flipped or (pixel and _walks_pixels_back(s, pixel))
+    if flipped and all(type(s) is np.ndarray for s in samples):
         out = np.empty((len(samples),) + first.shape, first.dtype)
         for i, s in enumerate(samples):
             _copy_pixels(out[i], s, pixel)
@@ -96,24 +98,32 @@ def _stack_numpy(samples: list, path: str) -> np.ndarray:
 # contiguous (numpy 2.5, this project's 2-vCPU VM). Viewed as one item of
 # that many bytes per pixel, the same copy is one row of pixels at a time,
 # about twice as fast. Other layouts numpy copies well enough as they are
-# (a transposed image is slower through such a view).
+# (a transposed image is slower through such a view), and small samples
+# faster with np.stack than with a loop over them (review 45).
 PIXEL_MAX = 16  # bytes: a larger last axis is copied fast enough as it is
+SAMPLE_MIN = 4096  # bytes: a smaller sample is np.stack's
 
 
-def _pixel_bytes(x: np.ndarray) -> int:
-    """The bytes of x's last axis if it is contiguous and short (2 to
-    PIXEL_MAX bytes) and the axis before it walks those pixels backwards,
-    of a native numeric or bool dtype, else 0."""
-    if x.ndim < 2 or x.size == 0 or x.dtype.kind not in "biufc" or not x.dtype.isnative:
+def _pixel_size(x: np.ndarray) -> int:
+    """The bytes of a pixel (x's last axis, 2 to PIXEL_MAX bytes) where
+    x's shape and dtype allow the pixel-item copy: a native numeric or
+    bool dtype, at least two axes, SAMPLE_MIN bytes; else 0."""
+    if x.ndim < 2 or x.nbytes < SAMPLE_MIN or x.dtype.kind not in "biufc" or not x.dtype.isnative:
         return 0  # np.stack's own dtype rules (byte order, padding) for anything else: review 44, 6
     n = x.shape[-1] * x.itemsize
-    return n if 2 <= n <= PIXEL_MAX and x.strides[-1] == x.itemsize and x.strides[-2] == -n else 0
+    return n if 2 <= n <= PIXEL_MAX else 0
+
+
+def _walks_pixels_back(x: np.ndarray, pixel: int) -> bool:
+    """Whether x's last axis is one contiguous pixel and the axis before it
+    walks the pixels backwards."""
+    return x.strides[-1] == x.itemsize and x.strides[-2] == -pixel
 
 
 def _copy_pixels(dst: np.ndarray, src: np.ndarray, pixel: int) -> None:
     """dst[...] = src, through views of one item per pixel where src's
     layout allows them (numpy refuses such a view of some layouts)."""
-    if _pixel_bytes(src) == pixel:
+    if _walks_pixels_back(src, pixel):
         try:
             dst.view(f"V{pixel}")[...] = src.view(f"V{pixel}")
             return

@@ -462,10 +462,14 @@ def test_default_collate_matches_torch():
     ],
 )
 def test_default_collate_copies_flipped_images_exactly(view):
-    from tsock._collate import _pixel_bytes
+    from tsock._collate import _pixel_size, _walks_pixels_back
+
+    def _pixel_bytes(x):  # the pixel-item path's test of one sample
+        n = _pixel_size(x)
+        return n if n and _walks_pixels_back(x, n) else 0
 
     rng = np.random.default_rng(3)
-    base = [rng.integers(0, 256, (5, 7, 3), dtype=np.uint8) for _ in range(4)]
+    base = [rng.integers(0, 256, (40, 41, 3), dtype=np.uint8) for _ in range(4)]  # above SAMPLE_MIN
     samples = [view(b) for b in base]
     samples[2] = np.ascontiguousarray(samples[2])  # a batch may mix layouts
     for batch in (samples, samples[2:] + samples[:2]):  # a first sample flipped, or not
@@ -483,7 +487,7 @@ def test_default_collate_of_flipped_samples_keeps_np_stacks_dtype(dtype):
     (review 44: a big-endian flipped first sample gave a big-endian batch,
     native otherwise)."""
     rng = np.random.default_rng(4)
-    base = [rng.integers(0, 2, (4, 5, 2)).astype(dtype) for _ in range(3)]
+    base = [rng.integers(0, 2, (40, 50, 2)).astype(dtype) for _ in range(3)]
     for samples in ([b[:, ::-1] for b in base], base):
         ours, want = tsock.default_collate(samples), np.stack(samples)
         assert ours.dtype == want.dtype and ours.shape == want.shape
