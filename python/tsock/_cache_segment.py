@@ -534,10 +534,9 @@ class _Segment:
         state, _, length, first, last = _ENTRY.unpack_from(self.mm, self.h.geometry["entries_offset"] + 32 * index)
         return state, length, first, last
 
-    def read(self, index: int, touch: bool = True):
-        """The entry's bytes (private), None, or _CORRUPT; a hit is counted
-        and its last use set (touch()) unless `touch` is False (the caller
-        touches a batch's hits at once). Everything is
+    def read(self, index: int):
+        """The entry's bytes (private), None, or _CORRUPT; the caller counts
+        the hits and sets their last uses (touch(), once a batch). Everything is
         read with pread, not from the mapping (see _pread). After the
         blocks are copied the file is checked for holes (a peer that
         truncates and re-extends it leaves them; check_size found none
@@ -566,8 +565,6 @@ class _Segment:
                 at += len(part)
         if not self._whole() or self._checked_chain(index) != chain:
             return _CORRUPT
-        if touch:
-            self.touch((index,))
         return data
 
     def _checked_chain(self, index: int):

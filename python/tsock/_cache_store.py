@@ -154,7 +154,7 @@ class CacheStore:
             out, hits = [], []
             with seg.locked(exclusive=False):
                 for index in indices:
-                    got = seg.read(index, touch=False)
+                    got = seg.read(index)
                     if got is _CORRUPT:
                         self._bad.add(index)
                         self.counts["corrupt"] += 1
